@@ -1,0 +1,150 @@
+"""The transport interface every backend implements.
+
+A :class:`Communicator` moves the bytes of flat, contiguous tensors between
+the ranks of one group.  Higher layers (the torch API, and later the engine,
+parameter server, ZeRO, TP and PP) see only this interface, so the MPI backend
+for host tensors and the NCCL backend for CUDA tensors are interchangeable.
+
+Callers guarantee what MPI requires of them: every rank of the group calls
+the same collectives in the same order with matching sizes (the torch API
+checks this before calling), buffers are contiguous and stay alive until the
+returned :class:`Request` completes.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from typing import Callable, Sequence
+
+import torch
+
+
+class ReduceOp(enum.Enum):
+    """Element-wise reductions every backend supports."""
+
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+class Request(abc.ABC):
+    """Handle of a non-blocking transport operation."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """True once the operation has completed (and its output is in place)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until the operation has completed."""
+
+
+class CompletedRequest(Request):
+    """A request whose work was already done when it was created."""
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class Communicator(abc.ABC):
+    """A group of ranks and the collectives and messages between them.
+
+    Counts are in elements of the tensors passed.  ``split`` returns a new
+    communicator for a sub-group (``None`` on ranks that are not in it); it is
+    collective over this communicator.
+    """
+
+    rank: int
+    size: int
+
+    # -- collectives -------------------------------------------------------
+    @abc.abstractmethod
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """Reduce ``tensor`` over the group, in place."""
+
+    @abc.abstractmethod
+    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Request:
+        """Non-blocking :meth:`allreduce`."""
+
+    @abc.abstractmethod
+    def allgatherv(self, send: torch.Tensor, recv: torch.Tensor,
+                   counts: Sequence[int]) -> Request:
+        """Concatenate every rank's ``send`` (``counts[r]`` elements) into ``recv``."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Request:
+        """Copy ``root``'s ``tensor`` into everyone's ``tensor``."""
+
+    @abc.abstractmethod
+    def alltoallv(self, send: torch.Tensor, send_counts: Sequence[int],
+                  recv: torch.Tensor, recv_counts: Sequence[int]) -> Request:
+        """Send ``send_counts[r]`` consecutive elements to rank r; receive likewise."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
+                       counts: Sequence[int], op: ReduceOp) -> Request:
+        """Reduce ``send`` over the group; rank r keeps block r (``counts[r]`` elements)."""
+
+    @abc.abstractmethod
+    def barrier(self) -> Request:
+        """Complete once every rank of the group has entered the barrier."""
+
+    # -- point to point ----------------------------------------------------
+    @abc.abstractmethod
+    def isend(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Request:
+        """Start sending ``tensor`` to ``dest``."""
+
+    @abc.abstractmethod
+    def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Request:
+        """Start receiving into ``tensor`` from ``source``."""
+
+    def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
+        self.isend(tensor, dest, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> None:
+        self.irecv(tensor, source, tag).wait()
+
+    # -- small metadata and groups -------------------------------------------
+    @abc.abstractmethod
+    def allgather_object(self, obj: object) -> list:
+        """Gather one small picklable object per rank (metadata, never tensor data)."""
+
+    @abc.abstractmethod
+    def split(self, color: int | None, key: int = 0) -> "Communicator | None":
+        """Sub-communicator of the ranks passing the same ``color`` (None: not included)."""
+
+    @abc.abstractmethod
+    def free(self) -> None:
+        """Release the backend resources of this communicator."""
+
+
+def then(request: Request, on_complete: Callable[[], None]) -> Request:
+    """A request that runs ``on_complete`` once, right after ``request`` completes."""
+    return _Chained(request, on_complete)
+
+
+class _Chained(Request):
+    def __init__(self, inner: Request, on_complete: Callable[[], None]) -> None:
+        self._inner = inner
+        self._on_complete: Callable[[], None] | None = on_complete
+
+    def _finish(self) -> None:
+        if self._on_complete is not None:
+            callback, self._on_complete = self._on_complete, None
+            callback()
+
+    def test(self) -> bool:
+        if self._on_complete is None:
+            return True
+        if self._inner.test():
+            self._finish()
+            return True
+        return False
+
+    def wait(self) -> None:
+        self._inner.wait()
+        self._finish()

@@ -1,0 +1,91 @@
+"""Zero-copy views of torch host tensors as MPI buffers, and the dtype mapping.
+
+MPI receives a numpy view sharing the tensor's memory (no ``.tolist()``, no
+pickling).  float16 and bfloat16 travel as raw 16-bit words when data only
+moves; MPI has no reduction for them, so the MPI communicator widens them to
+float32 to reduce (exact for Min/Max, one rounding for Sum/Product).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from psrt.comm.base import ReduceOp
+from psrt.errors import InvalidArgumentError
+
+# dtype -> (dtype of the numpy view, MPI datatype used to move it)
+_VIEWS: dict[torch.dtype, tuple[torch.dtype, MPI.Datatype]] = {
+    torch.float32: (torch.float32, MPI.FLOAT),
+    torch.float64: (torch.float64, MPI.DOUBLE),
+    torch.float16: (torch.int16, MPI.UINT16_T),
+    torch.bfloat16: (torch.int16, MPI.UINT16_T),
+    torch.int8: (torch.int8, MPI.INT8_T),
+    torch.uint8: (torch.uint8, MPI.UINT8_T),
+    torch.int16: (torch.int16, MPI.INT16_T),
+    torch.int32: (torch.int32, MPI.INT32_T),
+    torch.int64: (torch.int64, MPI.INT64_T),
+    torch.bool: (torch.bool, MPI.C_BOOL),
+}
+
+#: dtypes reduced after widening to float32, since MPI has no arithmetic for them.
+WIDENED_FOR_REDUCTION = frozenset({torch.float16, torch.bfloat16})
+
+SUPPORTED_DTYPES = frozenset(_VIEWS)
+
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+            ReduceOp.PRODUCT: MPI.PROD}
+# On booleans Min is "all", Max is "any", Product is "all"; Sum has no boolean meaning.
+_MPI_BOOL_OPS = {ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR, ReduceOp.PRODUCT: MPI.LAND}
+
+_NUMPY_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+                 ReduceOp.PRODUCT: np.multiply}
+_NUMPY_BOOL_UFUNCS = {ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or,
+                      ReduceOp.PRODUCT: np.logical_and}
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in _VIEWS:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in _VIEWS))
+        raise InvalidArgumentError(f"dtype {dtype} is not supported by the MPI backend; "
+                                   f"supported: {names}")
+
+
+def as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A flat numpy array sharing ``tensor``'s memory (``tensor`` must be contiguous)."""
+    view_dtype, _ = _VIEWS[tensor.dtype]
+    if view_dtype != tensor.dtype:
+        tensor = tensor.view(view_dtype)
+    return tensor.reshape(-1).numpy()
+
+
+def mpi_buffer(tensor: torch.Tensor) -> list:
+    """``[array, datatype]`` buffer spec for mpi4py, sharing ``tensor``'s memory."""
+    _check_dtype(tensor.dtype)
+    return [as_numpy(tensor), _VIEWS[tensor.dtype][1]]
+
+
+def mpi_buffer_v(tensor: torch.Tensor, counts: list[int]) -> list:
+    """``[array, (counts, displacements), datatype]`` spec for the vector collectives."""
+    displacements = np.concatenate(([0], np.cumsum(counts[:-1], dtype=np.int64))).tolist()
+    return [as_numpy(tensor), (list(counts), displacements), _VIEWS[tensor.dtype][1]]
+
+
+def mpi_op(op: ReduceOp, dtype: torch.dtype) -> MPI.Op:
+    """The MPI reduction implementing ``op`` on ``dtype`` (after any widening)."""
+    if dtype == torch.bool:
+        if op not in _MPI_BOOL_OPS:
+            raise InvalidArgumentError(f"op {op.name} is not defined for bool tensors; "
+                                       "use Min (all) or Max (any)")
+        return _MPI_BOOL_OPS[op]
+    return _MPI_OPS[op]
+
+
+def numpy_reducer(op: ReduceOp, dtype: torch.dtype):
+    """In-place ``acc = op(acc, incoming)`` on numpy arrays, for psrt's own ring."""
+    ufunc = (_NUMPY_BOOL_UFUNCS if dtype == torch.bool else _NUMPY_UFUNCS)[op]
+
+    def reduce(acc: np.ndarray, incoming: np.ndarray) -> None:
+        ufunc(acc, incoming, out=acc)
+
+    return reduce

@@ -1,0 +1,159 @@
+"""MPI implementation of :class:`Communicator` for host (CPU) tensors.
+
+Tensors reach MPI as zero-copy numpy views.  Large allreduces use psrt's
+chunked ring (see :mod:`psrt.comm.ring`); everything else uses MPI's own
+algorithms.  Internal ring traffic runs on a duplicate of the communicator,
+so it can never match a user's point-to-point message.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+from mpi4py import MPI
+
+from psrt.comm import ring
+from psrt.comm.base import Communicator, CompletedRequest, ReduceOp, Request, then
+from psrt.comm.buffers import (WIDENED_FOR_REDUCTION, as_numpy, mpi_buffer, mpi_buffer_v,
+                               mpi_op, numpy_reducer)
+from psrt.config import Config
+from psrt.errors import CommunicationError
+
+
+@contextlib.contextmanager
+def _mpi_errors(what: str) -> Iterator[None]:
+    """Turn an MPI failure into a :class:`CommunicationError` naming the operation."""
+    try:
+        yield
+    except MPI.Exception as exc:
+        raise CommunicationError(f"MPI failed during {what}: {exc.Get_error_string()}") from exc
+
+
+class MpiRequest(Request):
+    """A non-blocking MPI operation; converts MPI failures like the blocking calls."""
+
+    def __init__(self, request: MPI.Request, what: str) -> None:
+        self._request = request
+        self._what = what
+
+    def test(self) -> bool:
+        with _mpi_errors(self._what):
+            return bool(self._request.Test())
+
+    def wait(self) -> None:
+        with _mpi_errors(self._what):
+            self._request.Wait()
+
+
+class MpiCommunicator(Communicator):
+    """A group of MPI ranks carrying host tensors."""
+
+    def __init__(self, comm: MPI.Comm, config: Config) -> None:
+        self._comm = comm
+        self._ring_comm = comm.Dup()
+        self._config = config
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    @property
+    def mpi_comm(self) -> MPI.Comm:
+        """The underlying mpi4py communicator (for the bootstrap and tests only)."""
+        return self._comm
+
+    # -- allreduce -----------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        if self.size == 1 or tensor.numel() == 0:
+            return
+        if tensor.dtype in WIDENED_FOR_REDUCTION:
+            wide = tensor.float()
+            self.allreduce(wide, op)
+            tensor.copy_(wide)
+            return
+        with _mpi_errors(f"allreduce of {tensor.numel()} {tensor.dtype} elements"):
+            if tensor.numel() * tensor.element_size() >= self._config.ring_threshold:
+                segment = max(1, self._config.ring_segment // tensor.element_size())
+                ring.ring_allreduce(self._ring_comm, as_numpy(tensor), segment,
+                                    numpy_reducer(op, tensor.dtype))
+            else:
+                self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(tensor), mpi_op(op, tensor.dtype))
+
+    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Request:
+        if self.size == 1 or tensor.numel() == 0:
+            return CompletedRequest()
+        if tensor.dtype in WIDENED_FOR_REDUCTION:
+            wide = tensor.float()
+            return then(self.iallreduce(wide, op), lambda: tensor.copy_(wide))
+        what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
+        with _mpi_errors(what):
+            request = self._comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(tensor),
+                                            mpi_op(op, tensor.dtype))
+        return MpiRequest(request, what)
+
+    # -- other collectives -----------------------------------------------------
+    def allgatherv(self, send: torch.Tensor, recv: torch.Tensor,
+                   counts: Sequence[int]) -> Request:
+        what = f"allgather of {send.dtype} tensors"
+        with _mpi_errors(what):
+            request = self._comm.Iallgatherv(mpi_buffer(send), mpi_buffer_v(recv, list(counts)))
+        return MpiRequest(request, what)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Request:
+        what = f"broadcast from rank {root}"
+        with _mpi_errors(what):
+            request = self._comm.Ibcast(mpi_buffer(tensor), root=root)
+        return MpiRequest(request, what)
+
+    def alltoallv(self, send: torch.Tensor, send_counts: Sequence[int],
+                  recv: torch.Tensor, recv_counts: Sequence[int]) -> Request:
+        what = f"alltoall of {send.dtype} tensors"
+        with _mpi_errors(what):
+            request = self._comm.Ialltoallv(mpi_buffer_v(send, list(send_counts)),
+                                            mpi_buffer_v(recv, list(recv_counts)))
+        return MpiRequest(request, what)
+
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
+                       counts: Sequence[int], op: ReduceOp) -> Request:
+        if send.dtype in WIDENED_FOR_REDUCTION:
+            wide_recv = torch.empty(recv.shape, dtype=torch.float32)
+            inner = self.reduce_scatter(send.float(), wide_recv, counts, op)
+            return then(inner, lambda: recv.copy_(wide_recv))
+        what = f"reducescatter of {send.dtype} tensors"
+        with _mpi_errors(what):
+            request = self._comm.Ireduce_scatter(mpi_buffer(send), mpi_buffer(recv),
+                                                 list(counts), mpi_op(op, send.dtype))
+        return MpiRequest(request, what)
+
+    def barrier(self) -> Request:
+        with _mpi_errors("barrier"):
+            return MpiRequest(self._comm.Ibarrier(), "barrier")
+
+    # -- point to point ----------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Request:
+        what = f"send to rank {dest} (tag {tag})"
+        with _mpi_errors(what):
+            return MpiRequest(self._comm.Isend(mpi_buffer(tensor), dest=dest, tag=tag), what)
+
+    def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Request:
+        what = f"receive from rank {source} (tag {tag})"
+        with _mpi_errors(what):
+            return MpiRequest(self._comm.Irecv(mpi_buffer(tensor), source=source, tag=tag), what)
+
+    # -- metadata and groups -----------------------------------------------------
+    def allgather_object(self, obj: object) -> list:
+        with _mpi_errors("allgather of metadata"):
+            return self._comm.allgather(obj)
+
+    def split(self, color: int | None, key: int = 0) -> MpiCommunicator | None:
+        with _mpi_errors("communicator split"):
+            sub = self._comm.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else MpiCommunicator(sub, self._config)
+
+    def abort(self, code: int) -> None:
+        """End every process of the job at once (used when one rank fails)."""
+        self._comm.Abort(code)
+
+    def free(self) -> None:
+        for comm in (self._ring_comm, self._comm):
+            if comm not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
+                comm.Free()

@@ -1,0 +1,45 @@
+"""One exception hierarchy for psrt.
+
+Every error psrt raises derives from :class:`PsrtError`, so a training script
+can catch them all in one place.  Each class also derives from the builtin a
+Python user would expect (``TypeError`` for a wrong argument type,
+``ValueError`` for a bad value, ``RuntimeError`` for a failed collective), so
+code written against Horovod or torch.distributed keeps catching what it did.
+"""
+from __future__ import annotations
+
+
+class PsrtError(Exception):
+    """Base class of every psrt error."""
+
+
+class NotInitializedError(PsrtError, RuntimeError):
+    """A psrt function that needs the runtime was called before ``init()``."""
+
+
+class ArgumentTypeError(PsrtError, TypeError):
+    """A public API call received an argument of the wrong type."""
+
+
+class InvalidArgumentError(PsrtError, ValueError):
+    """A public API call received an argument with an impossible value."""
+
+
+class UnsupportedDeviceError(InvalidArgumentError):
+    """A tensor lives on a device no initialised backend can carry."""
+
+
+class ProcessSetError(InvalidArgumentError):
+    """A process set is unknown, malformed, or does not include the caller."""
+
+
+class CollectiveMismatchError(PsrtError, RuntimeError):
+    """Ranks called the same collective with disagreeing arguments.
+
+    Raised on every participating rank, with a message naming the tensor, the
+    ranks and the values that differ.
+    """
+
+
+class CommunicationError(PsrtError, RuntimeError):
+    """The transport failed while carrying a collective or message."""

@@ -1,0 +1,105 @@
+"""The process-wide runtime: configuration and topology, created by ``init()``.
+
+One runtime exists per process between ``init()`` and ``shutdown()``; the
+Horovod-shaped API (``psrt.rank()``, ``hvd.allreduce``...) reads it through
+:func:`current`, which raises a clear error before ``init()``.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from psrt.comm import bootstrap
+from psrt.config import Config, config_from_env
+from psrt.errors import NotInitializedError
+from psrt.topology import ProcessSet, Topology
+
+#: The set of all ranks; usable once ``init()`` has run.
+global_process_set = ProcessSet()
+
+
+@dataclass
+class Runtime:
+    config: Config
+    topology: Topology
+
+
+_runtime: Runtime | None = None
+
+
+def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> None:
+    """Start the runtime: MPI (or a size-1 singleton), host layout, process sets.
+
+    Idempotent: a second call while initialised does nothing.  Under a
+    launcher every rank must call it.
+    """
+    global _runtime
+    if _runtime is not None:
+        return
+    config = config_from_env()
+    layout = bootstrap.start_mpi(config)
+    topology = Topology(layout.world, layout.local, layout.cross, global_process_set)
+    if config.abort_on_exception and getattr(sys.excepthook, "__module__", "") != bootstrap.__name__:
+        bootstrap.install_abort_on_exception(layout.world)
+    _runtime = Runtime(config=config, topology=topology)
+    for process_set in process_sets or ():
+        topology.add_process_set(process_set)
+
+
+def shutdown() -> None:
+    """Release psrt's communicators; ``init()`` may be called again afterwards."""
+    global _runtime
+    if _runtime is not None:
+        _runtime.topology.free()
+        _runtime = None
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def current() -> Runtime:
+    if _runtime is None:
+        raise NotInitializedError("psrt is not initialised: call psrt.init() "
+                                  "(or hvd.init()) before using it")
+    return _runtime
+
+
+def rank() -> int:
+    """This process's rank in the world."""
+    return current().topology.world.rank
+
+
+def size() -> int:
+    """Number of processes in the world."""
+    return current().topology.world.size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host."""
+    return current().topology.local.rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return current().topology.local.size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts (rank among processes with this local rank)."""
+    return current().topology.cross.rank
+
+
+def cross_size() -> int:
+    """Number of hosts (processes with this local rank)."""
+    return current().topology.cross.size
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set; every rank of the world must call it in the same order."""
+    return current().topology.add_process_set(process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> None:
+    current().topology.remove_process_set(process_set)

@@ -1,0 +1,152 @@
+"""Who is where: the world, local (same host) and cross (one per host) groups,
+and process sets, the explicit groups every collective runs over.
+
+A :class:`ProcessSet` is a plain description (a sorted list of world ranks);
+registering it with :meth:`Topology.add_process_set` splits the world
+communicator so that its members get a communicator of their own.  The later
+DP, TP and PP groups of the process grid are process sets too.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from psrt.comm.base import Communicator
+from psrt.errors import ArgumentTypeError, InvalidArgumentError, ProcessSetError
+
+GLOBAL_PROCESS_SET_ID = 0
+
+
+class ProcessSet:
+    """A group of world ranks that collectives can run over (Horovod's ``ProcessSet``).
+
+    ``ProcessSet([0, 2])`` only describes the group; it becomes usable after
+    ``add_process_set`` (or ``init(process_sets=[...])``), which every rank of
+    the world must call in the same order.
+    """
+
+    def __init__(self, ranks: Iterable[int] | None = None) -> None:
+        self.ranks: list[int] | None = None if ranks is None else _validate_ranks(ranks)
+        self.process_set_id: int | None = None
+        self._topology: Topology | None = None
+
+    def _bound(self) -> Topology:
+        if self._topology is None:
+            raise ProcessSetError(f"{self!r} is not registered; call add_process_set() on "
+                                  "every rank first")
+        return self._topology
+
+    def included(self) -> bool:
+        """Whether the calling rank is a member."""
+        return self._bound().communicator_or_none(self) is not None
+
+    def size(self) -> int:
+        return len(self._bound().ranks_of(self))
+
+    def rank(self) -> int:
+        """The caller's rank within the set, or -1 if it is not a member."""
+        comm = self._bound().communicator_or_none(self)
+        return -1 if comm is None else comm.rank
+
+    def __repr__(self) -> str:
+        members = "all ranks" if self.ranks is None else self.ranks
+        return f"ProcessSet(id={self.process_set_id}, ranks={members})"
+
+
+def _validate_ranks(ranks: Iterable[int]) -> list[int]:
+    try:
+        listed = list(ranks)
+    except TypeError:
+        raise ArgumentTypeError(f"process set ranks must be a sequence of ints, got "
+                                f"{type(ranks).__name__}") from None
+    for rank in listed:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ArgumentTypeError(f"process set ranks must be ints, got {rank!r} "
+                                    f"({type(rank).__name__})")
+    if not listed:
+        raise InvalidArgumentError("a process set needs at least one rank")
+    if len(set(listed)) != len(listed):
+        raise InvalidArgumentError(f"process set ranks {listed} contain duplicates")
+    return sorted(listed)
+
+
+class Topology:
+    """The world, local and cross communicators, and the registered process sets."""
+
+    def __init__(self, world: Communicator, local: Communicator, cross: Communicator,
+                 global_set: ProcessSet) -> None:
+        self.world, self.local, self.cross = world, local, cross
+        self._communicators: dict[int, Communicator | None] = {GLOBAL_PROCESS_SET_ID: world}
+        self._sets: dict[int, ProcessSet] = {GLOBAL_PROCESS_SET_ID: global_set}
+        self._next_id = GLOBAL_PROCESS_SET_ID + 1
+        global_set.process_set_id = GLOBAL_PROCESS_SET_ID
+        global_set._topology = self
+
+    def ranks_of(self, process_set: ProcessSet) -> list[int]:
+        return list(range(self.world.size)) if process_set.ranks is None else process_set.ranks
+
+    def add_process_set(self, process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+        """Register a process set; collective over the world, same order on every rank."""
+        if not isinstance(process_set, ProcessSet):
+            process_set = ProcessSet(process_set)
+        if process_set.process_set_id is not None:
+            raise ProcessSetError(f"{process_set!r} is already registered")
+        ranks = self.ranks_of(process_set)
+        out_of_range = [r for r in ranks if not 0 <= r < self.world.size]
+        if out_of_range:
+            raise ProcessSetError(f"process set ranks {out_of_range} are outside the world "
+                                  f"of size {self.world.size}")
+        everyone = self.world.allgather_object(ranks)
+        disagreeing = [r for r, theirs in enumerate(everyone) if theirs != ranks]
+        if disagreeing:
+            raise ProcessSetError(f"add_process_set called with different ranks: rank "
+                                  f"{self.world.rank} passed {ranks}, rank {disagreeing[0]} "
+                                  f"passed {everyone[disagreeing[0]]}")
+        me = self.world.rank
+        comm = self.world.split(0 if me in ranks else None, key=me)
+        set_id, self._next_id = self._next_id, self._next_id + 1
+        self._communicators[set_id] = comm
+        self._sets[set_id] = process_set
+        process_set.process_set_id, process_set._topology = set_id, self
+        return process_set
+
+    def remove_process_set(self, process_set: ProcessSet) -> None:
+        """Forget a registered process set and free its communicator."""
+        if process_set.process_set_id == GLOBAL_PROCESS_SET_ID:
+            raise ProcessSetError("the global process set cannot be removed")
+        comm = self._registered(process_set)
+        del self._communicators[process_set.process_set_id]
+        del self._sets[process_set.process_set_id]
+        process_set.process_set_id, process_set._topology = None, None
+        if comm is not None:
+            comm.free()
+
+    def _registered(self, process_set: ProcessSet) -> Communicator | None:
+        if not isinstance(process_set, ProcessSet):
+            raise ArgumentTypeError(f"process_set must be a psrt ProcessSet, got "
+                                    f"{type(process_set).__name__}")
+        set_id = process_set.process_set_id
+        if set_id is None or self._sets.get(set_id) is not process_set:
+            raise ProcessSetError(f"{process_set!r} is not registered; call add_process_set() "
+                                  "on every rank first")
+        return self._communicators[set_id]
+
+    def communicator_or_none(self, process_set: ProcessSet) -> Communicator | None:
+        return self._registered(process_set)
+
+    def communicator(self, process_set: ProcessSet) -> Communicator:
+        """The communicator of ``process_set``; raises if the caller is not a member."""
+        comm = self._registered(process_set)
+        if comm is None:
+            raise ProcessSetError(f"rank {self.world.rank} is not a member of {process_set!r}")
+        return comm
+
+    def free(self) -> None:
+        for set_id, comm in list(self._communicators.items()):
+            if set_id != GLOBAL_PROCESS_SET_ID and comm is not None:
+                comm.free()
+            process_set = self._sets[set_id]
+            process_set._topology = None
+            if set_id != GLOBAL_PROCESS_SET_ID:
+                process_set.process_set_id = None
+        for comm in (self.local, self.cross, self.world):
+            comm.free()

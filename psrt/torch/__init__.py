@@ -1,0 +1,31 @@
+"""The torch API of psrt, shaped like Horovod's: ``import psrt.torch as hvd``.
+
+Collectives take CPU tensors (the MPI backend); every one has an ``_async``
+form returning a handle for :func:`poll` and :func:`synchronize`, and a
+``process_set=`` argument (default: all ranks).
+"""
+from psrt.errors import CollectiveMismatchError as HorovodInternalError
+from psrt.runtime import (add_process_set, cross_rank, cross_size, global_process_set, init,
+                          is_initialized, local_rank, local_size, rank, remove_process_set,
+                          shutdown, size)
+from psrt.topology import ProcessSet
+from psrt.torch.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_,
+                                  grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                                  grouped_allreduce_async_)
+from psrt.torch.collectives import (allgather, allgather_async, alltoall, alltoall_async, barrier,
+                                    broadcast, broadcast_, broadcast_async, broadcast_async_,
+                                    reducescatter, reducescatter_async)
+from psrt.torch.compression import Compression
+from psrt.torch.handles import poll, synchronize
+from psrt.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+
+__all__ = [
+    "Adasum", "Average", "Compression", "HorovodInternalError", "Max", "Min", "ProcessSet",
+    "Product", "ReduceOp", "Sum", "add_process_set", "allgather", "allgather_async",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "cross_rank", "cross_size", "global_process_set", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
+    "is_initialized", "local_rank", "local_size", "poll", "rank", "reducescatter",
+    "reducescatter_async", "remove_process_set", "shutdown", "size", "synchronize",
+]

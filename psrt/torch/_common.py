@@ -1,0 +1,71 @@
+"""Pieces shared by every collective of the torch API."""
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+
+from psrt import runtime
+from psrt.comm.base import Communicator, Request
+from psrt.topology import ProcessSet
+from psrt.torch.agreement import Descriptor, check_agreement
+from psrt.torch.handles import Pending
+
+_unnamed = itertools.count()
+
+
+def communicator(process_set: ProcessSet) -> Communicator:
+    """The caller's communicator for ``process_set`` (raises before init or for non-members)."""
+    return runtime.current().topology.communicator(process_set)
+
+
+def op_name(collective: str, name: str | None) -> str:
+    """The user's name, or Horovod-style ``allreduce.noname.N`` from a per-process counter."""
+    return name if name is not None else f"{collective}.noname.{next(_unnamed)}"
+
+
+def agree(comm: Communicator, name: str, descriptor: Descriptor) -> None:
+    """Cross-rank argument check, unless disabled with ``PSRT_CHECK_CONSISTENCY=0``."""
+    if runtime.current().config.check_consistency:
+        check_agreement(comm, name, descriptor)
+
+
+def contiguous_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when contiguous (zero copy), else a contiguous copy."""
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def write_back(target: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """Copy a result computed in ``buffer`` into ``target`` unless they are the same tensor."""
+    if buffer is not target:
+        target.copy_(buffer)
+    return target
+
+
+def scale_(tensor: torch.Tensor, factor: float) -> None:
+    """Multiply in place; integers are scaled in float64 and truncated, as Horovod does."""
+    if factor == 1.0:
+        return
+    if tensor.is_floating_point():
+        tensor.mul_(factor)
+    else:
+        tensor.copy_(tensor.double().mul_(factor))
+
+
+def postscale_(tensor: torch.Tensor, average: bool, factor: float, set_size: int) -> None:
+    """Apply the postscale factor and, for Average, the division by the set size.
+
+    Integer averages use floor division, as Horovod does.
+    """
+    if average and not tensor.is_floating_point():
+        scale_(tensor, factor)
+        tensor.floor_divide_(set_size)
+    else:
+        scale_(tensor, factor / set_size if average else factor)
+
+
+def run(request: Request, finish: Callable[[], object], blocking: bool) -> Pending | object:
+    """Either wait and return the output, or return a :class:`Pending` for a handle."""
+    pending = Pending(request, finish)
+    return pending.result() if blocking else pending

@@ -1,0 +1,90 @@
+"""Checks on public-API arguments, run on the calling rank before any communication."""
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+
+from psrt.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedDeviceError
+
+#: dtypes carried by the collectives (bool for data movement and Min/Max).
+SUPPORTED_DTYPES = frozenset({
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool,
+})
+
+
+def check_tensor(tensor: object, what: str = "tensor") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise ArgumentTypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise UnsupportedDeviceError(
+            f"{what} is on device '{tensor.device}', but psrt carries only CPU tensors in this "
+            "build (the MPI backend); move it with .cpu()")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES))
+        raise InvalidArgumentError(f"{what} has dtype {tensor.dtype}, which psrt does not "
+                                   f"support; supported: {names}")
+    if tensor.is_sparse:
+        raise InvalidArgumentError(f"{what} is sparse; psrt collectives take dense tensors")
+    return tensor
+
+
+def check_tensor_list(tensors: object, what: str = "tensors") -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise ArgumentTypeError(f"{what} must be a list or tuple of torch.Tensor, got "
+                                f"{type(tensors).__name__}")
+    return [check_tensor(t, f"{what}[{i}]") for i, t in enumerate(tensors)]
+
+
+def check_name(name: object) -> str | None:
+    if name is not None and not isinstance(name, str):
+        raise ArgumentTypeError(f"name must be a str or None, got {type(name).__name__}")
+    return name
+
+
+def check_scale(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{what} must be a real number, got {value!r} "
+                                f"({type(value).__name__})")
+    return float(value)
+
+
+def check_root(root_rank: object, set_size: int) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
+        raise ArgumentTypeError(f"root_rank must be an int, got {root_rank!r} "
+                                f"({type(root_rank).__name__})")
+    if not 0 <= root_rank < set_size:
+        raise InvalidArgumentError(f"root_rank {root_rank} is out of range for a process set of "
+                                   f"size {set_size} (valid: 0..{set_size - 1})")
+    return int(root_rank)
+
+
+def check_splits(splits: object, rows: int, set_size: int) -> list[int]:
+    """Per-destination row counts for alltoall (even split when ``splits`` is None)."""
+    if splits is None:
+        if rows % set_size:
+            raise InvalidArgumentError(f"alltoall without splits needs the first dimension ({rows}) "
+                                       f"to be divisible by the process set size ({set_size})")
+        return [rows // set_size] * set_size
+    if isinstance(splits, torch.Tensor):
+        if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype == torch.bool:
+            raise ArgumentTypeError("splits must be a 1-D integer tensor or a list of ints")
+        values: Sequence = splits.tolist()
+    elif isinstance(splits, (list, tuple)):
+        values = splits
+    else:
+        raise ArgumentTypeError(f"splits must be a list of ints or a 1-D integer tensor, got "
+                                f"{type(splits).__name__}")
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values):
+        raise ArgumentTypeError(f"splits must contain ints, got {list(values)}")
+    if len(values) != set_size:
+        raise InvalidArgumentError(f"splits has {len(values)} entries but the process set has "
+                                   f"{set_size} ranks")
+    if any(v < 0 for v in values):
+        raise InvalidArgumentError(f"splits must be non-negative, got {list(values)}")
+    if sum(values) != rows:
+        raise InvalidArgumentError(f"splits sum to {sum(values)} but the tensor's first "
+                                   f"dimension is {rows}")
+    return [int(v) for v in values]
