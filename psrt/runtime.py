@@ -40,7 +40,8 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     config = config_from_env()
     layout = bootstrap.start_mpi(config)
     topology = Topology(layout.world, layout.local, layout.cross, global_process_set)
-    if config.abort_on_exception and getattr(sys.excepthook, "__module__", "") != bootstrap.__name__:
+    hook_module = getattr(sys.excepthook, "__module__", "")
+    if config.abort_on_exception and hook_module != bootstrap.__name__:
         bootstrap.install_abort_on_exception(layout.world)
     _runtime = Runtime(config=config, topology=topology)
     for process_set in process_sets or ():

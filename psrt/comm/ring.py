@@ -35,7 +35,7 @@ def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
 
 def _reduce_into(comm: MPI.Comm, chunk: np.ndarray, outgoing: np.ndarray, left: int,
                  right: int, scratch: np.ndarray, segment: int, reduce: Reducer) -> None:
-    """Send ``outgoing`` right while receiving the left neighbour's ``chunk`` and reducing into it."""
+    """Send ``outgoing`` right while receiving the left neighbour's ``chunk``, reducing into it."""
     sent = received = 0
     while sent < outgoing.size or received < chunk.size:
         send_part = outgoing[sent:sent + segment]

@@ -1,7 +1,6 @@
 """Pieces shared by every collective of the torch API."""
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
 import torch
@@ -10,9 +9,7 @@ from psrt import runtime
 from psrt.comm.base import Communicator, Request
 from psrt.topology import ProcessSet
 from psrt.torch.agreement import Descriptor, check_agreement
-from psrt.torch.handles import Pending
-
-_unnamed = itertools.count()
+from psrt.torch.handles import Pending, register
 
 
 def communicator(process_set: ProcessSet) -> Communicator:
@@ -20,12 +17,7 @@ def communicator(process_set: ProcessSet) -> Communicator:
     return runtime.current().topology.communicator(process_set)
 
 
-def op_name(collective: str, name: str | None) -> str:
-    """The user's name, or Horovod-style ``allreduce.noname.N`` from a per-process counter."""
-    return name if name is not None else f"{collective}.noname.{next(_unnamed)}"
-
-
-def agree(comm: Communicator, name: str, descriptor: Descriptor) -> None:
+def agree(comm: Communicator, name: str | None, descriptor: Descriptor) -> None:
     """Cross-rank argument check, unless disabled with ``PSRT_CHECK_CONSISTENCY=0``."""
     if runtime.current().config.check_consistency:
         check_agreement(comm, name, descriptor)
@@ -65,7 +57,7 @@ def postscale_(tensor: torch.Tensor, average: bool, factor: float, set_size: int
         scale_(tensor, factor / set_size if average else factor)
 
 
-def run(request: Request, finish: Callable[[], object], blocking: bool) -> Pending | object:
-    """Either wait and return the output, or return a :class:`Pending` for a handle."""
+def run(request: Request, finish: Callable[[], object], blocking: bool) -> object:
+    """Either wait and return the output, or register it and return a handle."""
     pending = Pending(request, finish)
-    return pending.result() if blocking else pending
+    return pending.result() if blocking else register(pending)

@@ -1,48 +1,52 @@
 """Cheap cross-rank agreement on a collective's arguments.
 
 Before a collective moves data, every rank hashes what it was asked to do
-(collective, dtype, shape, op, root...) and one tiny allreduce compares the
-hashes: the min and max of all hashes equal one's own only if every rank
-agrees.  On disagreement every rank learns it at the same time, gathers the
-descriptions, and raises the same :class:`CollectiveMismatchError` naming the
-tensor, the ranks and the values, instead of hanging or returning garbage.
+(collective, dtype, shape, op, root...) and one tiny collective
+(:meth:`Communicator.agree`) compares the hashes.  On disagreement every rank
+learns it at the same time, gathers the descriptions, and raises the same
+:class:`CollectiveMismatchError` naming the tensor, the ranks and the values,
+instead of hanging or returning garbage.
 """
 from __future__ import annotations
 
 import zlib
 from typing import Sequence
 
-import torch
-
-from psrt.comm.base import Communicator, ReduceOp
+from psrt.comm.base import Communicator
 from psrt.errors import CollectiveMismatchError
 
 Descriptor = tuple[tuple[str, object], ...]
 
 
+_signatures: dict[Descriptor, int] = {}
+_SIGNATURE_MEMO_LIMIT = 4096
+
+
 def signature(descriptor: Descriptor) -> int:
-    """A hash of the descriptor that is the same in every process (unlike ``hash()``)."""
-    return zlib.crc32(repr(descriptor).encode())
+    """A hash of the descriptor that is the same in every process (unlike ``hash()``).
+
+    Memoised, since a training loop repeats the same few descriptors.
+    """
+    value = _signatures.get(descriptor)
+    if value is None:
+        if len(_signatures) >= _SIGNATURE_MEMO_LIMIT:
+            _signatures.clear()
+        value = _signatures[descriptor] = zlib.crc32(repr(descriptor).encode())
+    return value
 
 
-def check_agreement(comm: Communicator, name: str, descriptor: Descriptor) -> None:
+def check_agreement(comm: Communicator, name: str | None, descriptor: Descriptor) -> None:
     """Raise on every rank of ``comm`` if any rank passed a different descriptor."""
-    if comm.size == 1:
-        return
-    mine = signature(descriptor)
-    probe = torch.tensor([mine, -mine], dtype=torch.int64)
-    comm.allreduce(probe, ReduceOp.MIN)
-    if probe[0].item() == mine and -probe[1].item() == mine:
-        return
-    raise_mismatch(comm, name, descriptor)
+    if not comm.agree(signature(descriptor)):
+        raise_mismatch(comm, name, descriptor)
 
 
-def raise_mismatch(comm: Communicator, name: str, descriptor: Descriptor) -> None:
+def raise_mismatch(comm: Communicator, name: str | None, descriptor: Descriptor) -> None:
     """Gather every rank's descriptor and raise the same error everywhere (collective)."""
     raise CollectiveMismatchError(describe_mismatch(name, comm.allgather_object(descriptor)))
 
 
-def describe_mismatch(name: str, descriptors: Sequence[Descriptor]) -> str:
+def describe_mismatch(name: str | None, descriptors: Sequence[Descriptor]) -> str:
     """E.g. "allreduce of tensor 'w' ...: shape differs: rank 0 has (2,); rank 1 has (3,)"."""
     fields = [dict(d) for d in descriptors]
     keys = list(dict.fromkeys(k for d in descriptors for k, _ in d))
@@ -58,4 +62,5 @@ def describe_mismatch(name: str, descriptors: Sequence[Descriptor]) -> str:
             parts.append(f"{key} differs: {shown}")
     collective = fields[0].get("collective", "collective")
     detail = ", ".join(parts) or "arguments differ"
-    return f"{collective} of tensor '{name}' was called with mismatched arguments: {detail}"
+    tensor = "an unnamed tensor" if name is None else f"tensor '{name}'"
+    return f"{collective} of {tensor} was called with mismatched arguments: {detail}"

@@ -17,21 +17,19 @@ from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import _common
-from psrt.torch.handles import register
 from psrt.torch.ops import ReduceOp, resolve_op, transport_op
 from psrt.torch.validation import check_name, check_root, check_scale, check_splits, check_tensor
 
 
 def _prepare(collective: str, tensor: object, name: object, process_set: ProcessSet,
-             **agreed: object) -> tuple[torch.Tensor, Communicator, str]:
+             **agreed: object) -> tuple[torch.Tensor, Communicator]:
     """Validate, resolve the group, and agree on dtype + ``agreed`` across ranks."""
     tensor = check_tensor(tensor)
     check_name(name)
     comm = _common.communicator(process_set)
-    name = _common.op_name(collective, name)
-    _common.agree(comm, name, (("collective", collective), ("dtype", str(tensor.dtype)),
+    _common.agree(comm, name, (("collective", collective), ("dtype", tensor.dtype),
                                *agreed.items()))
-    return tensor, comm, name
+    return tensor, comm
 
 
 def _rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
@@ -51,7 +49,7 @@ def _exchange_counts(comm: Communicator, mine: list[int]) -> list[int]:
 def _allgather(tensor, name, process_set, blocking):
     tensor = check_tensor(tensor)
     rows, tail = _rows_and_tail(tensor)
-    tensor, comm, name = _prepare("allgather", tensor, name, process_set,
+    tensor, comm = _prepare("allgather", tensor, name, process_set,
                                   trailing_shape=tail)
     all_rows = _exchange_counts(comm, [rows] * comm.size)
     row = math.prod(tail)
@@ -69,21 +67,21 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
-    return register(_allgather(tensor, name, process_set, False))
+    return _allgather(tensor, name, process_set, False)
 
 
 # -- broadcast -------------------------------------------------------------------
 def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
     tensor = check_tensor(tensor)
     root = check_root(root_rank, _common.communicator(process_set).size)
-    tensor, comm, name = _prepare("broadcast", tensor, name, process_set,
+    tensor, comm = _prepare("broadcast", tensor, name, process_set,
                                   shape=tuple(tensor.shape), root_rank=root)
     if in_place:
         buffer = _common.contiguous_buffer(tensor)
         target = tensor
     else:
         buffer = target = tensor.detach().clone(memory_format=torch.contiguous_format)
-    request = comm.broadcast(buffer.view(-1), root)
+    request = comm.broadcast(buffer, root)
     return _common.run(request, lambda: _common.write_back(target, buffer), blocking)
 
 
@@ -101,12 +99,12 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
-    return register(_broadcast(tensor, root_rank, name, process_set, False, False))
+    return _broadcast(tensor, root_rank, name, process_set, False, False)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> int:
-    return register(_broadcast(tensor, root_rank, name, process_set, True, False))
+    return _broadcast(tensor, root_rank, name, process_set, True, False)
 
 
 # -- alltoall --------------------------------------------------------------------
@@ -116,7 +114,7 @@ def _alltoall(tensor, splits, name, process_set, blocking):
         raise InvalidArgumentError("alltoall needs a tensor with at least one dimension")
     rows, tail = _rows_and_tail(tensor)
     splits = check_splits(splits, rows, _common.communicator(process_set).size)
-    tensor, comm, name = _prepare("alltoall", tensor, name, process_set, trailing_shape=tail)
+    tensor, comm = _prepare("alltoall", tensor, name, process_set, trailing_shape=tail)
     received = _exchange_counts(comm, splits)
     row = math.prod(tail)
     output = torch.empty((sum(received), *tail), dtype=tensor.dtype)
@@ -138,7 +136,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
 
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> int:
-    return register(_alltoall(tensor, splits, name, process_set, False))
+    return _alltoall(tensor, splits, name, process_set, False)
 
 
 # -- reducescatter -----------------------------------------------------------------
@@ -157,7 +155,7 @@ def _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_fac
         raise InvalidArgumentError("reducescatter is not defined for bool tensors")
     pre = check_scale(prescale_factor, "prescale_factor")
     post = check_scale(postscale_factor, "postscale_factor")
-    tensor, comm, name = _prepare("reducescatter", tensor, name, process_set,
+    tensor, comm = _prepare("reducescatter", tensor, name, process_set,
                                   shape=tuple(tensor.shape), op=op.name, prescale_factor=pre,
                                   postscale_factor=post)
     rows, tail = _rows_and_tail(tensor)
@@ -189,8 +187,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
                         op: ReduceOp | None = None,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
-    return register(_reducescatter(tensor, name, op, process_set, prescale_factor,
-                                   postscale_factor, False))
+    return _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                          False)
 
 
 # -- barrier -------------------------------------------------------------------------

@@ -26,7 +26,8 @@ _TRANSPORT = {ReduceOp.Average: TransportOp.SUM, ReduceOp.Sum: TransportOp.SUM,
               ReduceOp.Product: TransportOp.PRODUCT}
 
 
-def resolve_op(op: object, average: object = None, default: ReduceOp = ReduceOp.Average) -> ReduceOp:
+def resolve_op(op: object, average: object = None,
+               default: ReduceOp = ReduceOp.Average) -> ReduceOp:
     """The op a call asked for, accepting Horovod's deprecated ``average=`` flag."""
     if average is not None:
         if op is not None:

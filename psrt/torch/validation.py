@@ -18,7 +18,7 @@ SUPPORTED_DTYPES = frozenset({
 def check_tensor(tensor: object, what: str = "tensor") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise ArgumentTypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise UnsupportedDeviceError(
             f"{what} is on device '{tensor.device}', but psrt carries only CPU tensors in this "
             "build (the MPI backend); move it with .cpu()")
@@ -45,6 +45,8 @@ def check_name(name: object) -> str | None:
 
 
 def check_scale(value: object, what: str) -> float:
+    if type(value) is float:  # the common case, checked cheaply
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{what} must be a real number, got {value!r} "
                                 f"({type(value).__name__})")
@@ -65,8 +67,9 @@ def check_splits(splits: object, rows: int, set_size: int) -> list[int]:
     """Per-destination row counts for alltoall (even split when ``splits`` is None)."""
     if splits is None:
         if rows % set_size:
-            raise InvalidArgumentError(f"alltoall without splits needs the first dimension ({rows}) "
-                                       f"to be divisible by the process set size ({set_size})")
+            raise InvalidArgumentError(f"alltoall without splits needs the first dimension "
+                                       f"({rows}) to be divisible by the process set size "
+                                       f"({set_size})")
         return [rows // set_size] * set_size
     if isinstance(splits, torch.Tensor):
         if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype == torch.bool:
