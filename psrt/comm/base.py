@@ -8,7 +8,8 @@ for host tensors and the NCCL backend for CUDA tensors are interchangeable.
 Callers guarantee what MPI requires of them: every rank of the group calls
 the same collectives in the same order with matching sizes (the torch API
 checks this before calling), buffers are contiguous and stay alive until the
-returned :class:`Request` completes.
+returned :class:`Request` completes.  Tensors may have any shape; they are
+treated as flat arrays of their elements.
 """
 from __future__ import annotations
 
@@ -63,11 +64,16 @@ class Communicator(abc.ABC):
 
     # -- collectives -------------------------------------------------------
     @abc.abstractmethod
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
-        """Reduce ``tensor`` over the group, in place."""
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
+        """Reduce ``tensor`` over the group, in place, then multiply it by ``scale``.
+
+        ``scale`` (for Average and post-scaling of floating-point tensors) is
+        folded into the reduction where the backend can, saving a pass over
+        memory.
+        """
 
     @abc.abstractmethod
-    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Request:
+    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> Request:
         """Non-blocking :meth:`allreduce`."""
 
     @abc.abstractmethod

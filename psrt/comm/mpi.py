@@ -42,6 +42,11 @@ class _Translated:
             raise CommunicationError(f"MPI failed during {what}: {exc.Get_error_string()}") from exc
 
 
+def _scale(tensor: torch.Tensor, scale: float) -> None:
+    if scale != 1.0:
+        tensor.mul_(scale)
+
+
 class MpiRequest(Request):
     """A non-blocking MPI operation, holding its tensors alive until it completes."""
 
@@ -71,33 +76,37 @@ class MpiCommunicator(Communicator):
         self.size = comm.Get_size()
 
     # -- allreduce -----------------------------------------------------------
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
         if self.size == 1 or tensor.numel() == 0:
+            _scale(tensor, scale)
             return
         if tensor.dtype in WIDENED_FOR_REDUCTION:
             wide = tensor.float()
-            self.allreduce(wide, op)
+            self.allreduce(wide, op, scale)
             tensor.copy_(wide)
             return
         with _Translated("allreduce of {} {} elements", tensor.numel(), tensor.dtype):
             if tensor.numel() * tensor.element_size() >= self._config.ring_threshold:
                 segment = max(1, self._config.ring_segment // tensor.element_size())
                 ring.ring_allreduce(self._ring_comm, as_numpy(tensor), segment,
-                                    numpy_reducer(op, tensor.dtype))
-            else:
-                self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(tensor), mpi_op(op, tensor.dtype))
+                                    numpy_reducer(op, tensor.dtype), scale)
+                return
+            self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(tensor), mpi_op(op, tensor.dtype))
+        _scale(tensor, scale)
 
-    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Request:
+    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> Request:
         if self.size == 1 or tensor.numel() == 0:
+            _scale(tensor, scale)
             return CompletedRequest()
         if tensor.dtype in WIDENED_FOR_REDUCTION:
             wide = tensor.float()
-            return then(self.iallreduce(wide, op), lambda: tensor.copy_(wide))
+            return then(self.iallreduce(wide, op, scale), lambda: tensor.copy_(wide))
         what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
         with _Translated(what):
             request = self._comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(tensor),
                                             mpi_op(op, tensor.dtype))
-        return MpiRequest(request, what, tensor)
+        request = MpiRequest(request, what, tensor)
+        return request if scale == 1.0 else then(request, lambda: _scale(tensor, scale))
 
     def agree(self, value: int) -> bool:
         if self.size == 1:

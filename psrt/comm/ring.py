@@ -34,8 +34,12 @@ def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _reduce_into(comm: MPI.Comm, chunk: np.ndarray, outgoing: np.ndarray, left: int,
-                 right: int, scratch: np.ndarray, segment: int, reduce: Reducer) -> None:
-    """Send ``outgoing`` right while receiving the left neighbour's ``chunk``, reducing into it."""
+                 right: int, scratch: np.ndarray, segment: int, reduce: Reducer,
+                 scale: float) -> None:
+    """Send ``outgoing`` right while receiving the left neighbour's ``chunk``, reducing into it.
+
+    A ``scale`` other than 1 multiplies each reduced segment while it is still in cache.
+    """
     sent = received = 0
     while sent < outgoing.size or received < chunk.size:
         send_part = outgoing[sent:sent + segment]
@@ -43,13 +47,15 @@ def _reduce_into(comm: MPI.Comm, chunk: np.ndarray, outgoing: np.ndarray, left: 
         incoming = scratch[:recv_part.size]
         comm.Sendrecv(send_part, right, _TAG_REDUCE, incoming, left, _TAG_REDUCE)
         reduce(recv_part, incoming)
+        if scale != 1.0:
+            np.multiply(recv_part, scale, out=recv_part, casting="unsafe")
         sent += send_part.size
         received += recv_part.size
 
 
 def ring_reduce_scatter(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int, int]],
-                        segment: int, reduce: Reducer) -> None:
-    """Leave the fully reduced block ``bounds[(rank + 1) % size]`` in ``flat``."""
+                        segment: int, reduce: Reducer, scale: float = 1.0) -> None:
+    """Leave the fully reduced (and scaled) block ``bounds[(rank + 1) % size]`` in ``flat``."""
     rank, size = comm.Get_rank(), comm.Get_size()
     left, right = (rank - 1) % size, (rank + 1) % size
     largest = max(stop - start for start, stop in bounds)
@@ -57,8 +63,9 @@ def ring_reduce_scatter(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int
     for step in range(size - 1):
         send_lo, send_hi = bounds[(rank - step) % size]
         recv_lo, recv_hi = bounds[(rank - step - 1) % size]
+        last = step == size - 2
         _reduce_into(comm, flat[recv_lo:recv_hi], flat[send_lo:send_hi], left, right,
-                     scratch, segment, reduce)
+                     scratch, segment, reduce, scale if last else 1.0)
 
 
 def ring_allgather(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int, int]]) -> None:
@@ -72,8 +79,9 @@ def ring_allgather(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int, int
                       flat[recv_lo:recv_hi], left, _TAG_GATHER)
 
 
-def ring_allreduce(comm: MPI.Comm, flat: np.ndarray, segment: int, reduce: Reducer) -> None:
-    """Allreduce the 1-D array ``flat`` in place with a reduce-scatter + all-gather ring."""
+def ring_allreduce(comm: MPI.Comm, flat: np.ndarray, segment: int, reduce: Reducer,
+                   scale: float = 1.0) -> None:
+    """Allreduce the 1-D array ``flat`` in place, then multiply it by ``scale``."""
     bounds = chunk_bounds(flat.size, comm.Get_size())
-    ring_reduce_scatter(comm, flat, bounds, segment, reduce)
+    ring_reduce_scatter(comm, flat, bounds, segment, reduce, scale)
     ring_allgather(comm, flat, bounds)

@@ -68,15 +68,26 @@ def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
     else:
         buffer = tensor.detach().clone(memory_format=torch.contiguous_format)
     _common.scale_(buffer, pre)
+    fold = _folded_scale(buffer, op, post, comm.size)
 
     def finish() -> torch.Tensor:
-        _common.postscale_(buffer, op is ReduceOp.Average, post, comm.size)
+        if fold is None:
+            _common.postscale_(buffer, op is ReduceOp.Average, post, comm.size)
         return _common.write_back(tensor, buffer) if in_place else buffer
 
+    scale = 1.0 if fold is None else fold
     if blocking:
-        comm.allreduce(buffer, transport_op(op))
+        comm.allreduce(buffer, transport_op(op), scale)
         return finish()
-    return register(Pending(comm.iallreduce(buffer, transport_op(op)), finish))
+    return register(Pending(comm.iallreduce(buffer, transport_op(op), scale), finish))
+
+
+def _folded_scale(buffer: torch.Tensor, op: ReduceOp, post: float, set_size: int) -> float | None:
+    """The factor the transport can fold into a floating-point reduction (None for integers,
+    whose Average is a floor division applied afterwards)."""
+    if not buffer.is_floating_point():
+        return None
+    return post / set_size if op is ReduceOp.Average else post
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -142,17 +153,20 @@ def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, po
     fused = {dtype: torch.cat([tensors[i].detach().reshape(-1) for i in members])
              for dtype, members in by_dtype.items()}
     requests = []
-    for buffer in fused.values():
+    folds = {dtype: _folded_scale(buffer, op, post, comm.size) for dtype, buffer in fused.items()}
+    for dtype, buffer in fused.items():
         _common.scale_(buffer, pre)
+        scale = 1.0 if folds[dtype] is None else folds[dtype]
         if blocking:
-            comm.allreduce(buffer, transport_op(op))
+            comm.allreduce(buffer, transport_op(op), scale)
         else:
-            requests.append(comm.iallreduce(buffer, transport_op(op)))
+            requests.append(comm.iallreduce(buffer, transport_op(op), scale))
 
     def finish() -> list[torch.Tensor]:
         results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
         for dtype, members in by_dtype.items():
-            _common.postscale_(fused[dtype], op is ReduceOp.Average, post, comm.size)
+            if folds[dtype] is None:
+                _common.postscale_(fused[dtype], op is ReduceOp.Average, post, comm.size)
             pieces = fused[dtype].split([tensors[i].numel() for i in members])
             for i, piece in zip(members, pieces):
                 piece = piece.view(tensors[i].shape)
