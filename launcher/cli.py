@@ -1,0 +1,133 @@
+"""The ``psrun`` command: parse flags, build the mpirun command line, run it.
+
+Usage and configuration errors print one ``psrun: error: ...`` line and exit
+with 2 before anything is launched; once the job runs, psrun exits with the
+job's own exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+
+from launcher.command import (
+    LaunchError,
+    build_command,
+    detect_flavour,
+    find_mpirun,
+    plan_launch,
+)
+from launcher.hostfile import (
+    Host,
+    HostfileError,
+    hosts_from_slurm,
+    parse_hostfile,
+    parse_hosts,
+)
+from launcher.monitor import run_job
+
+__all__ = ["main", "make_parser"]
+
+USAGE_ERROR = 2
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psrun",
+        description="Launch a psrt job with mpirun (Open MPI or MPICH).",
+        epilog="Inside a SLURM allocation the hosts come from SLURM unless -H or --hostfile is given. "
+               "Variables named PSRT_* and HOROVOD_* are passed to every rank.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("-np", "-n", "--num-proc", dest="num_proc", type=int, metavar="N",
+                        help="number of ranks (default: all slots; this machine's CPU count without hosts)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", metavar="HOST:N,...",
+                       help="hosts and their slots, e.g. host1:4,host2:4 (no :N means 1 slot)")
+    where.add_argument("--hostfile", metavar="FILE",
+                       help="hostfile in Open MPI (host slots=4) or MPICH (host:4) format")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="allow more ranks than slots")
+    parser.add_argument("--mpirun", metavar="PATH",
+                        help="mpirun to use (default: next to this Python, then on PATH)")
+    parser.add_argument("--mpi-args", default="", metavar="ARGS",
+                        help='extra mpirun arguments, split like a shell would, e.g. "--mca btl tcp,self" '
+                             '(a single flag needs the = form: --mpi-args=--tag-output)')
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the mpirun command line to stderr before running it")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the mpirun command line to stdout and exit without running it")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
+    return parser
+
+
+def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Host, ...] | None:
+    """The hosts the user asked for, or SLURM's, or None for this machine."""
+    if args.hosts is not None:
+        return parse_hosts(args.hosts)
+    if args.hostfile is not None:
+        return parse_hostfile(args.hostfile)
+    return hosts_from_slurm(env)
+
+
+def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
+    """Validate everything and return the mpirun command line; raises on bad input."""
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    try:
+        mpi_args = shlex.split(args.mpi_args)
+    except ValueError as e:
+        raise LaunchError(f"--mpi-args {args.mpi_args!r}: {e}") from None
+    hosts = _hosts(args, env)
+    if not command:  # checked before probing mpirun, the slowest step
+        raise LaunchError("no command given; usage: psrun -np N [options] command ...")
+    mpirun = find_mpirun(args.mpirun, python=sys.executable, path=env.get("PATH", os.defpath))
+    plan, warnings = plan_launch(
+        flavour=detect_flavour(mpirun), mpirun=mpirun, command=command,
+        num_proc=args.num_proc, hosts=hosts, local_cpus=os.cpu_count() or 1,
+        oversubscribe=args.oversubscribe, as_root=os.geteuid() == 0, mpi_args=mpi_args,
+    )
+    for warning in warnings:
+        print(warning, file=sys.stderr, flush=True)
+    return build_command(plan, env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``psrun``; returns the process exit code."""
+    try:
+        args = make_parser().parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage and the error
+        return e.code if isinstance(e.code, int) else USAGE_ERROR
+    env = dict(os.environ)
+    try:
+        cmd = _prepare(args, env)
+    except (LaunchError, HostfileError) as e:
+        print(f"psrun: error: {e}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+    if args.dry_run:
+        print(shlex.join(cmd), flush=True)
+        return 0
+    if args.verbose:
+        print(shlex.join(cmd), file=sys.stderr, flush=True)
+    try:
+        result = run_job(cmd, env)
+    except OSError as e:
+        print(f"psrun: error: cannot start {cmd[0]}: {e.strerror or e}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+    if result.failure is not None:
+        print(f"psrun: {result.failure.summary()}", file=sys.stderr, flush=True)
+        return result.returncode or 1  # a failed rank never makes a successful job
+    if result.stopped_by is not None:
+        print(f"psrun: job stopped by {signal.Signals(result.stopped_by).name} "
+              f"(mpirun exited with code {result.returncode})", file=sys.stderr, flush=True)
+    elif result.returncode != 0:
+        print(f"psrun: job failed: mpirun exited with code {result.returncode}", file=sys.stderr, flush=True)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Find which rank failed first in the stderr text of an MPI job.
+
+Two kinds of text name a failed rank. The psrt runtime prints one marker line
+per uncaught exception (``psrt: rank 1 failed: raised ValueError: boom``)
+just before it calls MPI Abort; it is the most precise account, since it says
+what the rank raised. The MPI launcher prints its own notices when a rank
+exits, dies from a signal or aborts; they cover ranks that never reached the
+psrt hook (``os._exit``, the OOM killer, a segfault). Their text wraps over
+several lines, so notices are matched against the last few lines joined.
+
+The scanner is pure: feed it lines, read :attr:`FailureScanner.failure`.
+"""
+from __future__ import annotations
+
+import enum
+import re
+import signal
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["Failure", "FailureKind", "FailureScanner", "describe_signal"]
+
+MARKER = re.compile(r"^(?:\[[^\]]*\]<std\w+>:\s*)?psrt: rank (\d+) failed: (.+)$")
+
+_WINDOW_LINES = 8
+# Launcher notices, matched against the window of recent lines joined by spaces.
+# Open MPI 5 says "prterun", Open MPI 4 says "mpirun".
+_SIGNALLED = re.compile(
+    r"noticed that process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)"
+)
+_FIRST_EXIT = re.compile(
+    r"The first process to do so was: Process name: (\S+) Exit code: (-?\d+)"
+)
+_IMPROPER = re.compile(r"due to process rank (\d+) with PID \d+ on node \S+ exiting improperly")
+_OMPI_ABORT = re.compile(
+    r"MPI_ABORT was invoked on rank (\d+) in communicator \S+"
+    r"(?: Proc: (\S+) Errorcode: (-?\d+)| with errorcode (-?\d+))"
+)
+_OMPI_ABORT_BARE = re.compile(r'due to process rank (\d+) with PID \d+ on node \S+ calling "abort"')
+# MPICH / Intel MPI (Hydra) notices.
+_HYDRA_BAD = re.compile(
+    r"RANK (\d+) PID \d+ RUNNING AT \S+ (?:KILLED BY SIGNAL: (\d+)|EXIT CODE: (-?\d+))"
+)
+_HYDRA_ABORT = re.compile(r"application called MPI_Abort\(\S+, (-?\d+)\) - process (\d+)")
+
+
+class FailureKind(enum.Enum):
+    """Where a failure report came from; decides which report wins."""
+
+    MARKER = "marker"  # psrt's own line: the rank raised an exception
+    EXIT = "exit"  # the launcher saw a rank exit non-zero or die from a signal
+    ABORT = "abort"  # the launcher saw a rank call MPI_Abort
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first failed rank of a job and how it failed, e.g. ``exited with code 1``."""
+
+    rank: int
+    how: str
+    kind: FailureKind
+
+    def summary(self) -> str:
+        return f"rank {self.rank} failed first: {self.how}"
+
+
+def describe_signal(number: int) -> str:
+    """``9`` -> ``signal 9 (SIGKILL)``."""
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _rank_of_process_name(name: str) -> int | None:
+    """Open MPI process names end in the rank: ``[prterun-host-12@1,3]`` or ``[[123,1],3]``."""
+    match = re.search(r",(\d+)\]$", name)
+    return int(match.group(1)) if match else None
+
+
+def _notice(window: str) -> Failure | None:
+    """The launcher notice completed by the latest line, if any."""
+    exit_, abort = FailureKind.EXIT, FailureKind.ABORT
+    if m := _SIGNALLED.search(window):
+        return Failure(int(m.group(1)), f"killed by {describe_signal(int(m.group(2)))}", exit_)
+    if (m := _FIRST_EXIT.search(window)) and (rank := _rank_of_process_name(m.group(1))) is not None:
+        return Failure(rank, f"exited with code {m.group(2)}", exit_)
+    if m := _IMPROPER.search(window):
+        return Failure(int(m.group(1)), "exited without finalizing MPI", exit_)
+    if m := _OMPI_ABORT.search(window):
+        # "rank N in communicator C" is a rank in C; Proc names the world rank.
+        rank = _rank_of_process_name(m.group(2) or "") if m.group(2) else None
+        code = m.group(3) or m.group(4)
+        return Failure(int(m.group(1)) if rank is None else rank, f"called MPI_Abort with error code {code}", abort)
+    if m := _OMPI_ABORT_BARE.search(window):
+        return Failure(int(m.group(1)), "called MPI_Abort", abort)
+    if m := _HYDRA_BAD.search(window):
+        if m.group(2):
+            return Failure(int(m.group(1)), f"killed by {describe_signal(int(m.group(2)))}", exit_)
+        return Failure(int(m.group(1)), f"exited with code {m.group(3)}", exit_)
+    if m := _HYDRA_ABORT.search(window):
+        return Failure(int(m.group(2)), f"called MPI_Abort with error code {m.group(1)}", abort)
+    return None
+
+
+class FailureScanner:
+    """Reads a job's stderr line by line and keeps the first failure it names.
+
+    The first report wins, with one exception: a psrt marker replaces an
+    earlier MPI_Abort notice for the same rank, because psrt prints its
+    marker just before aborting and the launcher's notice can overtake it.
+    """
+
+    def __init__(self) -> None:
+        self._window: deque[str] = deque(maxlen=_WINDOW_LINES)
+        self._failure: Failure | None = None
+
+    @property
+    def failure(self) -> Failure | None:
+        return self._failure
+
+    def feed(self, line: str) -> None:
+        """Take one line of stderr (with or without its newline)."""
+        line = line.rstrip("\r\n")
+        if m := MARKER.match(line):
+            self._offer(Failure(int(m.group(1)), m.group(2).strip(), FailureKind.MARKER))
+            return
+        # Hydra frames its notices with "=" characters; drop them and collapse spacing.
+        text = " ".join(line.strip().lstrip("=").split())
+        if not text or set(text) <= set("-="):
+            return
+        self._window.append(text)
+        if self._failure is None:  # a later notice never replaces an earlier one
+            found = _notice(" ".join(self._window))
+            if found is not None:
+                self._window.clear()
+                self._offer(found)
+
+    def _offer(self, found: Failure) -> None:
+        current = self._failure
+        if current is None or (
+            current.kind is FailureKind.ABORT
+            and found.kind is FailureKind.MARKER
+            and found.rank == current.rank
+        ):
+            self._failure = found

@@ -1,0 +1,249 @@
+"""Where ranks may run: hostfiles, ``-H`` host lists and SLURM allocations.
+
+Every source of hosts is turned into the same value, a tuple of
+:class:`Host`, so that the command builder never needs to know where the
+hosts came from. Parsing is strict: a hostfile with a typo should stop the
+launch with the file name, line number and line text, not start a job on the
+wrong machines.
+"""
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "Host",
+    "HostfileError",
+    "expand_counts",
+    "expand_nodelist",
+    "hosts_from_slurm",
+    "is_local_host",
+    "parse_hostfile",
+    "parse_hosts",
+    "total_slots",
+]
+
+_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+# Open MPI keys that describe capacity limits psrun does not use.
+_IGNORED_KEYS = frozenset({"max_slots", "max-slots", "max_count"})
+_SLOT_KEYS = frozenset({"slots", "count", "cpu"})
+
+
+class HostfileError(ValueError):
+    """A host list, hostfile or SLURM allocation that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One machine and the number of ranks it may run (its slots)."""
+
+    name: str
+    slots: int
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c.isspace() for c in self.name):
+            raise HostfileError(f"bad host name {self.name!r}")
+        if self.slots <= 0:
+            raise HostfileError(
+                f"host {self.name!r} has {self.slots} slots; slots must be a positive integer"
+            )
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.slots}"
+
+
+def total_slots(hosts: Iterable[Host]) -> int:
+    """Number of ranks the hosts can run without oversubscribing."""
+    return sum(h.slots for h in hosts)
+
+
+def is_local_host(name: str) -> bool:
+    """True when ``name`` is this machine, so a job on it needs no network."""
+    if name in _LOCAL_NAMES:
+        return True
+    me = socket.gethostname()
+    return name in (me, me.split(".")[0])
+
+
+def _slots(text: str, where: str) -> int:
+    """A slot count, or an error that names where the bad value was."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise HostfileError(f"{where}: slot count {text!r} is not an integer") from None
+    if value <= 0:
+        raise HostfileError(f"{where}: slot count {value} must be a positive integer")
+    return value
+
+
+def _merge(hosts: Iterable[Host]) -> tuple[Host, ...]:
+    """Sum the slots of repeated hosts, as Open MPI and MPICH do, keeping first-seen order."""
+    slots: dict[str, int] = {}
+    for h in hosts:
+        slots[h.name] = slots.get(h.name, 0) + h.slots
+    return tuple(Host(name, n) for name, n in slots.items())
+
+
+def _host_colon(item: str, where: str) -> Host:
+    """Parse ``host`` or ``host:N`` (MPICH / Horovod style)."""
+    name, sep, count = item.partition(":")
+    if not name or ":" in count:
+        raise HostfileError(f"{where}: expected HOST or HOST:SLOTS, got {item!r}")
+    return Host(name, _slots(count, where) if sep else 1)
+
+
+def parse_hosts(spec: str) -> tuple[Host, ...]:
+    """Parse a ``-H`` value such as ``host1:4,host2:4``; a host without ``:N`` has 1 slot."""
+    items = [item.strip() for item in spec.split(",")]
+    if not any(items):
+        raise HostfileError(f"-H {spec!r}: no hosts given")
+    hosts = []
+    for item in items:
+        if not item:
+            raise HostfileError(f"-H {spec!r}: empty host name between commas")
+        hosts.append(_host_colon(item, f"-H {spec!r}"))
+    return _merge(hosts)
+
+
+def _parse_line(text: str, where: str) -> Host:
+    """One non-blank hostfile line in Open MPI (``host slots=4``) or MPICH (``host:4``) form."""
+    # Allow "slots = 4" by gluing the spaces around '=' before splitting.
+    fields = re.sub(r"\s*=\s*", "=", text).split()
+    first, options = fields[0], fields[1:]
+    if "=" in first:
+        raise HostfileError(f"{where}: line starts with an option, not a host name")
+    if ":" in first:
+        if options:
+            raise HostfileError(f"{where}: HOST:SLOTS takes no further options")
+        return _host_colon(first, where)
+    slots = 1
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise HostfileError(f"{where}: expected KEY=VALUE after the host name, got {option!r}")
+        if key in _SLOT_KEYS:
+            slots = _slots(value, where)
+        elif key not in _IGNORED_KEYS:
+            raise HostfileError(f"{where}: unknown option {key!r} (use slots=N)")
+    return Host(first, slots)
+
+
+def parse_hostfile(path: str) -> tuple[Host, ...]:
+    """Read a hostfile in Open MPI or MPICH/Horovod format; see hostfile.example."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise HostfileError(f"hostfile {path!r} not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise HostfileError(f"cannot read hostfile {path!r}: {reason}") from None
+    hosts = []
+    for number, line in enumerate(lines, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        where = f"{path}:{number}: {line.strip()!r}"
+        try:
+            hosts.append(_parse_line(text, where))
+        except HostfileError as e:
+            if str(e).startswith(where):
+                raise
+            raise HostfileError(f"{where}: {e}") from None
+    if not hosts:
+        raise HostfileError(f"hostfile {path!r} lists no hosts")
+    return _merge(hosts)
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside ``[...]``."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _expand_range(item: str, nodelist: str) -> list[str]:
+    """``07`` -> [``07``]; ``01-03`` -> [``01``, ``02``, ``03``], padded to the width of the start."""
+    low, sep, high = item.partition("-")
+    if not low.isdigit() or (sep and not high.isdigit()):
+        raise HostfileError(f"SLURM node list {nodelist!r}: bad range {item!r}")
+    if not sep:
+        return [low]
+    if int(high) < int(low):
+        raise HostfileError(f"SLURM node list {nodelist!r}: range {item!r} runs backwards")
+    return [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+
+
+def _expand_name(pattern: str, nodelist: str) -> list[str]:
+    """Expand every ``[...]`` group of one node name, left to right."""
+    match = re.search(r"\[([^\[\]]*)\]", pattern)
+    if match is None:
+        if "[" in pattern or "]" in pattern:
+            raise HostfileError(f"SLURM node list {nodelist!r}: unbalanced brackets in {pattern!r}")
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end():]
+    names = []
+    for item in match.group(1).split(","):
+        for number in _expand_range(item.strip(), nodelist):
+            names.extend(head + number + rest for rest in _expand_name(tail, nodelist))
+    return names
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM compressed node list: ``node[01-03,07],gpu5`` -> node01..node03, node07, gpu5."""
+    names = []
+    for part in _split_top_level(nodelist.strip()):
+        if not part.strip():
+            raise HostfileError(f"SLURM node list {nodelist!r}: empty entry")
+        names.extend(_expand_name(part.strip(), nodelist))
+    return names
+
+
+def expand_counts(counts: str) -> list[int]:
+    """Expand a SLURM count list: ``2(x3),1`` -> [2, 2, 2, 1]."""
+    values = []
+    for item in counts.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", item)
+        if match is None:
+            raise HostfileError(f"SLURM count list {counts!r}: bad entry {item!r}")
+        values.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return values
+
+
+def hosts_from_slurm(env: Mapping[str, str]) -> tuple[Host, ...] | None:
+    """Hosts of the SLURM allocation psrun runs in, or None outside one.
+
+    Slots come from SLURM_TASKS_PER_NODE, else SLURM_JOB_CPUS_PER_NODE: the
+    first is what the user asked ``sbatch``/``salloc`` for, the second what
+    the nodes have.
+    """
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    names = expand_nodelist(nodelist)
+    source = next((k for k in ("SLURM_TASKS_PER_NODE", "SLURM_JOB_CPUS_PER_NODE") if env.get(k)), None)
+    if source is None:
+        raise HostfileError(
+            "SLURM_JOB_NODELIST is set but neither SLURM_TASKS_PER_NODE nor "
+            "SLURM_JOB_CPUS_PER_NODE is; give the hosts with -H or --hostfile"
+        )
+    counts = expand_counts(env[source])
+    if len(counts) != len(names):
+        raise HostfileError(
+            f"SLURM allocation has {len(names)} nodes ({nodelist}) but {source}={env[source]!r} "
+            f"gives {len(counts)} counts"
+        )
+    try:
+        return _merge(Host(n, c) for n, c in zip(names, counts))
+    except HostfileError as e:
+        raise HostfileError(f"{source}={env[source]!r}: {e}") from None

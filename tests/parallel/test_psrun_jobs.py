@@ -1,0 +1,163 @@
+"""Real jobs under psrun: success, failed ranks named and ended promptly, Ctrl-C passed on.
+
+Each job runs psrun in a subprocess with a hard timeout. Failing ranks print
+the time just before they fail, so "the job ended promptly" is measured from
+the failure itself, not from a start-up that a busy machine can make slow.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.parallel
+
+REPO = Path(__file__).resolve().parents[2]
+JOB_TIMEOUT_S = 60
+# Open MPI ends a job about 0.3 s after a rank dies; allow for a loaded machine.
+PROMPT_END_S = 5.0
+
+BLOCKED_RANK_0 = """\
+import os, sys, time
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+print(f"rank {world.rank} up", flush=True)
+if world.rank == 1:
+    print(f"failing at {time.time()}", flush=True)
+    FAIL
+world.barrier()  # rank 0 stays here: only the launcher can end it
+"""
+
+
+def psrun(*args: str, script: str | None = None, tmp_path: Path | None = None,
+          env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``psrun args [python script]``; returns the result and the time it ended."""
+    argv = [sys.executable, "-m", "launcher.cli", *args]
+    if script is not None:
+        assert tmp_path is not None
+        path = tmp_path / "job.py"
+        path.write_text(textwrap.dedent(script))
+        argv += [sys.executable, str(path)]
+    run_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    done = subprocess.run(argv, cwd=REPO, env=run_env, capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S, check=False)
+    return done, time.time()
+
+
+def failed_at(stdout: str) -> float:
+    line = next(line for line in stdout.splitlines() if line.startswith("failing at "))
+    return float(line.split()[-1])
+
+
+def test_two_rank_job_succeeds_and_sees_psrt_environment(tmp_path: Path) -> None:
+    script = """\
+        import os
+        from mpi4py import MPI
+        world = MPI.COMM_WORLD
+        total = world.allreduce(world.rank + 1)
+        print(f"rank {world.rank}/{world.size} sum={total} fusion={os.environ['PSRT_FUSION_MB']}", flush=True)
+    """
+    done, _ = psrun("-np", "2", "--verbose", script=script, tmp_path=tmp_path,
+                    env={"PSRT_FUSION_MB": "7"})
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["rank 0/2 sum=3 fusion=7", "rank 1/2 sum=3 fusion=7"]
+    assert "-x PSRT_FUSION_MB" in done.stderr
+
+
+def test_four_ranks_oversubscribe_two_cores_with_warning(tmp_path: Path) -> None:
+    script = """\
+        from mpi4py import MPI
+        MPI.COMM_WORLD.barrier()
+        print("rank", MPI.COMM_WORLD.rank, flush=True)
+    """
+    done, _ = psrun("-np", "4", script=script, tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [f"rank {r}" for r in range(4)]
+    if (os.cpu_count() or 1) < 4:
+        assert "psrun: warning: 4 ranks on" in done.stderr and "--oversubscribe" in done.stderr
+
+
+def test_rank_exit_code_ends_job_and_is_propagated(tmp_path: Path) -> None:
+    done, ended = psrun("-np", "2", script=BLOCKED_RANK_0.replace("FAIL", "os._exit(3)"),
+                        tmp_path=tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.splitlines()[-1] == "psrun: rank 1 failed first: exited with code 3"
+    assert ended - failed_at(done.stdout) < PROMPT_END_S
+
+
+def test_rank_killed_by_signal_is_named(tmp_path: Path) -> None:
+    done, ended = psrun("-np", "2", script=BLOCKED_RANK_0.replace("FAIL", "os.kill(os.getpid(), 9)"),
+                        tmp_path=tmp_path)
+    assert done.returncode != 0
+    assert done.stderr.splitlines()[-1] == "psrun: rank 1 failed first: killed by signal 9 (SIGKILL)"
+    assert ended - failed_at(done.stdout) < PROMPT_END_S
+
+
+def test_uncaught_exception_names_rank_and_exception(tmp_path: Path) -> None:
+    # psrt.init() installs the hook that prints "psrt: rank R failed: ..." and aborts.
+    script = """\
+        import time
+        import psrt
+        psrt.init()
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 1:
+            print(f"failing at {time.time()}", flush=True)
+            raise ValueError("boom")
+        MPI.COMM_WORLD.barrier()
+    """
+    done, ended = psrun("-np", "2", script=script, tmp_path=tmp_path)
+    assert done.returncode != 0
+    assert "ValueError: boom" in done.stderr  # the rank's own traceback still shows
+    assert done.stderr.splitlines()[-1] == "psrun: rank 1 failed first: raised ValueError: boom"
+    assert ended - failed_at(done.stdout) < PROMPT_END_S
+
+
+def test_ctrl_c_is_passed_to_mpirun_and_ends_the_job(tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text(textwrap.dedent(f"""\
+        import os, time
+        from mpi4py import MPI
+        open(f"{tmp_path}/pid.{{MPI.COMM_WORLD.rank}}", "w").write(str(os.getpid()))
+        print("ready", flush=True)
+        time.sleep({JOB_TIMEOUT_S})
+    """))
+    stderr = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "-np", "2", sys.executable, str(script)],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        assert proc.stdout is not None
+        assert [proc.stdout.readline() for _ in range(2)] == ["ready\n", "ready\n"]
+        sent = time.time()
+        proc.send_signal(signal.SIGINT)
+        returncode = proc.wait(timeout=JOB_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.time() - sent < PROMPT_END_S
+    assert returncode != 0
+    stderr.seek(0)
+    assert "psrun: job stopped by SIGINT" in stderr.read()
+    for pid_file in tmp_path.glob("pid.*"):
+        assert not _alive(int(pid_file.read_text())), f"rank process {pid_file.name} survived"
+
+
+def _alive(pid: int, wait_s: float = 3.0) -> bool:
+    """True if ``pid`` still runs after ``wait_s``; a zombie waiting to be reaped is dead."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state in ("Z", "X"):
+            return False
+        time.sleep(0.05)
+    return True
