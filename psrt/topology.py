@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import torch
+
 from psrt.comm.base import Communicator
+from psrt.comm.nccl import NcclCommunicator
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ProcessSetError
 
 GLOBAL_PROCESS_SET_ID = 0
@@ -76,6 +79,8 @@ class Topology:
                  global_set: ProcessSet) -> None:
         self.world, self.local, self.cross = world, local, cross
         self._communicators: dict[int, Communicator | None] = {GLOBAL_PROCESS_SET_ID: world}
+        # NCCL communicators, made on first use by (process set id, CUDA device index)
+        self._device_communicators: dict[tuple[int, int], Communicator] = {}
         self._sets: dict[int, ProcessSet] = {GLOBAL_PROCESS_SET_ID: global_set}
         self._next_id = GLOBAL_PROCESS_SET_ID + 1
         global_set.process_set_id = GLOBAL_PROCESS_SET_ID
@@ -114,6 +119,7 @@ class Topology:
         if process_set.process_set_id == GLOBAL_PROCESS_SET_ID:
             raise ProcessSetError("the global process set cannot be removed")
         comm = self._registered(process_set)
+        self._free_device_communicators(process_set.process_set_id)
         del self._communicators[process_set.process_set_id]
         del self._sets[process_set.process_set_id]
         process_set.process_set_id, process_set._topology = None, None
@@ -140,7 +146,26 @@ class Topology:
             raise ProcessSetError(f"rank {self.world.rank} is not a member of {process_set!r}")
         return comm
 
+    def transport(self, process_set: ProcessSet, device: torch.device) -> Communicator:
+        """The communicator that carries tensors on ``device``: MPI for host memory, NCCL
+        (created on first use, collectively over the set's members) for CUDA memory."""
+        host = self.communicator(process_set)
+        if device.type != "cuda":
+            return host
+        index = torch.cuda.current_device() if device.index is None else device.index
+        key = (process_set.process_set_id, index)
+        comm = self._device_communicators.get(key)
+        if comm is None:
+            comm = NcclCommunicator(host, torch.device("cuda", index))
+            self._device_communicators[key] = comm
+        return comm
+
+    def _free_device_communicators(self, set_id: int | None) -> None:
+        for key in [k for k in self._device_communicators if set_id is None or k[0] == set_id]:
+            self._device_communicators.pop(key).free()
+
     def free(self) -> None:
+        self._free_device_communicators(None)
         for set_id, comm in list(self._communicators.items()):
             if set_id != GLOBAL_PROCESS_SET_ID and comm is not None:
                 comm.free()

@@ -13,8 +13,17 @@ from psrt.torch.handles import Pending, register
 
 
 def communicator(process_set: ProcessSet) -> Communicator:
-    """The caller's communicator for ``process_set`` (raises before init or for non-members)."""
+    """The caller's host communicator for ``process_set`` (raises before init or for
+    non-members); agreement checks and size exchanges run on it whatever the device."""
     return runtime.current().topology.communicator(process_set)
+
+
+def transport(process_set: ProcessSet, tensor: torch.Tensor, host: Communicator) -> Communicator:
+    """The communicator that carries ``tensor``'s data: ``host`` (MPI) for CPU tensors, the
+    set's NCCL communicator for CUDA tensors."""
+    if tensor.is_cpu:
+        return host
+    return runtime.current().topology.transport(process_set, tensor.device)
 
 
 def agree(comm: Communicator, name: str | None, descriptor: Descriptor) -> None:

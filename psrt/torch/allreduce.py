@@ -59,10 +59,11 @@ def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
     check_tensor(tensor)
     op, pre, post = _resolve((tensor.dtype,), name, op, average, prescale_factor,
                              postscale_factor)
-    comm = _common.communicator(process_set)
-    _common.agree(comm, name, (("collective", "allreduce"), ("dtype", tensor.dtype),
-                               ("shape", tensor.shape), ("op", op.name),
+    host = _common.communicator(process_set)
+    _common.agree(host, name, (("collective", "allreduce"), ("dtype", tensor.dtype),
+                               ("shape", tensor.shape), ("cuda", tensor.is_cuda), ("op", op.name),
                                ("prescale_factor", pre), ("postscale_factor", post)))
+    comm = _common.transport(process_set, tensor, host)
     if in_place:
         buffer = _common.contiguous_buffer(tensor)
     else:
@@ -142,11 +143,15 @@ def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, po
         raise InvalidArgumentError("grouped_allreduce needs at least one tensor")
     op, pre, post = _resolve({t.dtype for t in tensors}, name, op, average, prescale_factor,
                              postscale_factor)
-    comm = _common.communicator(process_set)
-    _common.agree(comm, name, (
+    if len({t.device for t in tensors}) > 1:
+        raise InvalidArgumentError(f"grouped_allreduce needs all tensors on one device, got "
+                                   f"{sorted({str(t.device) for t in tensors})}")
+    host = _common.communicator(process_set)
+    _common.agree(host, name, (
         ("collective", "grouped_allreduce"), ("dtypes", tuple(t.dtype for t in tensors)),
-        ("shapes", tuple(t.shape for t in tensors)), ("op", op.name),
-        ("prescale_factor", pre), ("postscale_factor", post)))
+        ("shapes", tuple(t.shape for t in tensors)), ("cuda", tensors[0].is_cuda),
+        ("op", op.name), ("prescale_factor", pre), ("postscale_factor", post)))
+    comm = _common.transport(process_set, tensors[0], host)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for index, tensor in enumerate(tensors):
         by_dtype.setdefault(tensor.dtype, []).append(index)

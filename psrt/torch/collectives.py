@@ -22,14 +22,18 @@ from psrt.torch.validation import check_name, check_root, check_scale, check_spl
 
 
 def _prepare(collective: str, tensor: object, name: object, process_set: ProcessSet,
-             **agreed: object) -> tuple[torch.Tensor, Communicator]:
-    """Validate, resolve the group, and agree on dtype + ``agreed`` across ranks."""
+             **agreed: object) -> tuple[torch.Tensor, Communicator, Communicator]:
+    """Validate, resolve the group, and agree on dtype, device and ``agreed`` across ranks.
+
+    Returns the tensor, the host communicator (for size exchanges) and the
+    communicator that carries the tensor's data.
+    """
     tensor = check_tensor(tensor)
     check_name(name)
-    comm = _common.communicator(process_set)
-    _common.agree(comm, name, (("collective", collective), ("dtype", tensor.dtype),
-                               *agreed.items()))
-    return tensor, comm
+    host = _common.communicator(process_set)
+    _common.agree(host, name, (("collective", collective), ("dtype", tensor.dtype),
+                               ("cuda", tensor.is_cuda), *agreed.items()))
+    return tensor, host, _common.transport(process_set, tensor, host)
 
 
 def _rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
@@ -49,11 +53,10 @@ def _exchange_counts(comm: Communicator, mine: list[int]) -> list[int]:
 def _allgather(tensor, name, process_set, blocking):
     tensor = check_tensor(tensor)
     rows, tail = _rows_and_tail(tensor)
-    tensor, comm = _prepare("allgather", tensor, name, process_set,
-                                  trailing_shape=tail)
-    all_rows = _exchange_counts(comm, [rows] * comm.size)
+    tensor, host, comm = _prepare("allgather", tensor, name, process_set, trailing_shape=tail)
+    all_rows = _exchange_counts(host, [rows] * comm.size)
     row = math.prod(tail)
-    output = torch.empty((sum(all_rows), *tail), dtype=tensor.dtype)
+    output = torch.empty((sum(all_rows), *tail), dtype=tensor.dtype, device=tensor.device)
     send = _common.contiguous_buffer(tensor).reshape(-1)
     request = comm.allgatherv(send, output.view(-1), [r * row for r in all_rows])
     return _common.run(request, lambda: output, blocking)
@@ -74,8 +77,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
     tensor = check_tensor(tensor)
     root = check_root(root_rank, _common.communicator(process_set).size)
-    tensor, comm = _prepare("broadcast", tensor, name, process_set,
-                                  shape=tuple(tensor.shape), root_rank=root)
+    tensor, _, comm = _prepare("broadcast", tensor, name, process_set,
+                               shape=tuple(tensor.shape), root_rank=root)
     if in_place:
         buffer = _common.contiguous_buffer(tensor)
         target = tensor
@@ -114,10 +117,10 @@ def _alltoall(tensor, splits, name, process_set, blocking):
         raise InvalidArgumentError("alltoall needs a tensor with at least one dimension")
     rows, tail = _rows_and_tail(tensor)
     splits = check_splits(splits, rows, _common.communicator(process_set).size)
-    tensor, comm = _prepare("alltoall", tensor, name, process_set, trailing_shape=tail)
-    received = _exchange_counts(comm, splits)
+    tensor, host, comm = _prepare("alltoall", tensor, name, process_set, trailing_shape=tail)
+    received = _exchange_counts(host, splits)
     row = math.prod(tail)
-    output = torch.empty((sum(received), *tail), dtype=tensor.dtype)
+    output = torch.empty((sum(received), *tail), dtype=tensor.dtype, device=tensor.device)
     send = _common.contiguous_buffer(tensor).reshape(-1)
     request = comm.alltoallv(send, [s * row for s in splits], output.view(-1),
                              [r * row for r in received])
@@ -155,9 +158,9 @@ def _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_fac
         raise InvalidArgumentError("reducescatter is not defined for bool tensors")
     pre = check_scale(prescale_factor, "prescale_factor")
     post = check_scale(postscale_factor, "postscale_factor")
-    tensor, comm = _prepare("reducescatter", tensor, name, process_set,
-                                  shape=tuple(tensor.shape), op=op.name, prescale_factor=pre,
-                                  postscale_factor=post)
+    tensor, _, comm = _prepare("reducescatter", tensor, name, process_set,
+                               shape=tuple(tensor.shape), op=op.name, prescale_factor=pre,
+                               postscale_factor=post)
     rows, tail = _rows_and_tail(tensor)
     row = math.prod(tail)
     kept = reducescatter_rows(rows, comm.size)
@@ -165,7 +168,7 @@ def _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_fac
     if pre != 1.0:
         send = send.clone()
         _common.scale_(send, pre)
-    output = torch.empty((kept[comm.rank], *tail), dtype=tensor.dtype)
+    output = torch.empty((kept[comm.rank], *tail), dtype=tensor.dtype, device=tensor.device)
     request = comm.reduce_scatter(send.view(-1), output.view(-1), [k * row for k in kept],
                                   transport_op(op))
 

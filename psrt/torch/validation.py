@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from psrt.comm.nccl import nccl_available
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedDeviceError
 
 #: dtypes carried by the collectives (bool for data movement and Min/Max).
@@ -18,10 +19,10 @@ SUPPORTED_DTYPES = frozenset({
 def check_tensor(tensor: object, what: str = "tensor") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise ArgumentTypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_cpu:
+    if not tensor.is_cpu and not (tensor.is_cuda and nccl_available()):
         raise UnsupportedDeviceError(
-            f"{what} is on device '{tensor.device}', but psrt carries only CPU tensors in this "
-            "build (the MPI backend); move it with .cpu()")
+            f"{what} is on device '{tensor.device}'; psrt carries CPU tensors over MPI and CUDA "
+            "tensors over NCCL, which needs CuPy (pip install psrt[gpu]) and a visible GPU")
     if tensor.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(sorted(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES))
         raise InvalidArgumentError(f"{what} has dtype {tensor.dtype}, which psrt does not "
