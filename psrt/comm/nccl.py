@@ -118,9 +118,9 @@ class NcclCommunicator(Communicator):
     def iallreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> Request:
         if tensor.dtype == torch.int16:  # NCCL has no 16-bit integers: reduce in int32
             wide = tensor.int()
-            request = self.iallreduce(wide, op, scale)
+            self.iallreduce(wide, op, scale)
             tensor.copy_(wide)
-            return request
+            return CudaEventRequest(tensor, wide)
         if tensor.dtype not in self._types:
             raise InvalidArgumentError(f"dtype {tensor.dtype} is not supported by the NCCL backend")
         ptr, count = tensor.data_ptr(), tensor.numel()
@@ -139,9 +139,9 @@ class NcclCommunicator(Communicator):
                        counts: Sequence[int], op: ReduceOp) -> Request:
         if send.dtype == torch.int16:
             wide_recv = torch.empty(recv.shape, dtype=torch.int32, device=recv.device)
-            request = self.reduce_scatter(send.int(), wide_recv, counts, op)
+            self.reduce_scatter(send.int(), wide_recv, counts, op)
             recv.copy_(wide_recv)
-            return request
+            return CudaEventRequest(recv, wide_recv)
         nccl_type, nccl_op = self._types[send.dtype], self._ops[op]
         size = send.element_size()
         send_ptr, recv_ptr = send.data_ptr(), recv.data_ptr()
