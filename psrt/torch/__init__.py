@@ -15,6 +15,8 @@ from psrt.torch.allreduce import (allreduce, allreduce_, allreduce_async, allred
 from psrt.torch.collectives import (allgather, allgather_async, alltoall, alltoall_async, barrier,
                                     broadcast, broadcast_, broadcast_async, broadcast_async_,
                                     reducescatter, reducescatter_async)
+from psrt.torch.capabilities import (cuda_built, gloo_built, gloo_enabled, mpi_built,
+                                     mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from psrt.torch.compression import Compression
 from psrt.torch.handles import poll, synchronize
 from psrt.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
@@ -24,7 +26,8 @@ __all__ = [
     "Product", "ReduceOp", "Sum", "add_process_set", "allgather", "allgather_async",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "cross_rank", "cross_size", "global_process_set", "grouped_allreduce",
+    "broadcast_async_", "cross_rank", "cuda_built", "gloo_built", "gloo_enabled", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built", "cross_size", "global_process_set", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "local_rank", "local_size", "poll", "rank", "reducescatter",
     "reducescatter_async", "remove_process_set", "shutdown", "size", "synchronize",

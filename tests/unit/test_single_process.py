@@ -33,6 +33,12 @@ def test_init_gives_a_world_of_one():
     assert hvd.is_initialized()
 
 
+def test_horovod_capability_queries_describe_this_build():
+    assert hvd.mpi_built() and hvd.mpi_enabled() and hvd.mpi_threads_supported()
+    assert not hvd.gloo_built() and not hvd.rocm_built()
+    assert hvd.nccl_built() == hvd.cuda_built() == torch.cuda.is_available()
+
+
 def test_collective_before_init_raises_not_initialized():
     hvd.shutdown()
     with pytest.raises(psrt.NotInitializedError, match="init"):
