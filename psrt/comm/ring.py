@@ -34,23 +34,23 @@ def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _reduce_into(comm: MPI.Comm, chunk: np.ndarray, outgoing: np.ndarray, left: int,
-                 right: int, scratch: np.ndarray, segment: int, reduce: Reducer,
+                 right: int, scratch: np.ndarray, segment: int, rounds: int, reduce: Reducer,
                  scale: float) -> None:
     """Send ``outgoing`` right while receiving the left neighbour's ``chunk``, reducing into it.
 
-    A ``scale`` other than 1 multiplies each reduced segment while it is still in cache.
+    Every rank makes the same number of ``rounds`` (the largest block's segment
+    count), so a pair of neighbours never disagrees on how many messages pass
+    between them; a block with fewer segments sends or receives empty ones.
+    A ``scale`` other than 1 multiplies each reduced segment while it is in cache.
     """
-    sent = received = 0
-    while sent < outgoing.size or received < chunk.size:
-        send_part = outgoing[sent:sent + segment]
-        recv_part = chunk[received:received + segment]
+    for start in range(0, rounds * segment, segment):
+        send_part = outgoing[start:start + segment]
+        recv_part = chunk[start:start + segment]
         incoming = scratch[:recv_part.size]
         comm.Sendrecv(send_part, right, _TAG_REDUCE, incoming, left, _TAG_REDUCE)
         reduce(recv_part, incoming)
         if scale != 1.0:
             np.multiply(recv_part, scale, out=recv_part, casting="unsafe")
-        sent += send_part.size
-        received += recv_part.size
 
 
 def ring_reduce_scatter(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int, int]],
@@ -59,13 +59,14 @@ def ring_reduce_scatter(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int
     rank, size = comm.Get_rank(), comm.Get_size()
     left, right = (rank - 1) % size, (rank + 1) % size
     largest = max(stop - start for start, stop in bounds)
+    rounds = -(-largest // segment)
     scratch = np.empty(min(segment, largest), dtype=flat.dtype)
     for step in range(size - 1):
         send_lo, send_hi = bounds[(rank - step) % size]
         recv_lo, recv_hi = bounds[(rank - step - 1) % size]
         last = step == size - 2
         _reduce_into(comm, flat[recv_lo:recv_hi], flat[send_lo:send_hi], left, right,
-                     scratch, segment, reduce, scale if last else 1.0)
+                     scratch, segment, rounds, reduce, scale if last else 1.0)
 
 
 def ring_allgather(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int, int]]) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import zlib
 from typing import Sequence
 
+import torch
+
 from psrt.comm.base import Communicator
 from psrt.errors import CollectiveMismatchError
 
@@ -46,17 +48,29 @@ def raise_mismatch(comm: Communicator, name: str | None, descriptor: Descriptor)
     raise CollectiveMismatchError(describe_mismatch(name, comm.allgather_object(descriptor)))
 
 
+def _shown(value: object) -> object:
+    """Values as a user would write them: (2, 3) rather than torch.Size([2, 3])."""
+    if isinstance(value, torch.Size):
+        return tuple(value)
+    if isinstance(value, tuple):
+        return tuple(_shown(v) for v in value)
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return value
+
+
 def describe_mismatch(name: str | None, descriptors: Sequence[Descriptor]) -> str:
     """E.g. "allreduce of tensor 'w' ...: shape differs: rank 0 has (2,); rank 1 has (3,)"."""
-    fields = [dict(d) for d in descriptors]
+    fields = [{key: _shown(value) for key, value in d} for d in descriptors]
     keys = list(dict.fromkeys(k for d in descriptors for k, _ in d))
     parts = []
     for key in keys:
         values = [f.get(key) for f in fields]
-        if len({repr(v) for v in values}) > 1:
+        texts = [value if isinstance(value, str) else repr(value) for value in values]
+        if len(set(texts)) > 1:
             groups: dict[str, list[int]] = {}
-            for rank, value in enumerate(values):
-                groups.setdefault(repr(value), []).append(rank)
+            for rank, text in enumerate(texts):
+                groups.setdefault(text, []).append(rank)
             shown = "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))} "
                               f"{'have' if len(r) > 1 else 'has'} {v}" for v, r in groups.items())
             parts.append(f"{key} differs: {shown}")
