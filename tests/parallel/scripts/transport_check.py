@@ -1,0 +1,125 @@
+"""Transport-level checks run inside one job: point-to-point messages, splits,
+agreement, and the ring allreduce against a numpy reference.
+
+Uses the same harness as the collective checks: rank 0 prints one JSON line
+per check, then ``{"done": N}``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import psrt
+from psrt import runtime
+from psrt.comm import ReduceOp
+from psrt.comm.mpi import MpiCommunicator
+from psrt.config import Config
+from _harness import Checks, run
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def inputs(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 + rank)
+    values = torch.randint(-50, 50, (numel,), generator=generator)
+    return values.to(dtype)
+
+
+@check
+def blocking_send_recv_around_the_ring(world):
+    right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+    out = torch.full((5, 3), float(world.rank))
+    got = torch.empty(5, 3)
+    if world.rank % 2 == 0:
+        world.send(out, right, tag=7)
+        world.recv(got, left, tag=7)
+    else:
+        world.recv(got, left, tag=7)
+        world.send(out, right, tag=7)
+    assert torch.equal(got, torch.full((5, 3), float(left))), got
+
+
+@check
+def nonblocking_send_recv_of_every_dtype(world):
+    right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+    for tag, dtype in enumerate([torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                 torch.int8, torch.uint8, torch.int16, torch.int32,
+                                 torch.int64, torch.bool]):
+        payload = inputs(world.rank, 33, torch.float64).to(dtype)
+        expected = inputs(left, 33, torch.float64).to(dtype)
+        received = torch.empty(33, dtype=dtype)
+        recv = world.irecv(received, left, tag=tag)
+        send = world.isend(payload, right, tag=tag)
+        while not recv.test():
+            pass
+        send.wait()
+        assert torch.equal(received, expected), (dtype, received, expected)
+
+
+@check
+def agree_is_true_only_when_all_values_match(world):
+    assert world.agree(12345)
+    assert not world.agree(world.rank)  # differs across ranks
+    assert world.agree(-7)
+
+
+@check
+def split_gives_each_color_its_own_group(world):
+    sub = world.split(world.rank % 2, key=world.rank)
+    members = [r for r in range(world.size) if r % 2 == world.rank % 2]
+    assert sub.size == len(members) and sub.rank == members.index(world.rank)
+    value = torch.tensor([float(world.rank)])
+    sub.allreduce(value, ReduceOp.SUM)
+    assert value.item() == float(sum(members))
+    none = world.split(None if world.rank == 0 else 1)
+    assert (none is None) == (world.rank == 0)
+    for comm in (sub, none):
+        if comm is not None:
+            comm.free()
+
+
+@check
+def ring_allreduce_matches_numpy_for_odd_sizes_and_all_ops(world):
+    config = Config(ring_threshold=1, ring_segment=64)  # force the ring, many segments
+    comm = MpiCommunicator(MPI.COMM_WORLD, config)
+    references = {ReduceOp.SUM: np.sum, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max,
+                  ReduceOp.PRODUCT: np.prod}
+    for numel in (1, world.size - 1, 53, 1001):
+        for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+            for op, reference in references.items():
+                if op is ReduceOp.PRODUCT:
+                    mine = inputs(world.rank, numel, dtype).clamp(-2, 2)
+                    every = np.stack([inputs(r, numel, dtype).clamp(-2, 2).numpy()
+                                      for r in range(world.size)])
+                else:
+                    mine = inputs(world.rank, numel, dtype)
+                    every = np.stack([inputs(r, numel, dtype).numpy()
+                                      for r in range(world.size)])
+                comm.allreduce(mine, op)
+                expected = reference(every, axis=0)
+                assert np.allclose(mine.numpy(), expected, rtol=1e-6), (numel, dtype, op)
+    scaled = inputs(world.rank, 101, torch.float64)
+    comm.allreduce(scaled, ReduceOp.SUM, scale=0.5)
+    expected = sum(inputs(r, 101, torch.float64) for r in range(world.size)) * 0.5
+    assert torch.allclose(scaled, expected)
+    comm.free()
+
+
+def main() -> None:
+    psrt.init()
+    world = runtime.current().topology.world
+    checks = Checks()
+    for fn in CHECKS:
+        checks.add(fn.__name__, lambda name, fn=fn: fn(world))
+    run(checks)
+    psrt.shutdown()
+
+
+if __name__ == "__main__":
+    main()
