@@ -284,7 +284,7 @@ def barrier_waits_for_every_rank(key: str) -> None:
     left = time.time()
     times = psrt.runtime.current().topology.world.allgather_object((entered, left))
     last_entry = max(e for e, _ in times)
-    early = [r for r, (_, l) in enumerate(times) if l < last_entry]
+    early = [r for r, (_, exit_time) in enumerate(times) if exit_time < last_entry]
     assert not early, f"{key}: ranks {early} left the barrier before rank {size - 1} entered it"
 
 
