@@ -96,18 +96,16 @@ class Topology:
         if process_set.process_set_id is not None:
             raise ProcessSetError(f"{process_set!r} is already registered")
         ranks = self.ranks_of(process_set)
-        # Compare first, so that every rank raises the same error rather than some
-        # raising alone while the others wait for them in the split.
+        out_of_range = [r for r in ranks if not 0 <= r < self.world.size]
+        if out_of_range:
+            raise ProcessSetError(f"process set ranks {out_of_range} are outside the world "
+                                  f"of size {self.world.size}")
         everyone = self.world.allgather_object(ranks)
         disagreeing = [r for r, theirs in enumerate(everyone) if theirs != ranks]
         if disagreeing:
             raise ProcessSetError(f"add_process_set called with different ranks: rank "
                                   f"{self.world.rank} passed {ranks}, rank {disagreeing[0]} "
                                   f"passed {everyone[disagreeing[0]]}")
-        out_of_range = [r for r in ranks if not 0 <= r < self.world.size]
-        if out_of_range:
-            raise ProcessSetError(f"process set ranks {out_of_range} are outside the world "
-                                  f"of size {self.world.size}")
         me = self.world.rank
         comm = self.world.split(0 if me in ranks else None, key=me)
         set_id, self._next_id = self._next_id, self._next_id + 1
