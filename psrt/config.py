@@ -17,10 +17,11 @@ _MiB = 1 << 20
 
 @dataclass(frozen=True)
 class Config:
-    # Allreduce messages at least this large (bytes) use psrt's chunked ring;
-    # smaller ones use MPI's own allreduce, which wins on latency.  Measured on
-    # a 2-core shared-memory box (benchmarks/RESULTS.md).
-    ring_threshold: int = 256 * 1024
+    # Allreduce and reducescatter messages at least this large (bytes) use
+    # psrt's chunked ring; smaller ones use MPI's own algorithms, which win or
+    # tie below it.  Measured crossover 8-32 MiB on a 2-core shared-memory box
+    # (benchmarks/RESULTS.md, --sweep-threshold).
+    ring_threshold: int = 16 * _MiB
     # The ring moves each chunk in segments of this many bytes, so the
     # reduction of one segment overlaps the transfer of the next.
     ring_segment: int = 1 * _MiB

@@ -124,6 +124,13 @@ class Communicator(abc.ABC):
 
     # -- small metadata and groups -------------------------------------------
     @abc.abstractmethod
+    def exchange_counts(self, counts: Sequence[int]) -> list[int]:
+        """Send ``counts[r]`` to rank r; return the count every rank sent to the caller.
+
+        The size negotiation of allgather and alltoall (metadata, on the host).
+        """
+
+    @abc.abstractmethod
     def allgather_object(self, obj: object) -> list:
         """Gather one small picklable object per rank (metadata, never tensor data)."""
 

@@ -7,6 +7,8 @@ float32 to reduce (exact for Min/Max, one rounding for Sum/Product).
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -74,7 +76,7 @@ def mpi_buffer(tensor: torch.Tensor) -> list:
 
 def mpi_buffer_v(tensor: torch.Tensor, counts: list[int]) -> list:
     """``[memory, (counts, displacements), datatype]`` spec for the vector collectives."""
-    displacements = np.concatenate(([0], np.cumsum(counts[:-1], dtype=np.int64))).tolist()
+    displacements = [0, *itertools.accumulate(counts[:-1])]
     memory, datatype = mpi_buffer(tensor)
     return [memory, (list(counts), displacements), datatype]
 

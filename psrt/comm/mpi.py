@@ -7,6 +7,7 @@ communicator, so it can never match a user's point-to-point message.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -72,6 +73,7 @@ class MpiCommunicator(Communicator):
         self._ring_comm = comm.Dup()
         self._config = config
         self._probe = np.zeros(2, dtype=np.int64)
+        self._probe_spec = [self._probe, MPI.INT64_T]
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
 
@@ -112,10 +114,12 @@ class MpiCommunicator(Communicator):
         if self.size == 1:
             return True
         probe = self._probe
-        probe[0], probe[1] = value, -value
+        probe[0] = value
+        probe[1] = -value
         with _Translated("agreement check"):
-            self._comm.Allreduce(MPI.IN_PLACE, [probe, MPI.INT64_T], MPI.MIN)
-        return int(probe[0]) == value and int(probe[1]) == -value
+            self._comm.Allreduce(MPI.IN_PLACE, self._probe_spec, MPI.MIN)
+        low, negated_high = probe.tolist()
+        return low == value and negated_high == -value
 
     # -- other collectives -----------------------------------------------------
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor,
@@ -146,10 +150,28 @@ class MpiCommunicator(Communicator):
             inner = self.reduce_scatter(send.float(), wide_recv, counts, op)
             return then(inner, lambda: recv.copy_(wide_recv))
         what = f"reducescatter of {send.dtype} tensors"
+        if self.size > 1 and send.numel() * send.element_size() >= self._config.ring_threshold:
+            with _Translated(what):
+                self._ring_reduce_scatter(send, recv, counts, op)
+            return CompletedRequest()
         with _Translated(what):
             request = self._comm.Ireduce_scatter(mpi_buffer(send), mpi_buffer(recv),
                                                  list(counts), mpi_op(op, send.dtype))
         return MpiRequest(request, what, send, recv)
+
+    def _ring_reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
+                             counts: Sequence[int], op: ReduceOp) -> None:
+        """psrt's ring on a copy of ``send`` (the ring reduces in place), rotated so
+        that rank r is left holding block r."""
+        work = as_numpy(send.clone())
+        starts = [0, *itertools.accumulate(counts[:-1])]
+        blocks = [(start, start + count) for start, count in zip(starts, counts)]
+        rotated = [blocks[(index - 1) % self.size] for index in range(self.size)]
+        segment = max(1, self._config.ring_segment // send.element_size())
+        ring.ring_reduce_scatter(self._ring_comm, work, rotated, segment,
+                                 numpy_reducer(op, send.dtype))
+        low, high = blocks[self.rank]
+        as_numpy(recv)[:] = work[low:high]
 
     def barrier(self) -> Request:
         with _Translated("barrier"):
@@ -169,6 +191,13 @@ class MpiCommunicator(Communicator):
         return MpiRequest(request, what, tensor)
 
     # -- metadata and groups -----------------------------------------------------
+    def exchange_counts(self, counts: Sequence[int]) -> list[int]:
+        send = np.array(counts, dtype=np.int64)
+        recv = np.empty(self.size, dtype=np.int64)
+        with _Translated("exchange of sizes"):
+            self._comm.Alltoall([send, MPI.INT64_T], [recv, MPI.INT64_T])
+        return recv.tolist()
+
     def allgather_object(self, obj: object) -> list:
         with _Translated("allgather of metadata"):
             return self._comm.allgather(obj)

@@ -210,6 +210,9 @@ class NcclCommunicator(Communicator):
     def agree(self, value: int) -> bool:
         return self._host.agree(value)
 
+    def exchange_counts(self, counts: Sequence[int]) -> list[int]:
+        return self._host.exchange_counts(counts)
+
     def allgather_object(self, obj: object) -> list:
         return self._host.allgather_object(obj)
 

@@ -41,20 +41,12 @@ def _rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     return (1, ()) if tensor.dim() == 0 else (tensor.shape[0], tuple(tensor.shape[1:]))
 
 
-def _exchange_counts(comm: Communicator, mine: list[int]) -> list[int]:
-    """alltoall of one int per destination: returns what every rank sent to the caller."""
-    send = torch.tensor(mine, dtype=torch.int64)
-    recv = torch.empty(comm.size, dtype=torch.int64)
-    comm.alltoallv(send, [1] * comm.size, recv, [1] * comm.size).wait()
-    return recv.tolist()
-
-
 # -- allgather -------------------------------------------------------------------
 def _allgather(tensor, name, process_set, blocking):
     tensor = check_tensor(tensor)
     rows, tail = _rows_and_tail(tensor)
     tensor, host, comm = _prepare("allgather", tensor, name, process_set, trailing_shape=tail)
-    all_rows = _exchange_counts(host, [rows] * comm.size)
+    all_rows = host.exchange_counts([rows] * comm.size)
     row = math.prod(tail)
     output = torch.empty((sum(all_rows), *tail), dtype=tensor.dtype, device=tensor.device)
     send = _common.contiguous_buffer(tensor).reshape(-1)
@@ -118,7 +110,7 @@ def _alltoall(tensor, splits, name, process_set, blocking):
     rows, tail = _rows_and_tail(tensor)
     splits = check_splits(splits, rows, _common.communicator(process_set).size)
     tensor, host, comm = _prepare("alltoall", tensor, name, process_set, trailing_shape=tail)
-    received = _exchange_counts(host, splits)
+    received = host.exchange_counts(splits)
     row = math.prod(tail)
     output = torch.empty((sum(received), *tail), dtype=tensor.dtype, device=tensor.device)
     send = _common.contiguous_buffer(tensor).reshape(-1)

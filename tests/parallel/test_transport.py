@@ -13,6 +13,7 @@ CHECKS = [
     "agree_is_true_only_when_all_values_match",
     "split_gives_each_color_its_own_group",
     "ring_allreduce_matches_numpy_for_odd_sizes_and_all_ops",
+    "ring_reduce_scatter_leaves_each_rank_its_block_and_keeps_the_input",
 ]
 
 

@@ -111,6 +111,24 @@ def ring_allreduce_matches_numpy_for_odd_sizes_and_all_ops(world):
     comm.free()
 
 
+@check
+def ring_reduce_scatter_leaves_each_rank_its_block_and_keeps_the_input(world):
+    comm = MpiCommunicator(MPI.COMM_WORLD, Config(ring_threshold=1, ring_segment=64))
+    for counts in ([3] * world.size, [world.size - r for r in range(world.size)],
+                   [0] * (world.size - 1) + [5]):
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            mine = inputs(world.rank, sum(counts), dtype)
+            before = mine.clone()
+            received = torch.empty(counts[world.rank], dtype=dtype)
+            comm.reduce_scatter(mine, received, counts, ReduceOp.SUM).wait()
+            total = sum(inputs(r, sum(counts), torch.float64) for r in range(world.size))
+            start = sum(counts[:world.rank])
+            expected = total[start:start + counts[world.rank]].to(dtype)
+            assert torch.equal(received, expected), (counts, dtype, received, expected)
+            assert torch.equal(mine, before), "the input was modified"
+    comm.free()
+
+
 def main() -> None:
     psrt.init()
     world = runtime.current().topology.world
