@@ -92,10 +92,10 @@ def mpi_op(op: ReduceOp, dtype: torch.dtype) -> MPI.Op:
 
 
 def numpy_reducer(op: ReduceOp, dtype: torch.dtype):
-    """In-place ``acc = op(acc, incoming)`` on numpy arrays, for psrt's own ring."""
+    """``out = op(a, b)`` on numpy arrays (``out`` may be ``a``), for psrt's own ring."""
     ufunc = (_NUMPY_BOOL_UFUNCS if dtype == torch.bool else _NUMPY_UFUNCS)[op]
 
-    def reduce(acc: np.ndarray, incoming: np.ndarray) -> None:
-        ufunc(acc, incoming, out=acc)
+    def reduce(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        ufunc(a, b, out=out)
 
     return reduce

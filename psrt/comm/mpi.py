@@ -161,17 +161,14 @@ class MpiCommunicator(Communicator):
 
     def _ring_reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
                              counts: Sequence[int], op: ReduceOp) -> None:
-        """psrt's ring on a copy of ``send`` (the ring reduces in place), rotated so
-        that rank r is left holding block r."""
-        work = as_numpy(send.clone())
+        """psrt's ring, reading ``send`` without modifying it, with the blocks rotated
+        so that rank r ends with block r."""
         starts = [0, *itertools.accumulate(counts[:-1])]
         blocks = [(start, start + count) for start, count in zip(starts, counts)]
         rotated = [blocks[(index - 1) % self.size] for index in range(self.size)]
         segment = max(1, self._config.ring_segment // send.element_size())
-        ring.ring_reduce_scatter(self._ring_comm, work, rotated, segment,
-                                 numpy_reducer(op, send.dtype))
-        low, high = blocks[self.rank]
-        as_numpy(recv)[:] = work[low:high]
+        ring.ring_reduce_scatter(self._ring_comm, as_numpy(send), rotated, segment,
+                                 numpy_reducer(op, send.dtype), out=as_numpy(recv))
 
     def barrier(self) -> Request:
         with _Translated("barrier"):

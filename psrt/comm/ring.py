@@ -1,9 +1,10 @@
 """Chunked ring allreduce and reduce-scatter on host buffers.
 
 For large messages a plain ring (reduce-scatter, then all-gather, each step one
-``Sendrecv`` per segment plus an in-place reduction) beats Open MPI's own
-allreduce on shared memory: each received segment is reduced while still in
-cache, and no temporary of the message's size is ever allocated.  For small
+``Sendrecv`` per segment plus a reduction) beats Open MPI's own allreduce on
+shared memory: each received segment is reduced while still in cache, and no
+temporary of the message's size is ever allocated (Open MPI's allocates and
+page-faults one on every call above 32 MiB here).  For small
 messages MPI's own algorithms win on latency, so the MPI communicator picks
 between the two by size (``Config.ring_threshold``).
 
@@ -16,7 +17,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-Reducer = Callable[[np.ndarray, np.ndarray], None]
+Reducer = Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # (a, b, out)
 
 _TAG_REDUCE = 101
 _TAG_GATHER = 102
@@ -33,10 +34,11 @@ def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _reduce_into(comm: MPI.Comm, chunk: np.ndarray, outgoing: np.ndarray, left: int,
-                 right: int, scratch: np.ndarray, segment: int, rounds: int, reduce: Reducer,
-                 scale: float) -> None:
-    """Send ``outgoing`` right while receiving the left neighbour's ``chunk``, reducing into it.
+def _reduce_into(comm: MPI.Comm, mine: np.ndarray, outgoing: np.ndarray, dest: np.ndarray,
+                 left: int, right: int, scratch: np.ndarray, segment: int, rounds: int,
+                 reduce: Reducer, scale: float) -> None:
+    """Send ``outgoing`` right while receiving the left neighbour's partial sum of the
+    block whose local contribution is ``mine``; ``dest = op(mine, received)``.
 
     Every rank makes the same number of ``rounds`` (the largest block's segment
     count), so a pair of neighbours never disagrees on how many messages pass
@@ -45,28 +47,47 @@ def _reduce_into(comm: MPI.Comm, chunk: np.ndarray, outgoing: np.ndarray, left: 
     """
     for start in range(0, rounds * segment, segment):
         send_part = outgoing[start:start + segment]
-        recv_part = chunk[start:start + segment]
-        incoming = scratch[:recv_part.size]
+        mine_part = mine[start:start + segment]
+        dest_part = dest[start:start + segment]
+        incoming = scratch[:mine_part.size]
         comm.Sendrecv(send_part, right, _TAG_REDUCE, incoming, left, _TAG_REDUCE)
-        reduce(recv_part, incoming)
+        reduce(mine_part, incoming, dest_part)
         if scale != 1.0:
-            np.multiply(recv_part, scale, out=recv_part, casting="unsafe")
+            np.multiply(dest_part, scale, out=dest_part, casting="unsafe")
 
 
-def ring_reduce_scatter(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int, int]],
-                        segment: int, reduce: Reducer, scale: float = 1.0) -> None:
-    """Leave the fully reduced (and scaled) block ``bounds[(rank + 1) % size]`` in ``flat``."""
+def ring_reduce_scatter(comm: MPI.Comm, source: np.ndarray, bounds: list[tuple[int, int]],
+                        segment: int, reduce: Reducer, scale: float = 1.0,
+                        out: np.ndarray | None = None) -> None:
+    """Reduce block ``bounds[(rank + 1) % size]`` of every rank's ``source`` (and scale it).
+
+    Without ``out`` the partial sums are written into ``source`` itself (the first
+    half of an in-place allreduce) and the result is left in that block.  With
+    ``out``, ``source`` is only read: partial sums go to two block-sized buffers
+    (none at all for two ranks) and the result to ``out``.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
     left, right = (rank - 1) % size, (rank + 1) % size
     largest = max(stop - start for start, stop in bounds)
     rounds = -(-largest // segment)
-    scratch = np.empty(min(segment, largest), dtype=flat.dtype)
+    scratch = np.empty(min(segment, largest), dtype=source.dtype)
+    partials = ([np.empty(largest, dtype=source.dtype) for _ in range(2)]
+                if out is not None and size > 2 else [])
+    outgoing = None
     for step in range(size - 1):
         send_lo, send_hi = bounds[(rank - step) % size]
         recv_lo, recv_hi = bounds[(rank - step - 1) % size]
+        mine = source[recv_lo:recv_hi]
         last = step == size - 2
-        _reduce_into(comm, flat[recv_lo:recv_hi], flat[send_lo:send_hi], left, right,
-                     scratch, segment, rounds, reduce, scale if last else 1.0)
+        if out is None:
+            outgoing, dest = source[send_lo:send_hi], mine
+        else:
+            if outgoing is None:
+                outgoing = source[send_lo:send_hi]
+            dest = out if last else partials[step % 2][:recv_hi - recv_lo]
+        _reduce_into(comm, mine, outgoing, dest, left, right, scratch, segment, rounds,
+                     reduce, scale if last else 1.0)
+        outgoing = dest
 
 
 def ring_allgather(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int, int]]) -> None:
