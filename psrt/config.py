@@ -22,8 +22,8 @@ class Config:
     # tie below it.  Measured crossover 8-32 MiB on a 2-core shared-memory box
     # (benchmarks/RESULTS.md, --sweep-threshold).
     ring_threshold: int = 16 * _MiB
-    # The ring moves each chunk in segments of this many bytes, so the
-    # reduction of one segment overlaps the transfer of the next.
+    # The ring moves each chunk in segments of this many bytes, so each
+    # received segment is reduced while it is still in cache.
     ring_segment: int = 1 * _MiB
     # Before each collective, check cheaply that every rank passed the same
     # shape, dtype, op and root; a mismatch raises on every rank instead of
