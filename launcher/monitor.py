@@ -53,7 +53,8 @@ def _writer(stream: TextIO) -> Callable[[bytes], None]:
                 stream.write(chunk.decode("utf-8", errors="replace"))
                 stream.flush()
         except (OSError, ValueError):
-            pass  # our own stdout went away (closed pipe); keep draining mpirun
+            # Our own stdout went away (closed pipe): keep draining mpirun so it never blocks.
+            return
 
     return write
 
@@ -69,7 +70,7 @@ def _pump(source: BinaryIO, write: Callable[[bytes], None], scanner: FailureScan
     while chunk := os.read(fd, 65536):
         write(chunk)
         if scanner is None:
-            continue
+            return
         *lines, partial = (partial + chunk).split(b"\n")
         for line in lines:
             scanner.feed(line.decode("utf-8", errors="replace"))
