@@ -70,7 +70,7 @@ def _pump(source: BinaryIO, write: Callable[[bytes], None], scanner: FailureScan
     while chunk := os.read(fd, 65536):
         write(chunk)
         if scanner is None:
-            return
+            continue
         *lines, partial = (partial + chunk).split(b"\n")
         for line in lines:
             scanner.feed(line.decode("utf-8", errors="replace"))
