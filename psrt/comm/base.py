@@ -143,6 +143,23 @@ class Communicator(abc.ABC):
         """Release the backend resources of this communicator."""
 
 
+def all_of(requests: Sequence[Request]) -> Request:
+    """A request that completes when every one of ``requests`` has (at once if none)."""
+    return _AllOf(requests) if requests else CompletedRequest()
+
+
+class _AllOf(Request):
+    def __init__(self, requests: Sequence[Request]) -> None:
+        self._requests = list(requests)
+
+    def test(self) -> bool:
+        return all([r.test() for r in self._requests])  # test all: each may progress
+
+    def wait(self) -> None:
+        for request in self._requests:
+            request.wait()
+
+
 def then(request: Request, on_complete: Callable[[], None]) -> Request:
     """A request that runs ``on_complete`` once, right after ``request`` completes."""
     return _Chained(request, on_complete)

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from psrt.comm.base import CompletedRequest, Request
+from psrt.comm.base import all_of
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
@@ -21,20 +21,6 @@ from psrt.torch.compression import Compression
 from psrt.torch.handles import Pending, register
 from psrt.torch.ops import ReduceOp, resolve_op, transport_op
 from psrt.torch.validation import check_name, check_scale, check_tensor, check_tensor_list
-
-
-class _AllOf(Request):
-    """Completes when every request of a group has completed."""
-
-    def __init__(self, requests: Sequence[Request]) -> None:
-        self._requests = list(requests)
-
-    def test(self) -> bool:
-        return all([r.test() for r in self._requests])
-
-    def wait(self) -> None:
-        for request in self._requests:
-            request.wait()
 
 
 def _resolve(dtypes: Sequence[torch.dtype], name: object, op: object, average: object,
@@ -180,7 +166,7 @@ def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, po
 
     if blocking:
         return finish()
-    return register(Pending(_AllOf(requests) if requests else CompletedRequest(), finish))
+    return register(Pending(all_of(requests), finish))
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
