@@ -25,28 +25,53 @@ class Config:
     # The ring moves each chunk in segments of this many bytes, so each
     # received segment is reduced while it is still in cache.
     ring_segment: int = 1 * _MiB
-    # Before each collective, check cheaply that every rank passed the same
-    # shape, dtype, op and root; a mismatch raises on every rank instead of
-    # hanging or returning garbage.
-    check_consistency: bool = True
     # An uncaught exception on any rank aborts the whole job (as
     # ``python -m mpi4py`` does) instead of leaving the other ranks blocked.
     abort_on_exception: bool = True
+    # Allreduces that are ready in the same engine cycle and share dtype, op,
+    # scale and process set are reduced as one message of at most this many
+    # bytes (Horovod's default); 0 turns fusion off.
+    fusion_threshold: int = 128 * _MiB
+    # How long (milliseconds) the engine waits between negotiation rounds when
+    # it has nothing to run: the window in which ready tensors are collected.
+    cycle_time_ms: float = 1.0
+    # Named operations remembered by the response cache; a step whose
+    # operations are all cached is negotiated with one tiny allreduce.
+    cache_capacity: int = 1024
+    # A tensor submitted by some ranks but not others for this long (seconds)
+    # is reported with the ranks that are missing.
+    stall_check_time_s: float = 60.0
+    # If positive: after this many seconds of such a stall the job aborts.
+    stall_shutdown_time_s: float = 0.0
+    # Write a Chrome-trace timeline of every tensor's phases to this file (rank 0).
+    timeline: str = ""
+    # Mark each engine cycle in the timeline.
+    timeline_mark_cycles: bool = False
 
 
 _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "ring_threshold": ("PSRT_RING_THRESHOLD",),
     "ring_segment": ("PSRT_RING_SEGMENT",),
-    "check_consistency": ("PSRT_CHECK_CONSISTENCY",),
     "abort_on_exception": ("PSRT_ABORT_ON_EXCEPTION",),
+    "fusion_threshold": ("PSRT_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"),
+    "cycle_time_ms": ("PSRT_CYCLE_TIME", "HOROVOD_CYCLE_TIME"),
+    "cache_capacity": ("PSRT_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"),
+    "stall_check_time_s": ("PSRT_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"),
+    "stall_shutdown_time_s": ("PSRT_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
+    "timeline": ("PSRT_TIMELINE", "HOROVOD_TIMELINE"),
+    "timeline_mark_cycles": ("PSRT_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES"),
 }
+# Sizes that make no sense at zero; every other number may be zero (0 = off).
+_POSITIVE = {"ring_threshold", "ring_segment", "stall_check_time_s"}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def _parse(name: str, raw: str, kind: type) -> object:
+def _parse(field: str, name: str, raw: str, kind: type) -> object:
     text = raw.strip().lower()
+    if kind is str:
+        return raw.strip()
     if kind is bool:
         if text in _TRUE:
             return True
@@ -54,11 +79,12 @@ def _parse(name: str, raw: str, kind: type) -> object:
             return False
         raise InvalidArgumentError(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise InvalidArgumentError(f"{name}={raw!r} is not an integer") from None
-    if value <= 0:
-        raise InvalidArgumentError(f"{name}={raw!r} must be positive")
+        raise InvalidArgumentError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") \
+            from None
+    if value < 0 or (value == 0 and field in _POSITIVE):
+        raise InvalidArgumentError(f"{name}={raw!r} must be {'positive' if field in _POSITIVE else '>= 0'}")
     return value
 
 
@@ -69,6 +95,6 @@ def config_from_env(env: Mapping[str, str] | None = None) -> Config:
     for field in fields(Config):
         for name in _ENV_NAMES[field.name]:
             if name in env:
-                values[field.name] = _parse(name, env[name], type(field.default))
+                values[field.name] = _parse(field.name, name, env[name], type(field.default))
                 break
     return Config(**values)

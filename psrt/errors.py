@@ -43,3 +43,7 @@ class CollectiveMismatchError(PsrtError, RuntimeError):
 
 class CommunicationError(PsrtError, RuntimeError):
     """The transport failed while carrying a collective or message."""
+
+
+class EngineStoppedError(PsrtError, RuntimeError):
+    """A collective was submitted or still pending when psrt was shut down on some rank."""

@@ -6,13 +6,15 @@ Horovod-shaped API (``psrt.rank()``, ``hvd.allreduce``...) reads it through
 """
 from __future__ import annotations
 
+import atexit
 import sys
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from psrt.comm import bootstrap
 from psrt.config import Config, config_from_env
-from psrt.errors import NotInitializedError
+from psrt.engine import Engine
+from psrt.errors import NotInitializedError, ProcessSetError
 from psrt.topology import ProcessSet, Topology
 
 #: The set of all ranks; usable once ``init()`` has run.
@@ -23,9 +25,11 @@ global_process_set = ProcessSet()
 class Runtime:
     config: Config
     topology: Topology
+    engine: Engine
 
 
 _runtime: Runtime | None = None
+_exit_hook_installed = False
 
 
 def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> None:
@@ -43,17 +47,29 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     hook_module = getattr(sys.excepthook, "__module__", "")
     if config.abort_on_exception and hook_module != bootstrap.__name__:
         bootstrap.install_abort_on_exception(layout.world)
-    _runtime = Runtime(config=config, topology=topology)
+    _runtime = Runtime(config=config, topology=topology, engine=Engine(topology, config))
+    global _exit_hook_installed
+    if not _exit_hook_installed:
+        # Stop the engine thread before mpi4py finalises MPI at exit (atexit runs
+        # handlers last-registered first, and mpi4py registered at import).
+        atexit.register(shutdown)
+        _exit_hook_installed = True
     for process_set in process_sets or ():
         topology.add_process_set(process_set)
 
 
 def shutdown() -> None:
-    """Release psrt's communicators; ``init()`` may be called again afterwards."""
+    """Stop the engine on every rank and release psrt's communicators; ``init()`` may be
+    called again afterwards.
+
+    Other ranks' pending collectives then fail with a message naming this rank,
+    rather than waiting for it forever.
+    """
     global _runtime
     if _runtime is not None:
-        _runtime.topology.free()
-        _runtime = None
+        runtime, _runtime = _runtime, None
+        runtime.engine.shutdown()
+        runtime.topology.free()
 
 
 def is_initialized() -> bool:
@@ -103,4 +119,28 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 
 def remove_process_set(process_set: ProcessSet) -> None:
-    current().topology.remove_process_set(process_set)
+    """Forget a process set (every rank of the world, same order); none of this rank's
+    operations on it may still be pending."""
+    runtime = current()
+    set_id = process_set.process_set_id if isinstance(process_set, ProcessSet) else None
+    pending = runtime.engine.pending_in(set_id) if set_id is not None else []
+    if pending:
+        raise ProcessSetError(f"cannot remove {process_set!r}: operations {pending} on it are "
+                              "still pending; synchronize them first")
+    runtime.topology.remove_process_set(process_set)
+
+
+def join() -> int:
+    """This rank has run out of data: until every rank has joined, contribute zeros to the
+    other ranks' allreduces.  Returns the last rank to join (the same on every rank)."""
+    return current().engine.join()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline (rank 0 writes it; call on every rank)."""
+    current().engine.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline and close its file (valid JSON from then on)."""
+    current().engine.stop_timeline()

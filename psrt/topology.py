@@ -78,6 +78,9 @@ class Topology:
     def __init__(self, world: Communicator, local: Communicator, cross: Communicator,
                  global_set: ProcessSet) -> None:
         self.world, self.local, self.cross = world, local, cross
+        # Registering process sets happens on the caller's thread while the engine
+        # thread runs collectives on the sets' communicators: it gets its own.
+        self._registry = world.split(0, key=world.rank)
         self._communicators: dict[int, Communicator | None] = {GLOBAL_PROCESS_SET_ID: world}
         # NCCL communicators, made on first use by (process set id, CUDA device index)
         self._device_communicators: dict[tuple[int, int], Communicator] = {}
@@ -100,14 +103,14 @@ class Topology:
         if out_of_range:
             raise ProcessSetError(f"process set ranks {out_of_range} are outside the world "
                                   f"of size {self.world.size}")
-        everyone = self.world.allgather_object(ranks)
+        everyone = self._registry.allgather_object(ranks)
         disagreeing = [r for r, theirs in enumerate(everyone) if theirs != ranks]
         if disagreeing:
             raise ProcessSetError(f"add_process_set called with different ranks: rank "
                                   f"{self.world.rank} passed {ranks}, rank {disagreeing[0]} "
                                   f"passed {everyone[disagreeing[0]]}")
         me = self.world.rank
-        comm = self.world.split(0 if me in ranks else None, key=me)
+        comm = self._registry.split(0 if me in ranks else None, key=me)
         set_id, self._next_id = self._next_id, self._next_id + 1
         self._communicators[set_id] = comm
         self._sets[set_id] = process_set
@@ -138,6 +141,10 @@ class Topology:
 
     def communicator_or_none(self, process_set: ProcessSet) -> Communicator | None:
         return self._registered(process_set)
+
+    def process_set(self, set_id: int) -> ProcessSet:
+        """The registered process set with this id."""
+        return self._sets[set_id]
 
     def communicator(self, process_set: ProcessSet) -> Communicator:
         """The communicator of ``process_set``; raises if the caller is not a member."""
@@ -173,5 +180,5 @@ class Topology:
             process_set._topology = None
             if set_id != GLOBAL_PROCESS_SET_ID:
                 process_set.process_set_id = None
-        for comm in (self.local, self.cross, self.world):
+        for comm in (self._registry, self.local, self.cross, self.world):
             comm.free()

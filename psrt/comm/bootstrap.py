@@ -83,17 +83,22 @@ def install_abort_on_exception(world: MpiCommunicator) -> None:
     """
     previous = sys.excepthook
 
-    def abort_job(kind: type[BaseException], exc: BaseException,
+    def abort_on_exception(kind: type[BaseException], exc: BaseException,
                   tb: TracebackType | None) -> None:
         try:
             previous(kind, exc, tb)
         except Exception:  # the user's hook failed: still show the error
             traceback.print_exception(kind, exc, tb)
         if world.size > 1:
-            how = describe_exception(exc)
-            print(FAILURE_MARKER.format(rank=world.rank, how=how), file=sys.stderr)
-            sys.stderr.flush()
-            sys.stdout.flush()
-            world.abort(1)
+            abort_job_with(world, describe_exception(exc))
 
-    sys.excepthook = abort_job
+    sys.excepthook = abort_on_exception
+
+
+def abort_job_with(world: MpiCommunicator, how: str) -> None:
+    """Print the failure marker psrun reports (``psrt: rank R failed: HOW``), then end
+    every process of the job."""
+    print(FAILURE_MARKER.format(rank=world.rank, how=how), file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    world.abort(1)

@@ -6,8 +6,8 @@ form returning a handle for :func:`poll` and :func:`synchronize`, and a
 """
 from psrt.errors import CollectiveMismatchError as HorovodInternalError
 from psrt.runtime import (add_process_set, cross_rank, cross_size, global_process_set, init,
-                          is_initialized, local_rank, local_size, rank, remove_process_set,
-                          shutdown, size)
+                          is_initialized, join, local_rank, local_size, rank, remove_process_set,
+                          shutdown, size, start_timeline, stop_timeline)
 from psrt.topology import ProcessSet
 from psrt.torch.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_,
                                   grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
@@ -30,6 +30,7 @@ __all__ = [
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built", "cross_size",
     "global_process_set", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
-    "is_initialized", "local_rank", "local_size", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "shutdown", "size", "synchronize",
+    "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
+    "reducescatter_async", "remove_process_set", "shutdown", "size", "start_timeline",
+    "stop_timeline", "synchronize",
 ]

@@ -1,35 +1,68 @@
-"""Pieces shared by every collective of the torch API."""
+"""Pieces shared by every collective of the torch API: turning a call into engine work."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from psrt import runtime
-from psrt.comm.base import Communicator, Request
+from psrt.comm.base import Communicator
+from psrt.engine import Announcement, Descriptor, Reduction, Work
 from psrt.topology import ProcessSet
-from psrt.torch.agreement import Descriptor, check_agreement
-from psrt.torch.handles import Pending, register
+from psrt.torch.handles import register
 
 
-def communicator(process_set: ProcessSet) -> Communicator:
-    """The caller's host communicator for ``process_set`` (raises before init or for
-    non-members); agreement checks and size exchanges run on it whatever the device."""
-    return runtime.current().topology.communicator(process_set)
+def set_ranks(process_set: ProcessSet) -> list[int]:
+    """The world ranks of ``process_set``; raises before init, for an unregistered set, or
+    when the caller is not a member."""
+    topology = runtime.current().topology
+    topology.communicator(process_set)
+    return topology.ranks_of(process_set)
 
 
-def transport(process_set: ProcessSet, tensor: torch.Tensor, host: Communicator) -> Communicator:
-    """The communicator that carries ``tensor``'s data: ``host`` (MPI) for CPU tensors, the
-    set's NCCL communicator for CUDA tensors."""
-    if tensor.is_cpu:
-        return host
-    return runtime.current().topology.transport(process_set, tensor.device)
+def make_work(collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
+              descriptor: Descriptor, device: torch.device, *,
+              buffer: torch.Tensor | None = None, reduction: Reduction | None = None,
+              execute: Callable[[Communicator, Communicator], object] | None = None,
+              finish: Callable[[object], object] = lambda value: value) -> Work:
+    """A work for the engine.  Unnamed ops get Horovod's counter-based name and stay out
+    of the response cache, since their names never repeat."""
+    engine = runtime.current().engine
+    announcement = Announcement(
+        key=(process_set.process_set_id, name if name is not None else engine.unnamed(collective)),
+        ranks=tuple(ranks), descriptor=(("collective", collective), *descriptor),
+        reduction=reduction, cacheable=name is not None)
+    return Work(announcement, device=device, buffer=buffer, execute=execute, finish=finish)
 
 
-def agree(comm: Communicator, name: str | None, descriptor: Descriptor) -> None:
-    """Cross-rank argument check, unless disabled with ``PSRT_CHECK_CONSISTENCY=0``."""
-    if runtime.current().config.check_consistency:
-        check_agreement(comm, name, descriptor)
+def submit(works: Work | Sequence[Work], blocking: bool,
+           combine: Callable[[list], object] | None = None) -> object:
+    """Hand works to the engine; wait and return the output, or return a handle.
+
+    Several works (grouped collectives) produce ``combine([outputs])``.
+    """
+    engine = runtime.current().engine
+    single = isinstance(works, Work)
+    group = [works] if single else list(works)
+    for work in group:
+        engine.submit(work)
+    handle = group[0] if single else WorkGroup(group, combine or list)
+    return handle.result() if blocking else register(handle)
+
+
+class WorkGroup:
+    """Works that complete together as one handle (grouped collectives)."""
+
+    def __init__(self, works: list[Work], combine: Callable[[list], object]) -> None:
+        self.works, self.combine = works, combine
+
+    def done(self) -> bool:
+        return all(work.done() for work in self.works)
+
+    def result(self) -> object:
+        for work in self.works:  # wait for all, even when one failed
+            work.wait()
+        return self.combine([work.result() for work in self.works])
 
 
 def contiguous_buffer(tensor: torch.Tensor) -> torch.Tensor:
@@ -64,9 +97,3 @@ def postscale_(tensor: torch.Tensor, average: bool, factor: float, set_size: int
         tensor.floor_divide_(set_size)
     else:
         scale_(tensor, factor / set_size if average else factor)
-
-
-def run(request: Request, finish: Callable[[], object], blocking: bool) -> object:
-    """Either wait and return the output, or register it and return a handle."""
-    pending = Pending(request, finish)
-    return pending.result() if blocking else register(pending)

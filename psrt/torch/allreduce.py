@@ -1,10 +1,10 @@
 """Allreduce and grouped allreduce on torch CPU tensors, Horovod-compatible.
 
-Every rank of the process set must call the same allreduces in the same order
-with the same shape, dtype, op and scale factors (checked before any data
-moves).  ``allreduce_`` on a contiguous tensor reduces in the tensor's own
-memory: no copy is added on that path, and the single-tensor path is kept
-short because its overhead is what small messages pay.
+Every call becomes a named work for the engine, which matches ranks by name
+(unnamed calls are named from a per-process counter), checks that shape,
+dtype, op and scale factors agree, and fuses allreduces that are ready
+together.  ``allreduce_`` on a contiguous tensor reduces in the tensor's own
+memory: no copy is added on that path.
 """
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from typing import Sequence
 
 import torch
 
-from psrt.comm.base import all_of
+from psrt.engine import Reduction
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import _common
 from psrt.torch.compression import Compression
-from psrt.torch.handles import Pending, register
 from psrt.torch.ops import ReduceOp, resolve_op, transport_op
 from psrt.torch.validation import check_name, check_scale, check_tensor, check_tensor_list
 
@@ -40,33 +39,40 @@ def _resolve(dtypes: Sequence[torch.dtype], name: object, op: object, average: o
     return op, pre, post
 
 
-def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
-               postscale_factor, process_set):
-    check_tensor(tensor)
-    op, pre, post = _resolve((tensor.dtype,), name, op, average, prescale_factor,
-                             postscale_factor)
-    host = _common.communicator(process_set)
-    _common.agree(host, name, (("collective", "allreduce"), ("dtype", tensor.dtype),
-                               ("shape", tensor.shape), ("cuda", tensor.is_cuda), ("op", op.name),
-                               ("prescale_factor", pre), ("postscale_factor", post)))
-    comm = _common.transport(process_set, tensor, host)
+def _allreduce_work(tensor: torch.Tensor, in_place: bool, name: str | None, op: ReduceOp,
+                    pre: float, post: float, process_set: ProcessSet, ranks: list[int]):
+    """The engine work reducing ``tensor`` (prescaled now; Average and postscale folded into
+    the reduction for floats, applied when finishing for integers)."""
     if in_place:
         buffer = _common.contiguous_buffer(tensor)
     else:
         buffer = tensor.detach().clone(memory_format=torch.contiguous_format)
     _common.scale_(buffer, pre)
-    fold = _folded_scale(buffer, op, post, comm.size)
+    fold = _folded_scale(buffer, op, post, len(ranks))
+    reduction = Reduction(set_id=process_set.process_set_id, device=str(tensor.device),
+                          dtype=tensor.dtype, shape=tuple(tensor.shape), op=transport_op(op),
+                          scale=1.0 if fold is None else fold)
 
-    def finish() -> torch.Tensor:
+    def finish(_: object) -> torch.Tensor:
         if fold is None:
-            _common.postscale_(buffer, op is ReduceOp.Average, post, comm.size)
+            _common.postscale_(buffer, op is ReduceOp.Average, post, len(ranks))
         return _common.write_back(tensor, buffer) if in_place else buffer
 
-    scale = 1.0 if fold is None else fold
-    if blocking:
-        comm.allreduce(buffer, transport_op(op), scale)
-        return finish()
-    return register(Pending(comm.iallreduce(buffer, transport_op(op), scale), finish))
+    descriptor = (("dtype", tensor.dtype), ("shape", tuple(tensor.shape)),
+                  ("device", tensor.device.type), ("op", op.name), ("prescale_factor", pre),
+                  ("postscale_factor", post))
+    return _common.make_work("allreduce", name, process_set, ranks, descriptor, tensor.device,
+                             buffer=buffer, reduction=reduction, finish=finish)
+
+
+def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
+               postscale_factor, process_set):
+    check_tensor(tensor)
+    op, pre, post = _resolve((tensor.dtype,), name, op, average, prescale_factor,
+                             postscale_factor)
+    ranks = _common.set_ranks(process_set)
+    work = _allreduce_work(tensor, in_place, name, op, pre, post, process_set, ranks)
+    return _common.submit(work, blocking)
 
 
 def _folded_scale(buffer: torch.Tensor, op: ReduceOp, post: float, set_size: int) -> float | None:
@@ -123,7 +129,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 # -- grouped -------------------------------------------------------------------------
 def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, postscale_factor,
              process_set):
-    """Reduce a list as one operation per dtype: tensors are packed into one flat buffer."""
+    """One allreduce per tensor, submitted together: the engine runs them in the same
+    cycle, fused where dtypes agree.  Members are named ``name.0``, ``name.1``..."""
     tensors = check_tensor_list(tensors)
     if not tensors:
         raise InvalidArgumentError("grouped_allreduce needs at least one tensor")
@@ -132,41 +139,10 @@ def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, po
     if len({t.device for t in tensors}) > 1:
         raise InvalidArgumentError(f"grouped_allreduce needs all tensors on one device, got "
                                    f"{sorted({str(t.device) for t in tensors})}")
-    host = _common.communicator(process_set)
-    _common.agree(host, name, (
-        ("collective", "grouped_allreduce"), ("dtypes", tuple(t.dtype for t in tensors)),
-        ("shapes", tuple(t.shape for t in tensors)), ("cuda", tensors[0].is_cuda),
-        ("op", op.name), ("prescale_factor", pre), ("postscale_factor", post)))
-    comm = _common.transport(process_set, tensors[0], host)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(index)
-    fused = {dtype: torch.cat([tensors[i].detach().reshape(-1) for i in members])
-             for dtype, members in by_dtype.items()}
-    requests = []
-    folds = {dtype: _folded_scale(buffer, op, post, comm.size) for dtype, buffer in fused.items()}
-    for dtype, buffer in fused.items():
-        _common.scale_(buffer, pre)
-        scale = 1.0 if folds[dtype] is None else folds[dtype]
-        if blocking:
-            comm.allreduce(buffer, transport_op(op), scale)
-        else:
-            requests.append(comm.iallreduce(buffer, transport_op(op), scale))
-
-    def finish() -> list[torch.Tensor]:
-        results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-        for dtype, members in by_dtype.items():
-            if folds[dtype] is None:
-                _common.postscale_(fused[dtype], op is ReduceOp.Average, post, comm.size)
-            pieces = fused[dtype].split([tensors[i].numel() for i in members])
-            for i, piece in zip(members, pieces):
-                piece = piece.view(tensors[i].shape)
-                results[i] = tensors[i].copy_(piece) if in_place else piece
-        return results
-
-    if blocking:
-        return finish()
-    return register(Pending(all_of(requests), finish))
+    ranks = _common.set_ranks(process_set)
+    works = [_allreduce_work(t, in_place, None if name is None else f"{name}.{i}", op, pre, post,
+                             process_set, ranks) for i, t in enumerate(tensors)]
+    return _common.submit(works, blocking)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,

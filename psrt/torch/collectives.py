@@ -1,10 +1,10 @@
 """Allgather, broadcast, alltoall, reducescatter and barrier on torch CPU tensors.
 
-Horovod-compatible names, arguments and semantics.  Every rank of the
-process set must call the same collectives in the same order; arguments that
-must agree across ranks are checked before any data moves, and ranks learn
-each other's first dimensions (allgather) or splits (alltoall) in the same
-step.
+Horovod-compatible names, arguments and semantics.  Each call becomes a named
+work for the engine, which matches ranks by name and checks that the
+arguments that must agree (dtype, shapes, root, op) do, before any data
+moves; ranks learn each other's first dimensions (allgather) or splits
+(alltoall) when the collective runs.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from psrt.comm.base import Communicator
 from psrt.errors import InvalidArgumentError
+from psrt import runtime
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import _common
@@ -21,19 +22,20 @@ from psrt.torch.ops import ReduceOp, resolve_op, transport_op
 from psrt.torch.validation import check_name, check_root, check_scale, check_splits, check_tensor
 
 
-def _prepare(collective: str, tensor: object, name: object, process_set: ProcessSet,
-             **agreed: object) -> tuple[torch.Tensor, Communicator, Communicator]:
-    """Validate, resolve the group, and agree on dtype, device and ``agreed`` across ranks.
-
-    Returns the tensor, the host communicator (for size exchanges) and the
-    communicator that carries the tensor's data.
-    """
+def _prepare(tensor: object, name: object,
+             process_set: ProcessSet) -> tuple[torch.Tensor, list[int]]:
+    """Validate on the calling rank; returns the tensor and the set's world ranks."""
     tensor = check_tensor(tensor)
     check_name(name)
-    host = _common.communicator(process_set)
-    _common.agree(host, name, (("collective", collective), ("dtype", tensor.dtype),
-                               ("cuda", tensor.is_cuda), *agreed.items()))
-    return tensor, host, _common.transport(process_set, tensor, host)
+    return tensor, _common.set_ranks(process_set)
+
+
+def _work(collective: str, tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
+          ranks: list[int], agreed: dict, execute, finish=lambda value: value):
+    """An engine work whose ranks must agree on dtype, device and ``agreed``."""
+    descriptor = (("dtype", tensor.dtype), ("device", tensor.device.type), *agreed.items())
+    return _common.make_work(collective, name, process_set, ranks, descriptor, tensor.device,
+                             execute=execute, finish=finish)
 
 
 def _rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
@@ -42,16 +44,23 @@ def _rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
 
 
 # -- allgather -------------------------------------------------------------------
-def _allgather(tensor, name, process_set, blocking):
-    tensor = check_tensor(tensor)
+def _allgather_work(tensor, name, process_set, ranks):
     rows, tail = _rows_and_tail(tensor)
-    tensor, host, comm = _prepare("allgather", tensor, name, process_set, trailing_shape=tail)
-    all_rows = host.exchange_counts([rows] * comm.size)
-    row = math.prod(tail)
-    output = torch.empty((sum(all_rows), *tail), dtype=tensor.dtype, device=tensor.device)
     send = _common.contiguous_buffer(tensor).reshape(-1)
-    request = comm.allgatherv(send, output.view(-1), [r * row for r in all_rows])
-    return _common.run(request, lambda: output, blocking)
+
+    def execute(host: Communicator, data: Communicator) -> torch.Tensor:
+        all_rows = host.exchange_counts([rows] * host.size)
+        output = torch.empty((sum(all_rows), *tail), dtype=tensor.dtype, device=tensor.device)
+        row = math.prod(tail)
+        data.allgatherv(send, output.view(-1), [r * row for r in all_rows]).wait()
+        return output
+
+    return _work("allgather", tensor, name, process_set, ranks, {"trailing_shape": tail}, execute)
+
+
+def _allgather(tensor, name, process_set, blocking):
+    tensor, ranks = _prepare(tensor, name, process_set)
+    return _common.submit(_allgather_work(tensor, name, process_set, ranks), blocking)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -67,17 +76,21 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 # -- broadcast -------------------------------------------------------------------
 def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
-    tensor = check_tensor(tensor)
-    root = check_root(root_rank, _common.communicator(process_set).size)
-    tensor, _, comm = _prepare("broadcast", tensor, name, process_set,
-                               shape=tuple(tensor.shape), root_rank=root)
+    tensor, ranks = _prepare(tensor, name, process_set)
+    root = check_root(root_rank, ranks)
     if in_place:
         buffer = _common.contiguous_buffer(tensor)
         target = tensor
     else:
         buffer = target = tensor.detach().clone(memory_format=torch.contiguous_format)
-    request = comm.broadcast(buffer, root)
-    return _common.run(request, lambda: _common.write_back(target, buffer), blocking)
+
+    def execute(host: Communicator, data: Communicator) -> None:
+        data.broadcast(buffer, ranks.index(root)).wait()
+
+    work = _work("broadcast", tensor, name, process_set, ranks,
+                 {"shape": tuple(tensor.shape), "root_rank": root}, execute,
+                 lambda _: _common.write_back(target, buffer))
+    return _common.submit(work, blocking)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -104,20 +117,23 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 # -- alltoall --------------------------------------------------------------------
 def _alltoall(tensor, splits, name, process_set, blocking):
-    tensor = check_tensor(tensor)
+    tensor, ranks = _prepare(tensor, name, process_set)
     if tensor.dim() == 0:
         raise InvalidArgumentError("alltoall needs a tensor with at least one dimension")
     rows, tail = _rows_and_tail(tensor)
-    splits = check_splits(splits, rows, _common.communicator(process_set).size)
-    tensor, host, comm = _prepare("alltoall", tensor, name, process_set, trailing_shape=tail)
-    received = host.exchange_counts(splits)
-    row = math.prod(tail)
-    output = torch.empty((sum(received), *tail), dtype=tensor.dtype, device=tensor.device)
+    splits = check_splits(splits, rows, len(ranks))
     send = _common.contiguous_buffer(tensor).reshape(-1)
-    request = comm.alltoallv(send, [s * row for s in splits], output.view(-1),
-                             [r * row for r in received])
-    received_splits = torch.tensor(received, dtype=torch.int32)
-    return _common.run(request, lambda: (output, received_splits), blocking)
+    row = math.prod(tail)
+
+    def execute(host: Communicator, data: Communicator) -> tuple[torch.Tensor, torch.Tensor]:
+        received = host.exchange_counts(splits)
+        output = torch.empty((sum(received), *tail), dtype=tensor.dtype, device=tensor.device)
+        data.alltoallv(send, [s * row for s in splits], output.view(-1),
+                       [r * row for r in received]).wait()
+        return output, torch.tensor(received, dtype=torch.int32)
+
+    work = _work("alltoall", tensor, name, process_set, ranks, {"trailing_shape": tail}, execute)
+    return _common.submit(work, blocking)
 
 
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
@@ -141,34 +157,43 @@ def reducescatter_rows(rows: int, set_size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(set_size)]
 
 
+def _reducescatter_work(tensor, name, op, pre, post, process_set, ranks):
+    rows, tail = _rows_and_tail(tensor)
+    row = math.prod(tail)
+    kept = reducescatter_rows(rows, len(ranks))
+    me = ranks.index(runtime.rank())
+    send = _common.contiguous_buffer(tensor)
+    if pre != 1.0:
+        send = send.clone()
+        _common.scale_(send, pre)
+    output = torch.empty((kept[me], *tail), dtype=tensor.dtype, device=tensor.device)
+
+    def execute(host: Communicator, data: Communicator) -> None:
+        data.reduce_scatter(send.view(-1), output.view(-1), [k * row for k in kept],
+                            transport_op(op)).wait()
+
+    def finish(_: object) -> torch.Tensor:
+        _common.postscale_(output, op is ReduceOp.Average, post, len(ranks))
+        return output
+
+    agreed = {"shape": tuple(tensor.shape), "op": op.name, "prescale_factor": pre,
+              "postscale_factor": post}
+    return _work("reducescatter", tensor, name, process_set, ranks, agreed, execute, finish)
+
+
 def _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_factor, blocking):
-    tensor = check_tensor(tensor)
+    tensor, ranks = _prepare(tensor, name, process_set)
     if tensor.dim() == 0:
         raise InvalidArgumentError("reducescatter needs a tensor with at least one dimension")
     op = resolve_op(op)
     if tensor.dtype == torch.bool:
         raise InvalidArgumentError("reducescatter is not defined for bool tensors")
+    if op not in (ReduceOp.Sum, ReduceOp.Average):
+        raise InvalidArgumentError(f"reducescatter supports only Sum and Average, got {op.name}")
     pre = check_scale(prescale_factor, "prescale_factor")
     post = check_scale(postscale_factor, "postscale_factor")
-    tensor, _, comm = _prepare("reducescatter", tensor, name, process_set,
-                               shape=tuple(tensor.shape), op=op.name, prescale_factor=pre,
-                               postscale_factor=post)
-    rows, tail = _rows_and_tail(tensor)
-    row = math.prod(tail)
-    kept = reducescatter_rows(rows, comm.size)
-    send = _common.contiguous_buffer(tensor)
-    if pre != 1.0:
-        send = send.clone()
-        _common.scale_(send, pre)
-    output = torch.empty((kept[comm.rank], *tail), dtype=tensor.dtype, device=tensor.device)
-    request = comm.reduce_scatter(send.view(-1), output.view(-1), [k * row for k in kept],
-                                  transport_op(op))
-
-    def finish() -> torch.Tensor:
-        _common.postscale_(output, op is ReduceOp.Average, post, comm.size)
-        return output
-
-    return _common.run(request, finish, blocking)
+    work = _reducescatter_work(tensor, name, op, pre, post, process_set, ranks)
+    return _common.submit(work, blocking)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
@@ -188,7 +213,15 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
 
 # -- barrier -------------------------------------------------------------------------
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Return once every rank of the process set has called barrier."""
-    comm = _common.communicator(process_set)
-    _common.agree(comm, "barrier", (("collective", "barrier"),))
-    comm.barrier().wait()
+    """Return once every rank of the process set has called barrier.
+
+    It runs through the engine like any collective, so outstanding async
+    operations keep progressing around it.
+    """
+    ranks = _common.set_ranks(process_set)
+
+    def execute(host: Communicator, data: Communicator) -> None:
+        host.barrier().wait()
+
+    _common.submit(_common.make_work("barrier", "barrier", process_set, ranks, (),
+                                     torch.device("cpu"), execute=execute), True)

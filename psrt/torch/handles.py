@@ -6,54 +6,52 @@ releases the handle and returns the collective's output.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+import threading
+from typing import Protocol
 
-from psrt.comm.base import Request
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 
 
-class Pending:
-    """A collective started on the transport, and how to produce its output once done."""
+class Completion(Protocol):
+    """What a handle stands for: an engine work, or several completing together."""
 
-    __slots__ = ("request", "finish")
+    def done(self) -> bool: ...
 
-    def __init__(self, request: Request, finish: Callable[[], object]) -> None:
-        self.request = request
-        self.finish = finish
-
-    def result(self) -> object:
-        self.request.wait()
-        return self.finish()
+    def result(self) -> object: ...
 
 
-_pending: dict[int, Pending] = {}
+_pending: dict[int, Completion] = {}
 _counter = itertools.count()
+_lock = threading.Lock()
 
 
-def register(pending: Pending) -> int:
-    handle = next(_counter)
-    _pending[handle] = pending
+def register(completion: Completion) -> int:
+    with _lock:
+        handle = next(_counter)
+        _pending[handle] = completion
     return handle
 
 
-def _lookup(handle: object) -> Pending:
+def _lookup(handle: object) -> Completion:
     if isinstance(handle, bool) or not isinstance(handle, int):
         raise ArgumentTypeError(f"handle must be the int returned by an *_async call, got "
                                 f"{type(handle).__name__}")
-    if handle not in _pending:
+    completion = _pending.get(handle)
+    if completion is None:
         raise InvalidArgumentError(f"handle {handle} is unknown or was already synchronized")
-    return _pending[handle]
+    return completion
 
 
 def poll(handle: int) -> bool:
     """True if the asynchronous operation behind ``handle`` has completed."""
-    return _lookup(handle).request.test()
+    return _lookup(handle).done()
 
 
 def synchronize(handle: int) -> object:
     """Wait for the operation behind ``handle``, release the handle, return its output."""
-    pending = _lookup(handle)
+    completion = _lookup(handle)
     try:
-        return pending.result()
+        return completion.result()
     finally:
-        del _pending[handle]
+        with _lock:
+            _pending.pop(handle, None)

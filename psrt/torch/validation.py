@@ -54,13 +54,14 @@ def check_scale(value: object, what: str) -> float:
     return float(value)
 
 
-def check_root(root_rank: object, set_size: int) -> int:
+def check_root(root_rank: object, set_ranks: Sequence[int]) -> int:
+    """``root_rank`` is a global rank, as in Horovod, and must belong to the process set."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral):
         raise ArgumentTypeError(f"root_rank must be an int, got {root_rank!r} "
                                 f"({type(root_rank).__name__})")
-    if not 0 <= root_rank < set_size:
-        raise InvalidArgumentError(f"root_rank {root_rank} is out of range for a process set of "
-                                   f"size {set_size} (valid: 0..{set_size - 1})")
+    if root_rank not in set_ranks:
+        raise InvalidArgumentError(f"root_rank {root_rank} is not a member of the process set "
+                                   f"(ranks {list(set_ranks)})")
     return int(root_rank)
 
 

@@ -29,7 +29,8 @@ WRONG_TYPES = [
 ]
 BAD_VALUES = [
     "value/grouped_allreduce_empty_list", "value/op_unknown", "value/op_adasum",
-    "value/grouped_op_adasum", "value/reducescatter_op_unknown", "value/op_and_average",
+    "value/grouped_op_adasum", "value/reducescatter_op_unknown", "value/reducescatter_op_min",
+    "value/op_and_average",
     "value/broadcast_root_out_of_range", "value/broadcast_root_negative",
     "value/broadcast_inplace_root_out_of_range", "value/broadcast_async_root_out_of_range",
     "value/alltoall_0d", "value/reducescatter_0d",

@@ -100,7 +100,7 @@ def expected_collectives(np: int) -> set[str]:
     names |= set(BROADCAST_VARIANTS)
     names |= {f"alltoall/{d}" for d in DTYPES} | {f"alltoall_even/{d}" for d in DTYPES}
     names |= set(ALLTOALL_VARIANTS)
-    names |= {f"reducescatter/{d}/{op}" for d in NUMERIC for op in OPS}
+    names |= {f"reducescatter/{d}/{op}" for d in NUMERIC for op in ("Sum", "Average")}
     names |= {f"reducescatter_rows/{label}" for label in REDUCESCATTER_ROWS}
     names |= set(REDUCESCATTER_VARIANTS)
     names |= {f"process_set/{name}" for name in PROCESS_SET} | {f"async/{name}" for name in ASYNC}
@@ -213,7 +213,7 @@ def test_alltoall_variant_matches_numpy(parallel_jobs, np, check):
     collectives(parallel_jobs, np).assert_ok(check)
 
 
-@pytest.mark.parametrize("np, dtype, op", cases([(d, op) for d in NUMERIC for op in OPS]))
+@pytest.mark.parametrize("np, dtype, op", cases([(d, op) for d in NUMERIC for op in ("Sum", "Average")]))
 def test_reducescatter_matches_numpy(parallel_jobs, np, dtype, op):
     collectives(parallel_jobs, np).assert_ok(f"reducescatter/{dtype}/{op}")
 

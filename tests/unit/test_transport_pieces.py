@@ -7,7 +7,7 @@ from psrt.comm.bootstrap import describe_exception, launched_by_mpi
 from psrt.comm.ring import chunk_bounds
 from psrt.config import Config, config_from_env
 from psrt.errors import InvalidArgumentError
-from psrt.torch.agreement import describe_mismatch, signature
+from psrt.engine.mismatch import describe_mismatch
 from psrt.torch.collectives import reducescatter_rows
 
 
@@ -27,25 +27,36 @@ def test_reducescatter_gives_the_first_ranks_one_extra_row_like_horovod():
 
 def test_config_reads_psrt_variables_and_rejects_bad_values():
     assert config_from_env({}) == Config()
-    config = config_from_env({"PSRT_RING_THRESHOLD": "1024", "PSRT_CHECK_CONSISTENCY": "off"})
-    assert config.ring_threshold == 1024 and config.check_consistency is False
+    config = config_from_env({"PSRT_RING_THRESHOLD": "1024", "PSRT_ABORT_ON_EXCEPTION": "off",
+                              "PSRT_CYCLE_TIME": "0.5", "PSRT_FUSION_THRESHOLD": "0",
+                              "PSRT_TIMELINE": "/tmp/t.json"})
+    assert (config.ring_threshold, config.abort_on_exception) == (1024, False)
+    assert (config.cycle_time_ms, config.fusion_threshold, config.timeline) == (0.5, 0, "/tmp/t.json")
     with pytest.raises(InvalidArgumentError, match="PSRT_RING_SEGMENT='big'"):
         config_from_env({"PSRT_RING_SEGMENT": "big"})
     with pytest.raises(InvalidArgumentError, match="boolean"):
-        config_from_env({"PSRT_CHECK_CONSISTENCY": "maybe"})
+        config_from_env({"PSRT_ABORT_ON_EXCEPTION": "maybe"})
+    with pytest.raises(InvalidArgumentError, match="PSRT_RING_THRESHOLD='0' must be positive"):
+        config_from_env({"PSRT_RING_THRESHOLD": "0"})
+    with pytest.raises(InvalidArgumentError, match="PSRT_STALL_SHUTDOWN_TIME='-1' must be >= 0"):
+        config_from_env({"PSRT_STALL_SHUTDOWN_TIME": "-1"})
 
 
-def test_signature_is_stable_and_distinguishes_descriptors():
-    a = (("collective", "allreduce"), ("shape", (2, 3)))
-    assert signature(a) == signature(tuple(a))
-    assert signature(a) != signature((("collective", "allreduce"), ("shape", (3, 2))))
+def test_config_accepts_horovod_names_and_prefers_psrt_ones():
+    config = config_from_env({"HOROVOD_FUSION_THRESHOLD": "1024", "HOROVOD_CYCLE_TIME": "5",
+                              "HOROVOD_STALL_CHECK_TIME_SECONDS": "7",
+                              "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "9"})
+    assert (config.fusion_threshold, config.cycle_time_ms) == (1024, 5.0)
+    assert (config.stall_check_time_s, config.stall_shutdown_time_s) == (7.0, 9.0)
+    both = config_from_env({"HOROVOD_FUSION_THRESHOLD": "1024", "PSRT_FUSION_THRESHOLD": "2048"})
+    assert both.fusion_threshold == 2048
 
 
 def test_mismatch_message_names_tensor_ranks_and_values():
     base = (("collective", "allreduce"), ("dtype", "torch.float32"))
-    message = describe_mismatch("grad.fc1", [base + (("shape", (4, 3)),),
-                                             base + (("shape", (4, 3)),),
-                                             base + (("shape", (5, 3)),)])
+    message = describe_mismatch("grad.fc1", {0: base + (("shape", (4, 3)),),
+                                             1: base + (("shape", (4, 3)),),
+                                             2: base + (("shape", (5, 3)),)})
     assert "allreduce of tensor 'grad.fc1'" in message
     assert "shape differs: ranks 0,1 have (4, 3); rank 2 has (5, 3)" in message
     assert "dtype" not in message

@@ -89,16 +89,17 @@ def allgather(key: str) -> None:
 
 
 def broadcast(key: str) -> None:
-    """``root_rank`` counts within the set: root 1 of [0, 2] is world rank 2."""
+    """``root_rank`` is a global rank, as in Horovod: world rank 2 is the second of [0, 2]."""
+    members = _members(hvd.size())
     for label, process_set, me, count in _each_set_i_am_in():
-        for root in range(count):
+        for index, root in enumerate(members[label]):
             what = f"{key} {label} root {root}"
             inputs = [sample(what, r, torch.float32, (2, 3)) for r in range(count)]
             assert_equal(hvd.broadcast(inputs[me], root_rank=root, name=what,
-                                       process_set=process_set), inputs[root], what)
+                                       process_set=process_set), inputs[index], what)
             mine = inputs[me].clone()
             hvd.broadcast_(mine, root_rank=root, name=what + "_", process_set=process_set)
-            assert_equal(mine, inputs[root], what + " (in place)")
+            assert_equal(mine, inputs[index], what + " (in place)")
 
 
 def alltoall(key: str) -> None:

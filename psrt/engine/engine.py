@@ -1,0 +1,338 @@
+"""The background engine: a thread per process through which every collective runs.
+
+Callers submit named :class:`Work` and return at once.  Each cycle the engine
+drains what was submitted, negotiates with the other ranks (see
+:mod:`psrt.engine.negotiation`) which works are ready on every member of their
+process set, and runs those in the agreed order — allreduces fused into as few
+messages as the fusion threshold allows.  Ranks may therefore submit the same
+named collectives in different orders, as gradients become ready in different
+orders.
+
+The engine never lets a job hang silently: disagreeing arguments fail the
+work on every rank with one message; a work some ranks never submit is
+reported after ``stall_check_time_s`` (rank 0 logs it, naming the missing
+ranks) and, if ``stall_shutdown_time_s`` is set, ends the job; a failure of the
+engine itself aborts the job.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+
+import torch
+
+from psrt.comm import bootstrap
+from psrt.comm.base import Communicator, Request
+from psrt.config import Config
+from psrt.engine import fusion
+from psrt.engine.negotiation import Negotiator, Response
+from psrt.engine.timeline import Timeline
+from psrt.engine.work import Work, WorkKey
+from psrt.errors import CollectiveMismatchError, EngineStoppedError, InvalidArgumentError
+
+logger = logging.getLogger("psrt")
+
+# A work still waiting for other ranks after this long is announced through the
+# slow path, so that the shared table (and the stall report) knows of it.
+_REPORT_AFTER_S = 1.0
+_STALL_CHECK_INTERVAL_S = 1.0
+_BRIEF_WAIT_CYCLES = 10
+# A negotiation message is polled this long before the engine starts sleeping
+# between polls: most rounds complete within it.
+_SPIN_S = 100e-6
+
+
+class Engine:
+    def __init__(self, topology, config: Config) -> None:
+        self._topology = topology
+        self._config = config
+        world = topology.world
+        self._world = world
+        self.rank = world.rank
+        self._negotiator = Negotiator(world.split(0, key=world.rank), config.cache_capacity)
+        self._lock = threading.Lock()
+        self._queue: list[Work] = []
+        self._in_flight: set[WorkKey] = set()
+        self._wake = threading.Event()
+        self._stopped: str | None = None
+        self._stop_requested = False
+        self._join_requested = False
+        self._join_done = threading.Event()
+        self._join_value: int | BaseException | None = None
+        self._unnamed = itertools.count()
+        # Engine thread only:
+        self._local: dict[WorkKey, Work] = {}
+        self._fusion = fusion.FusionBuffers()
+        self._report_after = min(_REPORT_AFTER_S, config.stall_check_time_s / 4)
+        self._next_stall_check = 0.0
+        self._next_stall_warning = 0.0
+        self._timeline: Timeline | None = None
+        if config.timeline:
+            self.start_timeline(config.timeline, config.timeline_mark_cycles)
+        self._thread = threading.Thread(target=self._run, name="psrt-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side --------------------------------------------------------------
+    def unnamed(self, collective: str) -> str:
+        """Horovod's name for an unnamed op: from a per-process counter, so that ranks
+        running the same program agree without names."""
+        return f"{collective}.noname.{next(self._unnamed)}"
+
+    def submit(self, work: Work) -> Work:
+        with self._lock:
+            if self._stopped is not None:
+                raise EngineStoppedError(f"cannot run {self._what(work)}: {self._stopped}")
+            if work.key in self._in_flight:
+                raise InvalidArgumentError(
+                    f"{self._what(work)} is already pending on rank {self.rank}: a name may be "
+                    "submitted again only after the previous operation completed")
+            self._in_flight.add(work.key)
+            self._queue.append(work)
+        self._wake.set()
+        return work
+
+    def join(self) -> int:
+        """Block until every rank has joined; meanwhile contribute zeros to allreduces.
+        Returns the last rank to join."""
+        with self._lock:
+            if self._stopped is not None:
+                raise EngineStoppedError(f"cannot join: {self._stopped}")
+            self._join_done.clear()
+            self._join_requested = True
+        self._wake.set()
+        self._join_done.wait()
+        if isinstance(self._join_value, BaseException):
+            raise self._join_value
+        return self._join_value
+
+    def pending_in(self, set_id: int) -> list[str]:
+        """Names of this rank's unfinished works on a process set."""
+        with self._lock:
+            return sorted(name for sid, name in self._in_flight if sid == set_id)
+
+    def shutdown(self) -> None:
+        """Stop the engine on every rank (collectively, at the next cycle) and wait."""
+        with self._lock:
+            self._stop_requested = True
+        self._wake.set()
+        self._thread.join()
+        self.stop_timeline()
+        self._negotiator.comm.free()
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Write a timeline to ``path`` (on rank 0; other ranks ignore the call)."""
+        if self.rank == 0:
+            self.stop_timeline()
+            self._timeline = Timeline(path, self.rank, mark_cycles)
+
+    def stop_timeline(self) -> None:
+        timeline, self._timeline = self._timeline, None
+        if timeline is not None:
+            timeline.close()
+
+    @staticmethod
+    def _what(work: Work) -> str:
+        collective = dict(work.announcement.descriptor).get("collective", "collective")
+        return f"{collective} of tensor '{work.name}'"
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # never leave callers waiting on a dead engine
+            how = f"psrt engine failed: {bootstrap.describe_exception(exc)}"
+            logger.exception("psrt: rank %d: %s", self.rank, how)
+            self._stop(how)
+            if self._config.abort_on_exception and self._world.size > 1:
+                bootstrap.abort_job_with(self._world, how)
+
+    def _loop(self) -> None:
+        idle = False
+        join_sent = stop_sent = False
+        cycle_s = self._config.cycle_time_ms / 1000
+        while True:
+            if idle:
+                self._wake.wait(cycle_s)
+            self._wake.clear()
+            if self._timeline is not None:
+                self._timeline.cycle(time.perf_counter())
+            with self._lock:
+                arrived, self._queue = self._queue, []
+                join = self._join_requested and not join_sent
+                stop = self._stop_requested and not stop_sent
+            fresh = self._accept(arrived)
+            result = self._negotiator.round(self._local, fresh, join, stop, _wait_politely)
+            join_sent, stop_sent = join_sent or join, stop_sent or stop
+            now = time.perf_counter()
+            for work in self._local.values():
+                if work.negotiated is None:
+                    work.negotiated = now
+            self._execute(result.responses)
+            if result.join_completed is not None:
+                self._join_value, join_sent = result.join_completed, False
+                with self._lock:
+                    self._join_requested = False
+                self._join_done.set()
+            self._inspect_stalls()
+            if result.shutdown_by:
+                self._stop(f"psrt was shut down by rank{'s' if len(result.shutdown_by) > 1 else ''} "
+                           f"{', '.join(map(str, result.shutdown_by))}")
+                return
+            idle = not result.responses and not self._queue and not self._waiting_briefly()
+
+    def _waiting_briefly(self) -> bool:
+        """Whether a local work has been waiting for other ranks only a few cycles.
+
+        Rounds are collective, so a rank that sleeps a cycle delays every other
+        rank's next round: while its works are likely to become ready soon, a
+        rank goes straight to the next round (which waits, without spinning,
+        for the others to arrive).  Long waits fall back to one round per cycle.
+        """
+        recent = time.perf_counter() - _BRIEF_WAIT_CYCLES * self._config.cycle_time_ms / 1000
+        return any(work.submitted > recent for work in self._local.values())
+
+    def _accept(self, arrived: list[Work]) -> list[Work]:
+        """Take in new works; return those to announce now: unknown to the cache, or
+        waiting for other ranks for long."""
+        fresh = []
+        for work in arrived:
+            self._local[work.key] = work
+            if self._negotiator.cache.lookup(work.announcement) is None:
+                fresh.append(work)
+        overdue = time.perf_counter() - self._report_after
+        seen = set(map(id, fresh))
+        fresh += [w for w in self._local.values()
+                  if not w.reported and w.submitted < overdue and id(w) not in seen]
+        return fresh
+
+    # -- execution --------------------------------------------------------------------------
+    def _execute(self, responses: list[Response]) -> None:
+        now = time.perf_counter()
+        for response in responses:
+            work = self._local.get(response.announcement.key)
+            if work is not None:
+                work.ready = now
+        for batch in fusion.plan(responses, self._config.fusion_threshold):
+            if batch.fused:
+                self._allreduce(batch.responses)
+            else:
+                self._run_one(batch.responses[0])
+
+    def _take(self, response: Response) -> Work | None:
+        return self._local.pop(response.announcement.key, None)
+
+    def _allreduce(self, responses: list[Response]) -> None:
+        first = responses[0].announcement
+        if self.rank not in first.ranks:
+            return
+        works = [self._take(r) for r in responses]
+        # A member without the work has joined: it contributes zeros.
+        buffers = [w.buffer if w is not None else r.announcement.reduction.zeros()
+                   for w, r in zip(works, responses)]
+        reduction = first.reduction
+        comm = self._data_comm(reduction.set_id, buffers[0].device)
+        start = time.perf_counter()
+        flat = buffers[0].view(-1) if len(buffers) == 1 else fusion.contiguous_span(buffers)
+        staged = flat is None
+        if staged:
+            flat = self._fusion.get(reduction.dtype, buffers[0].device, sum(b.numel() for b in buffers))
+            fusion.pack(buffers, flat)
+        packed = time.perf_counter()
+        comm.allreduce(flat, reduction.op, reduction.scale)
+        reduced = time.perf_counter()
+        if staged:
+            fusion.unpack(flat, buffers)
+        end = time.perf_counter()
+        phases = (("MEMCPY_IN_FUSION_BUFFER", start, packed), ("ALLREDUCE", packed, reduced),
+                  ("MEMCPY_OUT_FUSION_BUFFER", reduced, end)) if staged else (("ALLREDUCE", start, end),)
+        for work in works:
+            if work is not None:
+                self._finish(work, None, None, phases)
+
+    def _run_one(self, response: Response) -> None:
+        work = self._take(response)
+        if work is None:
+            return
+        if response.error is not None:
+            self._finish(work, None, CollectiveMismatchError(response.error), ())
+            return
+        collective = dict(work.announcement.descriptor).get("collective", "collective")
+        set_id = work.announcement.key[0]
+        host = self._host_comm(set_id)
+        data = self._data_comm(set_id, work.device)
+        start = time.perf_counter()
+        value = work.execute(host, data)
+        self._finish(work, value, None, ((collective.upper(), start, time.perf_counter()),))
+
+    def _host_comm(self, set_id: int) -> Communicator:
+        return self._topology.communicator(self._topology.process_set(set_id))
+
+    def _data_comm(self, set_id: int, device: torch.device) -> Communicator:
+        return self._topology.transport(self._topology.process_set(set_id), device)
+
+    def _finish(self, work: Work, value: object, error: BaseException | None,
+                phases: tuple) -> None:
+        with self._lock:
+            self._in_flight.discard(work.key)
+        if self._timeline is not None:
+            self._record(work, phases)
+        if error is None:
+            work.complete(value)
+        else:
+            work.fail(error)
+
+    def _record(self, work: Work, phases: tuple) -> None:
+        timeline = self._timeline
+        negotiated = work.negotiated or work.submitted
+        ready = work.ready or negotiated
+        start = phases[0][1] if phases else ready
+        timeline.phase(work.name, "NEGOTIATE", work.submitted, negotiated)
+        timeline.phase(work.name, "WAIT_FOR_OTHER_RANKS", negotiated, ready)
+        timeline.phase(work.name, "QUEUE", ready, start)
+        for phase, begin, end in phases:
+            timeline.phase(work.name, phase, begin, end)
+
+    # -- stalls and stopping ----------------------------------------------------------------------
+    def _inspect_stalls(self) -> None:
+        """On rank 0: warn about works some ranks never submitted; abort if configured."""
+        now = time.monotonic()
+        if self.rank != 0 or now < self._next_stall_check:
+            return
+        self._next_stall_check = now + min(_STALL_CHECK_INTERVAL_S, self._config.stall_check_time_s / 4)
+        stalled = self._negotiator.stalled(self._config.stall_check_time_s)
+        if not stalled:
+            return
+        lines = [f"{dict(a.descriptor).get('collective', 'collective')} of tensor '{a.name}' for "
+                 f"{age:.0f} s: submitted by ranks {have}, missing ranks {missing}"
+                 for a, age, have, missing in stalled]
+        message = ("stall: some ranks have not submitted these collectives (a rank may be "
+                   "stuck, or ranks are calling different collectives): " + "; ".join(lines))
+        limit = self._config.stall_shutdown_time_s
+        if limit > 0 and max(age for _, age, _, _ in stalled) >= limit:
+            bootstrap.abort_job_with(self._world, f"{message} (PSRT_STALL_SHUTDOWN_TIME={limit:g} s)")
+        if now >= self._next_stall_warning:
+            logger.warning("psrt: %s", message)
+            self._next_stall_warning = now + self._config.stall_check_time_s
+
+    def _stop(self, reason: str) -> None:
+        with self._lock:
+            self._stopped = reason
+            abandoned = list(self._local.values()) + self._queue
+            self._local, self._queue = {}, []
+            self._in_flight.clear()
+        for work in abandoned:
+            work.fail(EngineStoppedError(f"{self._what(work)} did not complete: {reason}"))
+        if self._join_requested and not self._join_done.is_set():
+            self._join_value = EngineStoppedError(f"join did not complete: {reason}")
+            self._join_done.set()
+
+
+def _wait_politely(request: Request) -> None:
+    """Wait for a negotiation message without spinning a core: ranks reach a round at
+    different times, and a busy wait would steal the CPU the training step needs."""
+    spin_until = time.perf_counter() + _SPIN_S
+    while not request.test():
+        if time.perf_counter() > spin_until:
+            time.sleep(2e-5)

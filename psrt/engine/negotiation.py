@@ -1,0 +1,197 @@
+"""Negotiation: every rank learns which named works are ready on all ranks of their set.
+
+Each engine cycle is one round, run by every rank of the world in lockstep on
+the engine's own communicator:
+
+* **Fast path** (the steady state of a training loop).  Works seen before sit
+  in the :class:`ResponseCache`, identical on every rank.  One small
+  MIN-allreduce of two bytes per cached entry (``ready`` and ``absent``) tells
+  every rank which cached works are ready everywhere, plus one control byte
+  saying whether anybody needs the slow path.
+* **Slow path** (new names, new shapes, joins, shutdown, or a work that has
+  waited long).  Ranks allgather announcements of their works not yet
+  announced.  Every rank then runs the same deterministic coordinator logic on
+  the same messages — a replicated coordinator, which saves Horovod's separate
+  gather and broadcast — so all ranks keep an identical table of partially
+  submitted works, and decide the same responses, cache entries and errors in
+  the same order.
+
+A work is resolved either by the fast path (every member still has it
+unannounced) or by the table (it was announced), never both.  Ranks that have
+joined count as ready for allreduces and contribute zeros.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from psrt.comm.base import Communicator, ReduceOp, Request
+from psrt.engine.work import Announcement, Work, WorkKey
+from psrt.engine.mismatch import describe_mismatch
+
+
+class ResponseCache:
+    """Announcements that completed before, in the same order on every rank.
+
+    Entries are only added from negotiation results, which every rank computes
+    identically, so an entry's index is the same everywhere and a bit per entry
+    is enough to negotiate it.  Full means no new entries (new works then take
+    the slow path every time), never eviction, which would need another round.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: list[Announcement] = []
+        self._index: dict[WorkKey, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, announcement: Announcement) -> int | None:
+        """The entry's index if the same work (key and descriptor) is cached."""
+        index = self._index.get(announcement.key)
+        if index is not None and self.entries[index] == announcement:
+            return index
+        return None
+
+    def add(self, announcement: Announcement) -> None:
+        if len(self.entries) < self.capacity and announcement.key not in self._index:
+            self._index[announcement.key] = len(self.entries)
+            self.entries.append(announcement)
+
+
+@dataclass
+class Response:
+    """A decision every rank reached: run this work now, or fail it with ``error``."""
+
+    announcement: Announcement
+    error: str | None = None
+
+
+@dataclass
+class _Pending:
+    """A work announced by some ranks, waiting in the shared table for the others."""
+
+    first_seen: float
+    by_rank: dict[int, Announcement] = field(default_factory=dict)
+
+
+@dataclass
+class RoundResult:
+    responses: list[Response]
+    join_completed: int | None = None  # the last rank to join, once every rank has
+    shutdown_by: list[int] = field(default_factory=list)
+
+
+class Negotiator:
+    """The negotiation state of one rank; identical on every rank after each round."""
+
+    def __init__(self, comm: Communicator, cache_capacity: int) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.cache = ResponseCache(cache_capacity)
+        self.table: dict[WorkKey, _Pending] = {}
+        self.joined: list[int] = []
+
+    # -- the fast path -------------------------------------------------------------
+    def _fast_vector(self, local: dict[WorkKey, Work]) -> np.ndarray:
+        entries = self.cache.entries
+        vector = np.ones(1 + 2 * len(entries), dtype=np.uint8)
+        ready, absent = vector[1:1 + len(entries)], vector[1 + len(entries):]
+        joined = self.rank in self.joined
+        for i, entry in enumerate(entries):
+            work = local.get(entry.key)
+            if work is not None and not work.reported and work.announcement == entry:
+                absent[i] = 0
+            elif self.rank in entry.ranks and not (joined and entry.reduction is not None):
+                ready[i] = 0
+        return vector
+
+    def _fast_round(self, local: dict[WorkKey, Work], need_slow: bool,
+                    wait: Callable[[Request], None]) -> tuple[list[Response], bool]:
+        vector = self._fast_vector(local)
+        vector[0] = 0 if need_slow else 1
+        tensor = torch.from_numpy(vector)
+        wait(self.comm.iallreduce(tensor, ReduceOp.MIN))
+        n = len(self.cache)
+        ready, absent = vector[1:1 + n], vector[1 + n:]
+        hits = np.flatnonzero(ready & (absent == 0))
+        return [Response(self.cache.entries[i]) for i in hits.tolist()], vector[0] == 0
+
+    # -- the slow path -------------------------------------------------------------
+    def _slow_round(self, announcements: list[Announcement], join: bool,
+                    shutdown: bool) -> RoundResult:
+        messages = self.comm.allgather_object((announcements, join, shutdown))
+        now = time.monotonic()
+        result = RoundResult([])
+        for rank, (theirs, joining, stopping) in enumerate(messages):
+            for announcement in theirs:
+                pending = self.table.setdefault(announcement.key, _Pending(now))
+                pending.by_rank[rank] = announcement
+            if joining:
+                self.joined.append(rank)
+            if stopping:
+                result.shutdown_by.append(rank)
+        for key, pending in list(self.table.items()):
+            response = self._decide(pending)
+            if response is not None:
+                del self.table[key]
+                result.responses.append(response)
+                if response.error is None and response.announcement.cacheable:
+                    self.cache.add(response.announcement)
+        if len(set(self.joined)) == self.comm.size:
+            result.join_completed = self.joined[-1]
+            self.joined = []
+        return result
+
+    def _decide(self, pending: _Pending) -> Response | None:
+        """A response once every member has submitted (or joined, for allreduces), else None."""
+        announcements = pending.by_rank
+        first = next(iter(announcements.values()))
+        joined_members = [r for r in first.ranks if r in self.joined and r not in announcements]
+        missing = [r for r in first.ranks if r not in announcements and r not in joined_members]
+        if missing:
+            return None
+        if len(set(announcements.values())) > 1:
+            descriptors = {rank: a.descriptor for rank, a in sorted(announcements.items())}
+            return Response(first, describe_mismatch(first.name, descriptors))
+        if joined_members and first.reduction is None:
+            collective = dict(first.descriptor).get("collective", "collective")
+            return Response(first, f"{collective} of tensor '{first.name}' cannot run: ranks "
+                                   f"{joined_members} have joined, and after join() only "
+                                   "allreduce is supported")
+        return Response(first)
+
+    # -- one round -----------------------------------------------------------------------
+    def round(self, local: dict[WorkKey, Work], fresh: Sequence[Work], join: bool,
+              shutdown: bool, wait: Callable[[Request], None]) -> RoundResult:
+        """Negotiate: ``local`` are this rank's unfinished works, ``fresh`` those that
+        need announcing now (new to the cache, or waited too long)."""
+        need_slow = bool(fresh or join or shutdown or self.table)
+        responses, slow = self._fast_round(local, need_slow, wait)
+        if not slow:
+            return RoundResult(responses)
+        resolved = {r.announcement.key for r in responses}
+        unannounced = [w for w in local.values() if not w.reported and w.key not in resolved]
+        for work in unannounced:
+            work.reported = True
+        result = self._slow_round([w.announcement for w in unannounced], join, shutdown)
+        result.responses[:0] = responses
+        return result
+
+    def stalled(self, older_than: float) -> list[tuple[Announcement, float, list[int], list[int]]]:
+        """Table works waiting at least ``older_than`` seconds: (work, seconds waited,
+        ranks that submitted it, ranks missing)."""
+        now = time.monotonic()
+        stalled = []
+        for pending in self.table.values():
+            if now - pending.first_seen >= older_than:
+                first = next(iter(pending.by_rank.values()))
+                have = sorted(pending.by_rank)
+                missing = [r for r in first.ranks if r not in pending.by_rank and r not in self.joined]
+                stalled.append((first, now - pending.first_seen, have, missing))
+        return stalled

@@ -1,0 +1,122 @@
+"""One named operation submitted to the engine, and the handle its caller waits on.
+
+The caller (any thread) builds a :class:`Work` with everything the engine
+needs to run it — its name, its process set, a descriptor that every rank must
+agree on, and either a reduction spec (allreduces, which the engine may fuse)
+or an ``execute`` callable — then waits on it.  The engine thread runs it and
+marks it done or failed; the caller's ``finish`` turns the result into the
+collective's output on the caller's thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from psrt.comm.base import Communicator, ReduceOp
+
+Descriptor = tuple[tuple[str, object], ...]
+#: Process sets are told apart by their id; names are unique within a set.
+WorkKey = tuple[int, str]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How an allreduce's buffer is reduced: works with equal ``fusion_key`` may share a message.
+
+    Plain values only: it travels between ranks during negotiation, so that a
+    rank that has joined can contribute zeros of the right shape.
+    """
+
+    set_id: int
+    device: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    op: ReduceOp
+    scale: float
+
+    @property
+    def fusion_key(self) -> tuple:
+        return (self.set_id, self.device, self.dtype, self.op, self.scale)
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=torch.device(self.device))
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What a rank tells the others about one of its pending works."""
+
+    key: WorkKey
+    ranks: tuple[int, ...]  # world ranks of the process set
+    descriptor: Descriptor
+    reduction: Reduction | None
+    cacheable: bool
+
+    @property
+    def name(self) -> str:
+        return self.key[1]
+
+
+class Work:
+    """A submitted operation: its announcement, how to run it, and its completion state.
+
+    ``buffer`` is the contiguous tensor an allreduce reduces in place;
+    ``execute(host, data)`` runs any other collective on the engine thread, given
+    the set's host communicator (sizes, metadata) and the one that carries
+    tensors on ``device``.
+    """
+
+    def __init__(self, announcement: Announcement, *, device: torch.device,
+                 buffer: torch.Tensor | None = None,
+                 execute: Callable[[Communicator, Communicator], object] | None = None,
+                 finish: Callable[[object], object] = lambda value: value) -> None:
+        if (buffer is None) == (execute is None):
+            raise ValueError("a work reduces a buffer or executes a callable, not both")
+        self.announcement = announcement
+        self.device = device
+        self.buffer = buffer
+        self.execute = execute
+        self.finish = finish
+        self.value: object = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        # Timeline phases (perf_counter seconds); filled in by the engine.
+        self.submitted = time.perf_counter()
+        self.negotiated: float | None = None
+        self.ready: float | None = None
+        self.reported = False  # announced through the slow path: resolved by the shared table
+
+    @property
+    def key(self) -> WorkKey:
+        return self.announcement.key
+
+    @property
+    def name(self) -> str:
+        return self.announcement.name
+
+    # -- completion (engine thread) --------------------------------------------------
+    def complete(self, value: object = None) -> None:
+        self.value = value
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._done.set()
+
+    # -- the caller's side ------------------------------------------------------------
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def result(self) -> object:
+        """Wait, then return the output (or raise the error every rank got)."""
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.finish(self.value)
