@@ -56,6 +56,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mpi-args", default="", metavar="ARGS",
                         help='extra mpirun arguments, split like a shell would, e.g. "--mca btl tcp,self" '
                              '(a single flag needs the = form: --mpi-args=--tag-output)')
+    parser.add_argument("--timeline-filename", metavar="PATH",
+                        help="record a timeline of every rank's collectives in PATH, a Chrome "
+                             "trace (sets PSRT_TIMELINE on every rank, as horovodrun does)")
+    parser.add_argument("--timeline-mark-cycles", action="store_true",
+                        help="mark the engine's cycles in the timeline "
+                             "(sets PSRT_TIMELINE_MARK_CYCLES=1 on every rank)")
     parser.add_argument("--verbose", action="store_true",
                         help="print the mpirun command line to stderr before running it")
     parser.add_argument("--dry-run", action="store_true",
@@ -71,6 +77,16 @@ def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Host, ...]
     if args.hostfile is not None:
         return parse_hostfile(args.hostfile)
     return hosts_from_slurm(env)
+
+
+def _rank_env(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The variables psrun's own flags set on every rank."""
+    settings = []
+    if args.timeline_filename is not None:
+        settings.append(("PSRT_TIMELINE", args.timeline_filename))
+    if args.timeline_mark_cycles:
+        settings.append(("PSRT_TIMELINE_MARK_CYCLES", "1"))
+    return settings
 
 
 def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
@@ -90,6 +106,7 @@ def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
         flavour=detect_flavour(mpirun), mpirun=mpirun, command=command,
         num_proc=args.num_proc, hosts=hosts, local_cpus=os.cpu_count() or 1,
         oversubscribe=args.oversubscribe, as_root=os.geteuid() == 0, mpi_args=mpi_args,
+        rank_env=_rank_env(args),
     )
     for warning in warnings:
         print(warning, file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ import enum
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from launcher.hostfile import Host, is_local_host, total_slots
@@ -58,6 +58,8 @@ class LaunchPlan:
     """Everything needed to write the mpirun command line, already validated.
 
     ``hosts`` is empty when the MPI's own default (this machine) is wanted.
+    ``rank_env`` holds the variables psrun's own flags set on every rank; they
+    win over the same names in psrun's environment.
     """
 
     flavour: MpiFlavour
@@ -69,6 +71,7 @@ class LaunchPlan:
     as_root: bool
     command: tuple[str, ...]
     mpi_args: tuple[str, ...] = ()
+    rank_env: tuple[tuple[str, str], ...] = ()
 
 
 def flavour_from_version(text: str) -> MpiFlavour | None:
@@ -140,6 +143,7 @@ def plan_launch(
     oversubscribe: bool = False,
     as_root: bool = False,
     mpi_args: Sequence[str] = (),
+    rank_env: Sequence[tuple[str, str]] = (),
 ) -> tuple[LaunchPlan, list[str]]:
     """Check a request and decide its policies; returns the plan and warnings for stderr.
 
@@ -173,7 +177,7 @@ def plan_launch(
     plan = LaunchPlan(
         flavour=flavour, mpirun=mpirun, num_proc=num_proc, hosts=hosts or (),
         local_only=local_only, oversubscribe=oversubscribe, as_root=as_root,
-        command=tuple(command), mpi_args=tuple(mpi_args),
+        command=tuple(command), mpi_args=tuple(mpi_args), rank_env=tuple(rank_env),
     )
     return plan, warnings
 
@@ -182,9 +186,11 @@ def _host_list(hosts: Sequence[Host]) -> str:
     return ",".join(str(h) for h in hosts)
 
 
-def forwarded_names(env: Mapping[str, str], *, local_only: bool) -> list[str]:
-    """Names of the environment variables every rank must receive."""
-    names = sorted(n for n in env if n.startswith(FORWARDED_PREFIXES))
+def forwarded_names(env: Mapping[str, str], *, local_only: bool,
+                    overridden: Collection[str] = ()) -> list[str]:
+    """Names of the environment variables every rank must receive from ``env`` (less the
+    ``overridden`` ones, which psrun sets itself)."""
+    names = sorted(n for n in env if n.startswith(FORWARDED_PREFIXES) and n not in overridden)
     if not local_only:
         names += [n for n in _REMOTE_ONLY_NAMES if n in env]
     return names
@@ -205,6 +211,11 @@ def _user_sets_mca(name: str, env: Mapping[str, str], mpi_args: Sequence[str]) -
     return False
 
 
+def _forwarded(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
+    return forwarded_names(env, local_only=plan.local_only,
+                           overridden={name for name, _ in plan.rank_env})
+
+
 def _openmpi_options(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
     options = ["-np", str(plan.num_proc)]
     if plan.hosts:
@@ -219,8 +230,10 @@ def _openmpi_options(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
         for name, value in _LOCAL_OMPI_MCA:
             if not _user_sets_mca(name, env, plan.mpi_args):
                 options += ["--mca", name, value]
-    for name in forwarded_names(env, local_only=plan.local_only):
+    for name in _forwarded(plan, env):
         options += ["-x", name]
+    for name, value in plan.rank_env:
+        options += ["-x", f"{name}={value}"]
     return options
 
 
@@ -228,8 +241,10 @@ def _mpich_options(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
     options = ["-n", str(plan.num_proc)]
     if plan.hosts:
         options += ["-hosts", _host_list(plan.hosts)]
-    for name in forwarded_names(env, local_only=plan.local_only):
+    for name in _forwarded(plan, env):
         options += ["-genv", name, env[name]]
+    for name, value in plan.rank_env:
+        options += ["-genv", name, value]
     return options
 
 

@@ -9,12 +9,16 @@ from psrt.runtime import (add_process_set, cross_rank, cross_size, global_proces
                           is_initialized, join, local_rank, local_size, rank, remove_process_set,
                           shutdown, size, start_timeline, stop_timeline)
 from psrt.topology import ProcessSet
-from psrt.torch.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_,
-                                  grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+from psrt.torch.allreduce import (allreduce_, allreduce_async, allreduce_async_,
+                                  grouped_allreduce_, grouped_allreduce_async,
                                   grouped_allreduce_async_)
-from psrt.torch.collectives import (allgather, allgather_async, alltoall, alltoall_async, barrier,
-                                    broadcast, broadcast_, broadcast_async, broadcast_async_,
-                                    reducescatter, reducescatter_async)
+from psrt.torch.collectives import (allgather_async, alltoall_async, barrier, broadcast_,
+                                    broadcast_async, broadcast_async_, reducescatter_async)
+# The out-of-place collectives are differentiable, as in Horovod.
+from psrt.torch.autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
+                                 grouped_allgather_async, grouped_allreduce,
+                                 grouped_reducescatter, grouped_reducescatter_async,
+                                 reducescatter, sparse_allreduce_async)
 from psrt.torch.capabilities import (cuda_built, gloo_built, gloo_enabled, mpi_built,
                                      mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from psrt.torch.compression import Compression
@@ -28,9 +32,10 @@ __all__ = [
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "cross_rank", "cuda_built", "gloo_built", "gloo_enabled", "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built", "cross_size",
-    "global_process_set", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
+    "global_process_set", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "grouped_reducescatter_async", "init",
     "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "shutdown", "size", "start_timeline",
-    "stop_timeline", "synchronize",
+    "reducescatter_async", "remove_process_set", "shutdown", "size", "sparse_allreduce_async",
+    "start_timeline", "stop_timeline", "synchronize",
 ]

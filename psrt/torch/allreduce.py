@@ -13,11 +13,11 @@ from typing import Sequence
 import torch
 
 from psrt.engine import Reduction
-from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import _common
-from psrt.torch.compression import Compression
+from psrt.torch.compression import compressor
 from psrt.torch.ops import ReduceOp, resolve_op, transport_op
 from psrt.torch.validation import check_name, check_scale, check_tensor, check_tensor_list
 
@@ -92,7 +92,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     Default op is Average.  ``compression`` (e.g. ``hvd.Compression.fp16``)
     changes what travels, not the dtype returned.
     """
-    compression = _compressor(compression)
+    compression = compressor(compression)
     compressed, ctx = compression.compress(check_tensor(tensor))
     reduced = _allreduce(compressed, False, True, name, op, average, prescale_factor,
                          postscale_factor, process_set)
@@ -151,7 +151,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce a list of tensors as one fused operation; returns new tensors."""
-    compression = _compressor(compression)
+    compression = compressor(compression)
     packed = [compression.compress(t) for t in check_tensor_list(tensors)]
     reduced = _grouped([t for t, _ in packed], False, True, name, op, average, prescale_factor,
                        postscale_factor, process_set)
@@ -181,12 +181,3 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              process_set: ProcessSet = global_process_set) -> int:
     return _grouped(tensors, True, False, name, op, average, prescale_factor, postscale_factor,
                     process_set)
-
-
-def _compressor(compression: object):
-    compression = Compression.none if compression is None else compression
-    if not (callable(getattr(compression, "compress", None))
-            and callable(getattr(compression, "decompress", None))):
-        raise ArgumentTypeError(f"compression must be hvd.Compression.none, hvd.Compression.fp16 "
-                                f"or provide compress/decompress, got {compression!r}")
-    return compression

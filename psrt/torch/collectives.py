@@ -95,7 +95,7 @@ def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Return a copy of ``root_rank``'s tensor (``root_rank`` counts within the process set)."""
+    """Return a copy of ``root_rank``'s tensor (a global rank, member of the process set)."""
     return _broadcast(tensor, root_rank, name, process_set, False, True)
 
 

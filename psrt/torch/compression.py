@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from psrt.errors import ArgumentTypeError
+
 
 class NoneCompressor:
     """Send tensors as they are."""
@@ -33,3 +35,14 @@ class FP16Compressor:
 class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
+
+
+def compressor(compression: object):
+    """The compressor a call asked for (``None`` means none); anything with compress and
+    decompress is accepted, as in Horovod."""
+    compression = Compression.none if compression is None else compression
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise ArgumentTypeError(f"compression must be hvd.Compression.none, hvd.Compression.fp16 "
+                                f"or provide compress/decompress, got {compression!r}")
+    return compression

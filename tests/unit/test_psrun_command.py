@@ -181,6 +181,26 @@ def test_plan_rejects_non_positive_rank_count() -> None:
         plan(num_proc=0)
 
 
+def test_timeline_flags_set_the_ranks_environment_openmpi(capsys, openmpi, monkeypatch) -> None:
+    monkeypatch.setenv("PSRT_TIMELINE", "/tmp/from_env.json")  # the flag wins
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--timeline-filename", "/tmp/t l.json",
+                     "--timeline-mark-cycles", "-np", "2", "python", "x.py")
+    assert cmd[-6:] == ["-x", "PSRT_TIMELINE=/tmp/t l.json", "-x", "PSRT_TIMELINE_MARK_CYCLES=1",
+                        "python", "x.py"]
+    assert "PSRT_TIMELINE" not in cmd
+
+
+def test_timeline_flags_set_the_ranks_environment_mpich(capsys, mpich) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", mpich, "--timeline-filename", "tl.json", "-np", "2",
+                     "python", "x.py")
+    assert cmd == [mpich, "-n", "2", "-genv", "PSRT_TIMELINE", "tl.json", "python", "x.py"]
+
+
+def test_no_timeline_flags_no_timeline_settings(capsys, openmpi) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-np", "2", "python", "x.py")
+    assert not any("TIMELINE" in part for part in cmd)
+
+
 def test_build_command_is_pure_and_needs_no_mpi() -> None:
     built, _ = plan(num_proc=3, local_cpus=4, as_root=False)
     assert build_command(built, {"PSRT_A": "1", "OTHER": "x"}) == [
