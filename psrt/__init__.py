@@ -4,7 +4,7 @@ User scripts normally ``import psrt.torch as hvd``; this package holds the
 framework-independent basics (start-up, ranks, process sets, errors).
 """
 from psrt.errors import (ArgumentTypeError, CollectiveMismatchError, CommunicationError,
-                         InvalidArgumentError, NotInitializedError, ProcessSetError, PsrtError,
+                         EngineStoppedError, InvalidArgumentError, NotInitializedError, ProcessSetError, PsrtError,
                          UnsupportedDeviceError)
 from psrt.runtime import (add_process_set, cross_rank, cross_size, global_process_set, init,
                           is_initialized, local_rank, local_size, rank, remove_process_set,
@@ -14,7 +14,8 @@ from psrt.topology import ProcessSet
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgumentTypeError", "CollectiveMismatchError", "CommunicationError", "InvalidArgumentError",
+    "ArgumentTypeError", "CollectiveMismatchError", "CommunicationError", "EngineStoppedError",
+    "InvalidArgumentError",
     "NotInitializedError", "ProcessSet", "ProcessSetError", "PsrtError", "UnsupportedDeviceError",
     "add_process_set", "cross_rank", "cross_size", "global_process_set", "init",
     "is_initialized", "local_rank", "local_size", "rank", "remove_process_set", "shutdown",

@@ -77,14 +77,6 @@ class Communicator(abc.ABC):
         """Non-blocking :meth:`allreduce`."""
 
     @abc.abstractmethod
-    def agree(self, value: int) -> bool:
-        """True on every rank if every rank passed the same ``value`` (|value| < 2**62).
-
-        One tiny collective; all ranks get the same answer, so they can all
-        raise together on disagreement.
-        """
-
-    @abc.abstractmethod
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor,
                    counts: Sequence[int]) -> Request:
         """Concatenate every rank's ``send`` (``counts[r]`` elements) into ``recv``."""

@@ -72,8 +72,6 @@ class MpiCommunicator(Communicator):
         self._comm = comm
         self._ring_comm = comm.Dup()
         self._config = config
-        self._probe = np.zeros(2, dtype=np.int64)
-        self._probe_spec = [self._probe, MPI.INT64_T]
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
 
@@ -109,17 +107,6 @@ class MpiCommunicator(Communicator):
                                             mpi_op(op, tensor.dtype))
         request = MpiRequest(request, what, tensor)
         return request if scale == 1.0 else then(request, lambda: _scale(tensor, scale))
-
-    def agree(self, value: int) -> bool:
-        if self.size == 1:
-            return True
-        probe = self._probe
-        probe[0] = value
-        probe[1] = -value
-        with _Translated("agreement check"):
-            self._comm.Allreduce(MPI.IN_PLACE, self._probe_spec, MPI.MIN)
-        low, negated_high = probe.tolist()
-        return low == value and negated_high == -value
 
     # -- other collectives -----------------------------------------------------
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor,

@@ -207,9 +207,6 @@ class NcclCommunicator(Communicator):
         torch.cuda.current_stream(self._device).synchronize()
         return self._host.barrier()
 
-    def agree(self, value: int) -> bool:
-        return self._host.agree(value)
-
     def exchange_counts(self, counts: Sequence[int]) -> list[int]:
         return self._host.exchange_counts(counts)
 

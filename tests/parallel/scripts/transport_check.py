@@ -63,13 +63,6 @@ def nonblocking_send_recv_of_every_dtype(world):
 
 
 @check
-def agree_is_true_only_when_all_values_match(world):
-    assert world.agree(12345)
-    assert not world.agree(world.rank)  # differs across ranks
-    assert world.agree(-7)
-
-
-@check
 def split_gives_each_color_its_own_group(world):
     sub = world.split(world.rank % 2, key=world.rank)
     members = [r for r in range(world.size) if r % 2 == world.rank % 2]

@@ -1,0 +1,239 @@
+"""The engine's behaviour across ranks, in one job: matching by name, poll, duplicate
+names, fusion, mismatches after caching, join, barrier around async work, timeline.
+
+Run on every rank (``psrun -np N python engine_check.py``); rank 0 prints one
+JSON line per check (see ``_harness``).  Inputs are integer-valued floats, so
+sums are exact whatever order or fusion the engine picks: results must equal
+the reference exactly, whatever ``PSRT_FUSION_THRESHOLD`` the job runs with.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import zlib
+
+import torch
+
+import psrt
+import psrt.runtime
+import psrt.torch as hvd
+
+import _harness
+from _reference import assert_equal, expect_raises
+
+
+def _inputs(key: str, count: int, shape=(5,), dtype=torch.float32) -> list[torch.Tensor]:
+    """Every rank's integer-valued input for ``key``."""
+    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    return [torch.randint(-50, 50, shape, generator=generator).to(dtype) for _ in range(count)]
+
+
+def _sum(inputs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(inputs).sum(0, dtype=inputs[0].dtype)
+
+
+def names_in_rank_dependent_order(key: str) -> None:
+    """Each rank submits the same names in its own order; all complete with the right sums."""
+    rank, size = hvd.rank(), hvd.size()
+    names = [f"{key}/{i}" for i in range(12)]
+    inputs = {n: _inputs(n, size) for n in names}
+    order = names[rank:] + names[:rank] if rank % 2 == 0 else names[::-1]
+    handles = {n: hvd.allreduce_async(inputs[n][rank], name=n, op=hvd.Sum) for n in order}
+    for n in reversed(order):
+        assert_equal(hvd.synchronize(handles[n]), _sum(inputs[n]), f"{key} {n}")
+
+
+def sync_call_while_other_async_pending(key: str) -> None:
+    """Rank 0 starts A, then blocks in B; the others run B before A: names decide, not order."""
+    rank, size = hvd.rank(), hvd.size()
+    a, b = _inputs(key + "/a", size), _inputs(key + "/b", size)
+    if rank == 0:
+        handle = hvd.allreduce_async(a[rank], name=key + "/a", op=hvd.Sum)
+        got_b = hvd.allreduce(b[rank], name=key + "/b", op=hvd.Sum)
+        got_a = hvd.synchronize(handle)
+    else:
+        got_b = hvd.allreduce(b[rank], name=key + "/b", op=hvd.Sum)
+        got_a = hvd.allreduce(a[rank], name=key + "/a", op=hvd.Sum)
+    assert_equal(got_a, _sum(a), key + " A")
+    assert_equal(got_b, _sum(b), key + " B")
+
+
+def poll_is_false_until_every_rank_submitted(key: str) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    inputs = _inputs(key, size)
+    if rank == 0:
+        handle = hvd.allreduce_async(inputs[rank], name=key, op=hvd.Sum)
+        polls = []
+        for _ in range(5):
+            polls.append(hvd.poll(handle))
+            time.sleep(0.05)
+        assert not any(polls), f"{key}: poll() was True before rank 1 submitted: {polls}"
+        got = hvd.synchronize(handle)
+        assert_equal(got, _sum(inputs), key)
+    else:
+        time.sleep(0.4)
+        handle = hvd.allreduce_async(inputs[rank], name=key, op=hvd.Sum)
+        got = hvd.synchronize(handle)
+        assert_equal(got, _sum(inputs), key)
+
+
+def duplicate_pending_name_raises_at_once(key: str) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    inputs = _inputs(key, size)
+    if rank != 0:
+        time.sleep(0.3)  # so that rank 0's first submission is surely still pending
+    handle = hvd.allreduce_async(inputs[rank], name=key, op=hvd.Sum)
+    if rank == 0:
+        expect_raises(ValueError, lambda: hvd.allreduce_async(inputs[rank], name=key), key,
+                      "already pending", what=key)
+    assert_equal(hvd.synchronize(handle), _sum(inputs), key)
+    # Once completed, the name may be used again.
+    assert_equal(hvd.allreduce(inputs[rank], name=key, op=hvd.Sum), _sum(inputs), key + " again")
+
+
+def unnamed_ops_match_by_counter(key: str) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    all_inputs = [_inputs(f"{key}/{i}", size) for i in range(5)]
+    handles = [hvd.allreduce_async(inputs[rank], op=hvd.Sum) for inputs in all_inputs]
+    for handle, inputs in zip(handles, all_inputs):
+        assert_equal(hvd.synchronize(handle), _sum(inputs), key)
+
+
+def many_small_tensors_fused(key: str) -> None:
+    """200 tensors of mixed dtypes in flight at once (packed into fusion buffers)."""
+    rank, size = hvd.rank(), hvd.size()
+    dtypes = (torch.float32, torch.float64, torch.int32)
+    cases = [(f"{key}/{i}", _inputs(f"{key}/{i}", size, (i % 7 + 1, 3), dtypes[i % 3]))
+             for i in range(200)]
+    handles = [(n, inputs, hvd.allreduce_async(inputs[rank].clone(), name=n, op=hvd.Sum))
+               for n, inputs in cases]
+    for n, inputs, handle in handles:
+        assert_equal(hvd.synchronize(handle), _sum(inputs), n)
+
+
+def views_of_one_buffer_reduced_in_place(key: str) -> None:
+    """Tensors that are back-to-back views of one flat buffer (as gradient buckets are)."""
+    rank, size = hvd.rank(), hvd.size()
+    sizes = [3, 1, 8, 5, 2]
+    everyone = _inputs(key, size, (sum(sizes),))
+    flat = everyone[rank].clone()
+    views = list(flat.split(sizes))
+    handles = [hvd.allreduce_async_(v, name=f"{key}/{i}", op=hvd.Sum) for i, v in enumerate(views)]
+    for i, handle in enumerate(handles):
+        assert hvd.synchronize(handle) is views[i], f"{key}: allreduce_async_ returned a new tensor"
+    assert_equal(flat, _sum(everyone), key)
+
+
+def average_and_postscale_in_fused_batches(key: str) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    cases = [_inputs(f"{key}/{i}", size, (4,), torch.float64) for i in range(6)]
+    handles = [hvd.allreduce_async(c[rank], name=f"{key}/{i}", op=hvd.Average,
+                                   prescale_factor=2.0, postscale_factor=0.5)
+               for i, c in enumerate(cases)]
+    for i, (handle, c) in enumerate(zip(handles, cases)):
+        want = _sum([x * 2.0 for x in c]) * 0.5 / size
+        assert torch.allclose(hvd.synchronize(handle), want, rtol=1e-12), f"{key} {i}"
+
+
+def mismatch_after_the_name_was_cached(key: str) -> None:
+    """A name run twice (so it is in the response cache), then submitted with a different
+    shape on the last rank: every rank raises, naming it; then it works again."""
+    rank, size = hvd.rank(), hvd.size()
+    for _ in range(2):
+        hvd.allreduce(torch.ones(3), name=key, op=hvd.Sum)
+    shape = (4,) if rank == size - 1 else (3,)
+    start = time.monotonic()
+    expect_raises(hvd.HorovodInternalError, lambda: hvd.allreduce(torch.ones(shape), name=key),
+                  key, "shape", f"rank {size - 1} has (4,)", what=key)
+    assert time.monotonic() - start < 5, f"{key}: the mismatch took {time.monotonic() - start:.1f} s"
+    assert_equal(hvd.allreduce(torch.ones(3), name=key, op=hvd.Sum), torch.full((3,), float(size)),
+                 key + " afterwards")
+
+
+def join_with_uneven_steps(key: str) -> None:
+    """Rank r runs r + 1 steps, then joins: joined ranks contribute zeros, Average still
+    divides by the full size, and every rank learns the last rank to join."""
+    rank, size = hvd.rank(), hvd.size()
+    for step in range(rank + 1):
+        active = [r for r in range(size) if r >= step]
+        got = hvd.allreduce(torch.full((3,), float(rank + 1)), name=key, op=hvd.Average)
+        want = torch.full((3,), sum(r + 1.0 for r in active) / size)
+        assert_equal(got, want, f"{key} step {step}")
+    last = hvd.join()
+    assert last == size - 1, f"{key}: join() returned {last}, expected {size - 1}"
+
+
+def join_refuses_other_collectives(key: str) -> None:
+    """After rank 0 joined, a broadcast on the others fails naming join (not a hang)."""
+    rank = hvd.rank()
+    if rank == 0:
+        assert hvd.join() == hvd.size() - 1 or hvd.size() == 1
+    else:
+        expect_raises(RuntimeError, lambda: hvd.broadcast(torch.ones(2), root_rank=1, name=key),
+                      key, "joined", what=key)
+        hvd.join()
+
+
+def barrier_with_async_ops_outstanding(key: str) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    inputs = _inputs(key, size)
+    handle = hvd.allreduce_async(inputs[rank], name=key, op=hvd.Sum)
+    hvd.barrier()
+    assert_equal(hvd.synchronize(handle), _sum(inputs), key)
+
+
+def timeline_records_each_phase(key: str) -> None:
+    rank = hvd.rank()
+    path = os.path.join(tempfile.gettempdir(), f"psrt-timeline-{os.getppid()}.json")
+    hvd.start_timeline(path)
+    tensors = [torch.ones(i + 1) for i in range(4)]  # separate tensors: packed, so copies show
+    handles = [hvd.allreduce_async(t, name=f"{key}/{i}") for i, t in enumerate(tensors)]
+    for handle in handles:
+        hvd.synchronize(handle)
+    hvd.broadcast(torch.ones(2), root_rank=0, name=key + "/broadcast")
+    hvd.stop_timeline()
+    if rank != 0:
+        return
+    with open(path) as f:
+        trace = json.load(f)
+    os.unlink(path)
+    events = trace["traceEvents"]
+    for event in events:
+        missing = {"name", "ph", "pid", "tid"} - set(event)
+        assert not missing, f"{key}: event {event} lacks {missing}"
+        assert event["ph"] == "M" or "ts" in event, f"{key}: event {event} has no ts"
+    phases = {e["name"] for e in events if e["ph"] == "X"}
+    want = {"NEGOTIATE", "WAIT_FOR_OTHER_RANKS", "QUEUE", "ALLREDUCE", "BROADCAST"}
+    if psrt.runtime.current().config.fusion_threshold > 0:
+        want |= {"MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"}
+    assert want <= phases, f"{key}: phases {sorted(phases)} lack {sorted(want - phases)}"
+    rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert f"{key}/0" in rows and f"{key}/broadcast" in rows, f"{key}: tensor rows {sorted(rows)}"
+
+
+def main() -> None:
+    psrt.init()
+    checks = _harness.Checks()
+    for name, function in [
+        ("names_in_rank_dependent_order", names_in_rank_dependent_order),
+        ("sync_call_while_other_async_pending", sync_call_while_other_async_pending),
+        ("poll_is_false_until_every_rank_submitted", poll_is_false_until_every_rank_submitted),
+        ("duplicate_pending_name_raises_at_once", duplicate_pending_name_raises_at_once),
+        ("unnamed_ops_match_by_counter", unnamed_ops_match_by_counter),
+        ("many_small_tensors_fused", many_small_tensors_fused),
+        ("views_of_one_buffer_reduced_in_place", views_of_one_buffer_reduced_in_place),
+        ("average_and_postscale_in_fused_batches", average_and_postscale_in_fused_batches),
+        ("mismatch_after_the_name_was_cached", mismatch_after_the_name_was_cached),
+        ("join_with_uneven_steps", join_with_uneven_steps),
+        ("join_refuses_other_collectives", join_refuses_other_collectives),
+        ("barrier_with_async_ops_outstanding", barrier_with_async_ops_outstanding),
+        ("timeline_records_each_phase", timeline_records_each_phase),
+    ]:
+        checks.add(name, function)
+    _harness.run(checks)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Jobs that go wrong on purpose, one per mode (``psrun -np 2 python engine_failures.py MODE``).
+
+``stall_abort``   rank 0 waits on a tensor that rank 1 never submits; with
+                  PSRT_STALL_CHECK_TIME / PSRT_STALL_SHUTDOWN_TIME set the job
+                  must end on its own, naming the tensor and rank 1.
+``stall_warning`` rank 1 submits 2.5 s late; a warning names it and the job ends well.
+``shutdown``      rank 1 shuts psrt down while rank 0 waits on a collective: rank 0's
+                  synchronize raises, naming rank 1, instead of hanging.
+Each rank prints ``RESULT <json>`` lines the test reads.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+import psrt
+import psrt.torch as hvd
+
+
+def report(**fields: object) -> None:
+    print("RESULT " + json.dumps({"rank": psrt.rank() if psrt.is_initialized() else None,
+                                  **fields}), flush=True)
+
+
+def stall_abort() -> None:
+    if hvd.rank() == 0:
+        hvd.allreduce(torch.ones(2), name="stuck_tensor")
+        report(unexpected="the stalled allreduce returned")
+    else:
+        time.sleep(120)  # never submits; the job must be ended for it
+
+
+def stall_warning() -> None:
+    if hvd.rank() == 1:
+        time.sleep(2.5)
+    got = hvd.allreduce(torch.ones(2), name="late_tensor", op=hvd.Sum)
+    report(value=got.tolist())
+
+
+def shutdown() -> None:
+    if hvd.rank() == 1:
+        time.sleep(0.5)
+        hvd.shutdown()
+        report(shut_down=True)
+        return
+    try:
+        hvd.allreduce(torch.ones(2), name="orphan")
+        report(error=None)
+    except psrt.EngineStoppedError as exc:
+        report(error=str(exc), kind=type(exc).__name__)
+    try:
+        hvd.allreduce(torch.ones(2), name="after")
+        report(after=None)
+    except psrt.EngineStoppedError as exc:
+        report(after=str(exc))
+
+
+if __name__ == "__main__":
+    psrt.init()
+    {"stall_abort": stall_abort, "stall_warning": stall_warning, "shutdown": shutdown}[sys.argv[1]]()

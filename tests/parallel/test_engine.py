@@ -1,0 +1,76 @@
+"""The engine across ranks: name matching, poll, fusion, cached mismatches, join, barrier,
+timeline (``scripts/engine_check.py``), and what happens when ranks stall or one shuts
+down (``scripts/engine_failures.py``).
+
+The engine job runs at 2 and 4 ranks with the default fusion threshold, and
+at 2 ranks with fusion off and with a 1 KiB threshold: every check compares
+with an exact reference, so all thresholds must give identical results.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import launch
+
+pytestmark = pytest.mark.parallel
+
+CHECKS = [
+    "names_in_rank_dependent_order", "sync_call_while_other_async_pending",
+    "poll_is_false_until_every_rank_submitted", "duplicate_pending_name_raises_at_once",
+    "unnamed_ops_match_by_counter", "many_small_tensors_fused",
+    "views_of_one_buffer_reduced_in_place", "average_and_postscale_in_fused_batches",
+    "mismatch_after_the_name_was_cached", "join_with_uneven_steps",
+    "join_refuses_other_collectives", "barrier_with_async_ops_outstanding",
+    "timeline_records_each_phase",
+]
+JOBS = [(2, {}), (4, {}), (2, {"PSRT_FUSION_THRESHOLD": "0"}),
+        (2, {"PSRT_FUSION_THRESHOLD": "1024"})]
+JOB_IDS = ["2-default", "4-default", "2-no-fusion", "2-fusion-1KiB"]
+
+
+@pytest.mark.parametrize("np, env", JOBS, ids=JOB_IDS)
+@pytest.mark.parametrize("check", CHECKS)
+def test_engine_check_passes_on_every_rank(parallel_jobs, np, env, check):
+    parallel_jobs.get("engine_check.py", np, env).assert_ok(check)
+
+
+@pytest.mark.parametrize("np, env", JOBS, ids=JOB_IDS)
+def test_engine_job_reports_every_check_and_ends_cleanly(parallel_jobs, np, env):
+    parallel_jobs.get("engine_check.py", np, env).assert_complete(CHECKS)
+
+
+def _results(report) -> list[dict]:
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in report.stdout.splitlines()
+            if "RESULT " in line]
+
+
+def test_a_stall_names_the_tensor_and_missing_rank_then_aborts_the_job():
+    report = launch("engine_failures.py", 2, {"PSRT_STALL_CHECK_TIME": "1",
+                                              "PSRT_STALL_SHUTDOWN_TIME": "3"},
+                    args=("stall_abort",), timeout_s=90)
+    assert report.returncode not in (0, None), report.diagnosis()
+    assert report.seconds < 60, f"the stalled job took {report.seconds:.0f} s to end"
+    assert "allreduce of tensor 'stuck_tensor'" in report.stderr, report.diagnosis()
+    assert "missing ranks [1]" in report.stderr, report.diagnosis()
+    assert "psrun: rank 0 failed first: stall" in report.stderr, report.diagnosis()
+    assert not _results(report), "the stalled allreduce returned"
+
+
+def test_a_late_rank_gets_a_stall_warning_and_the_job_still_succeeds():
+    report = launch("engine_failures.py", 2, {"PSRT_STALL_CHECK_TIME": "1"},
+                    args=("stall_warning",), timeout_s=90)
+    assert report.returncode == 0, report.diagnosis()
+    assert "psrt: stall:" in report.stderr and "'late_tensor'" in report.stderr, report.diagnosis()
+    assert "missing ranks [1]" in report.stderr, report.diagnosis()
+    assert sorted(r["value"] for r in _results(report)) == [[2.0, 2.0], [2.0, 2.0]]
+
+
+def test_shutdown_on_one_rank_fails_the_others_pending_collective_naming_it():
+    report = launch("engine_failures.py", 2, args=("shutdown",), timeout_s=90)
+    assert report.returncode == 0, report.diagnosis()
+    results = {k: v for r in _results(report) for k, v in r.items() if k != "rank"}
+    assert results.get("kind") == "EngineStoppedError", report.diagnosis()
+    assert "'orphan'" in results["error"] and "shut down by rank 1" in results["error"]
+    assert "shut down by rank 1" in results["after"]
