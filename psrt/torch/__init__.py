@@ -19,23 +19,28 @@ from psrt.torch.autograd import (allgather, allreduce, alltoall, broadcast, grou
                                  grouped_allgather_async, grouped_allreduce,
                                  grouped_reducescatter, grouped_reducescatter_async,
                                  reducescatter, sparse_allreduce_async)
-from psrt.torch.capabilities import (cuda_built, gloo_built, gloo_enabled, mpi_built,
+from psrt.torch.capabilities import (ccl_built, cuda_built, gloo_built, gloo_enabled, mpi_built,
                                      mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from psrt.torch.compression import Compression
+from psrt.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                                  broadcast_parameters)
 from psrt.torch.handles import poll, synchronize
 from psrt.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from psrt.torch.optimizer import DistributedOptimizer
+from psrt.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Adasum", "Average", "Compression", "HorovodInternalError", "Max", "Min", "ProcessSet",
-    "Product", "ReduceOp", "Sum", "add_process_set", "allgather", "allgather_async",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
-    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "cross_rank", "cuda_built", "gloo_built", "gloo_enabled", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built", "cross_size",
-    "global_process_set", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "grouped_reducescatter", "grouped_reducescatter_async", "init",
-    "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "shutdown", "size", "sparse_allreduce_async",
-    "start_timeline", "stop_timeline", "synchronize",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
+    "Min", "ProcessSet", "Product", "ReduceOp", "Sum", "SyncBatchNorm", "add_process_set",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size",
+    "cuda_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "init", "is_initialized", "join", "local_rank", "local_size",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown",
+    "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]

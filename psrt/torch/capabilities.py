@@ -40,3 +40,8 @@ def cuda_built() -> bool:
 
 def rocm_built() -> bool:
     return False
+
+
+def ccl_built() -> bool:
+    """oneCCL is not a psrt backend."""
+    return False

@@ -1,0 +1,147 @@
+"""Where DistributedOptimizer keeps gradients: flat buffers split into buckets, planned as data.
+
+Gradients live as views into one persistent flat buffer per (dtype, device),
+so that a bucket is a contiguous slice that one in-place allreduce carries
+without packing.  Tensors are laid out in the order their gradients become
+ready in backward (the reverse of registration order), so the first buckets
+fill first and their allreduces overlap the rest of backward.  The plan is a
+pure function of tensor sizes: it is computed, and can be tested, without any
+communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+#: DDP's defaults: a small first bucket so communication starts early in backward,
+#: then buckets large enough to amortise each allreduce's latency.
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+
+
+@dataclass(frozen=True)
+class Bucketing:
+    """How DistributedOptimizer groups gradients into allreduces (psrt's addition to Horovod's
+    arguments; DDP calls the caps ``bucket_cap_mb``).
+
+    A bucket is closed once it holds at least its cap in bytes (the first bucket of each dtype
+    uses ``first_bucket_bytes``).  With ``overlap`` a bucket's allreduce starts during backward
+    as soon as its last gradient is accumulated; without it every bucket starts in
+    ``synchronize()``, which is only useful to measure what overlap gains.
+    """
+
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES
+    bucket_bytes: int = BUCKET_BYTES
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("first_bucket_bytes", "bucket_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Bucketing.{field} must be a positive int (bytes), got {value!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"Bucketing.overlap must be a bool, got {self.overlap!r}")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor to place; tensors with different keys (dtype, device) never share a buffer."""
+
+    numel: int
+    element_size: int
+    key: Hashable
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous slice ``[start, stop)`` of the flat buffer of ``key``.
+
+    ``members`` are slot indices in ready order; ``offsets[i]`` is where member i starts.
+    """
+
+    key: Hashable
+    members: tuple[int, ...]
+    offsets: tuple[int, ...]
+    start: int
+    stop: int
+
+
+def plan_buckets(slots: Sequence[Slot], groups: Sequence[Sequence[int]] | None = None, *,
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                 bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
+    """Buckets for ``slots`` (given in ready order), ordered by when their first member is ready.
+
+    Without ``groups``, consecutive slots of each key fill buckets up to the byte caps.  With
+    ``groups`` (lists of slot indices covering every slot once), each group becomes one bucket
+    per key it contains, whatever its size.
+    """
+    if groups is None:
+        member_lists = _fill_by_size(slots, first_bucket_bytes, bucket_bytes)
+    else:
+        member_lists = _split_groups_by_key(slots, groups)
+    member_lists.sort(key=lambda members: members[0])
+    return _place(slots, member_lists)
+
+
+def buffer_sizes(buckets: Sequence[Bucket]) -> dict[Hashable, int]:
+    """Elements of the flat buffer each key needs."""
+    sizes: dict[Hashable, int] = {}
+    for bucket in buckets:
+        sizes[bucket.key] = max(sizes.get(bucket.key, 0), bucket.stop)
+    return sizes
+
+
+def split_evenly(count: int, parts: int) -> list[list[int]]:
+    """``range(count)`` in ``parts`` contiguous runs whose lengths differ by at most one, longer
+    runs first (Horovod's meaning of ``groups=<int>``); empty runs are dropped."""
+    base, extra = divmod(count, parts)
+    runs, start = [], 0
+    for part in range(parts):
+        stop = start + base + (1 if part < extra else 0)
+        runs.append(list(range(start, stop)))
+        start = stop
+    return [run for run in runs if run]
+
+
+def _fill_by_size(slots: Sequence[Slot], first_bucket_bytes: int, bucket_bytes: int) -> list[list[int]]:
+    closed: list[list[int]] = []
+    open_members: dict[Hashable, list[int]] = {}
+    open_bytes: dict[Hashable, int] = {}
+    closed_per_key: dict[Hashable, int] = {}
+    for index, slot in enumerate(slots):
+        open_members.setdefault(slot.key, []).append(index)
+        open_bytes[slot.key] = open_bytes.get(slot.key, 0) + slot.numel * slot.element_size
+        cap = bucket_bytes if closed_per_key.get(slot.key) else first_bucket_bytes
+        if open_bytes[slot.key] >= cap:
+            closed.append(open_members.pop(slot.key))
+            open_bytes[slot.key] = 0
+            closed_per_key[slot.key] = closed_per_key.get(slot.key, 0) + 1
+    return closed + list(open_members.values())
+
+
+def _split_groups_by_key(slots: Sequence[Slot], groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    seen = sorted(index for group in groups for index in group)
+    if seen != list(range(len(slots))):
+        raise ValueError(f"groups must cover each of the {len(slots)} slots exactly once, got {groups}")
+    member_lists = []
+    for group in groups:
+        by_key: dict[Hashable, list[int]] = {}
+        for index in sorted(group):
+            by_key.setdefault(slots[index].key, []).append(index)
+        member_lists.extend(by_key.values())
+    return member_lists
+
+
+def _place(slots: Sequence[Slot], member_lists: Sequence[list[int]]) -> list[Bucket]:
+    filled: dict[Hashable, int] = {}
+    buckets = []
+    for members in member_lists:
+        key = slots[members[0]].key
+        start = position = filled.get(key, 0)
+        offsets = []
+        for index in members:
+            offsets.append(position)
+            position += slots[index].numel
+        filled[key] = position
+        buckets.append(Bucket(key, tuple(members), tuple(offsets), start, position))
+    return buckets

@@ -1,0 +1,170 @@
+"""Broadcast of parameters, optimizer state and Python objects, and allgather of objects.
+
+Horovod's helpers for starting every rank from the same state.  Each is a
+collective: every rank of the process set must call it, in the same order,
+with structurally equal arguments (the same parameter names and shapes, the
+same optimizer layout).
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+import psrt.torch as hvd
+from psrt.runtime import global_process_set
+from psrt.topology import ProcessSet
+
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
+
+
+def broadcast_parameters(params, root_rank: int, prefix: str = "Parameter.",
+                         process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite ``params`` in place with ``root_rank``'s values.
+
+    ``params`` is a ``state_dict()`` (broadcast in sorted key order), or an iterable of
+    ``(name, tensor)`` pairs (``named_parameters()``) or of tensors.  All broadcasts are started
+    before any is waited for.
+    """
+    named = _named_tensors(params, prefix)
+    _broadcast_all(named, root_rank, process_set)
+
+
+def _named_tensors(params, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        items = [item if isinstance(item, tuple) else (str(i), item) for i, item in enumerate(params)]
+    else:
+        raise ValueError(f"invalid params of type: {type(params).__name__}; pass a state_dict(), "
+                         "named_parameters() or a list of tensors")
+    named = []
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"params[{name!r}] is a {type(tensor).__name__}, not a torch.Tensor")
+        named.append((f"{prefix}{name}", tensor))
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"parameter names must be unique; duplicates: {', '.join(duplicates)}")
+    return named
+
+
+def _broadcast_all(named: list[tuple[str, torch.Tensor]], root_rank: int, process_set: ProcessSet) -> None:
+    # detach(): the same memory, but writing into it is not an autograd operation on a leaf.
+    handles = [hvd.broadcast_async_(tensor.detach(), root_rank, name=name, process_set=process_set)
+               for name, tensor in named]
+    for handle in handles:
+        hvd.synchronize(handle)
+
+
+# -- optimizer state -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _TensorSpec:
+    """What a rank needs to allocate a state tensor the root will fill."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: ProcessSet = global_process_set) -> None:
+    """Make ``optimizer``'s hyper-parameters (``param_groups`` options such as ``lr``) and
+    per-parameter state equal to ``root_rank``'s, in place.
+
+    State the root has but this rank lacks (Adam creates it lazily, at the first step) is
+    allocated here and filled by the broadcast, and state the root lacks is dropped, so no
+    dummy step is taken and parameters are not touched.  Options keep their Python types.
+    Every rank's optimizer must have the same parameter groups with the same sizes.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    is_root = process_set.rank() == root_rank
+    layout = broadcast_object(_describe(optimizer, params) if is_root else None, root_rank,
+                              name="broadcast_optimizer_state.layout", process_set=process_set)
+    sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if sizes != layout["group_sizes"]:
+        raise ValueError(f"rank {process_set.rank()}: the optimizer's parameter groups have "
+                         f"{sizes} parameters, root rank {root_rank}'s have {layout['group_sizes']}")
+    for group, options in zip(optimizer.param_groups, layout["options"]):
+        group.update(options)
+    tensors = _match_state(optimizer, params, layout["state"])
+    _broadcast_all(tensors, root_rank, process_set)
+
+
+def _describe(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict:
+    """The root's layout: group sizes and options, and each parameter's state with tensors
+    replaced by their specs (their data follows by broadcast)."""
+    position = {id(p): i for i, p in enumerate(params)}
+    state = {}
+    for param, entries in optimizer.state.items():
+        if id(param) in position:
+            state[position[id(param)]] = {
+                key: _TensorSpec(tuple(v.shape), v.dtype, v.is_cpu) if isinstance(v, torch.Tensor) else v
+                for key, v in entries.items()}
+    return {"group_sizes": [len(group["params"]) for group in optimizer.param_groups],
+            "options": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+            "state": state}
+
+
+def _match_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                 root_state: dict[int, dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    """Give this rank's optimizer the root's state layout; return the tensors to broadcast into."""
+    tensors = []
+    for index, param in enumerate(params):
+        if index not in root_state:
+            optimizer.state.pop(param, None)
+            continue
+        local = optimizer.state.get(param, {})
+        entries = {}
+        for key, value in root_state[index].items():
+            if isinstance(value, _TensorSpec):
+                value = _reuse_or_allocate(local.get(key), value, param.device)
+                tensors.append((f"broadcast_optimizer_state.{index}.{key}", value))
+            entries[key] = value
+        optimizer.state[param] = entries
+    return tensors
+
+
+def _reuse_or_allocate(current: object, spec: _TensorSpec, param_device: torch.device) -> torch.Tensor:
+    device = torch.device("cpu") if spec.on_cpu else param_device
+    if (isinstance(current, torch.Tensor) and tuple(current.shape) == spec.shape and current.dtype == spec.dtype
+            and current.device == device):
+        return current
+    return torch.empty(spec.shape, dtype=spec.dtype, device=device)
+
+
+# -- Python objects ----------------------------------------------------------------------------
+def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> object:
+    """Return ``root_rank``'s ``obj`` on every rank (pickled; other ranks may pass anything)."""
+    name = name or "broadcast_object"
+    is_root = process_set.rank() == root_rank
+    payload = _to_bytes(obj) if is_root else None
+    length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+    hvd.broadcast_(length, root_rank, name=f"{name}.length", process_set=process_set)
+    if payload is None:
+        payload = torch.empty(int(length), dtype=torch.uint8)
+    hvd.broadcast_(payload, root_rank, name=f"{name}.data", process_set=process_set)
+    return obj if is_root else _from_bytes(payload)
+
+
+def allgather_object(obj: object, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """Every rank's ``obj`` (pickled), as a list indexed by rank within the process set."""
+    name = name or "allgather_object"
+    payload = _to_bytes(obj)
+    lengths = hvd.allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.lengths",
+                            process_set=process_set)
+    gathered = hvd.allgather(payload, name=f"{name}.data", process_set=process_set)
+    return [_from_bytes(chunk) for chunk in gathered.split(lengths.tolist())]
+
+
+def _to_bytes(obj: object) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def _from_bytes(payload: torch.Tensor) -> object:
+    return pickle.loads(memoryview(payload.numpy()))

@@ -1,0 +1,331 @@
+"""``DistributedOptimizer``: Horovod's data-parallel optimizer wrapper, with DDP's gradient buckets.
+
+Every rank computes gradients on its own batch; the wrapper averages them over
+the process set before the wrapped optimizer's step.  Gradients are views into
+persistent flat buffers (one per dtype and device, laid out by ``_buckets``),
+and each bucket's allreduce starts during backward as soon as its last
+gradient is accumulated, so communication overlaps the rest of backward and
+no gradient is packed or copied on the way.
+
+Every rank must build the same model and wrap it the same way (the same
+parameters, named the same, in the same order): bucket names and contents
+must agree across ranks.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+import weakref
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+import psrt.torch as hvd
+from psrt.runtime import global_process_set
+from psrt.topology import ProcessSet
+from psrt.torch._buckets import Bucketing, Slot, buffer_sizes, plan_buckets, split_evenly
+from psrt.torch.compression import Compression, compressor
+from psrt.torch.ops import Adasum, Average, Sum
+
+__all__ = ["Bucketing", "DistributedOptimizer"]
+
+_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+                    "Increase backward_passes_per_step to accumulate gradients locally.")
+_ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                        "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_instances = itertools.count()
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression=Compression.none, backward_passes_per_step: int = 1, op=Average,
+                         gradient_predivide_factor: float = 1.0, groups=None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set, *,
+                         bucketing: Bucketing = Bucketing()) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` first averages (``op=Sum``: sums) gradients over
+    ``process_set``; returns an instance of the optimizer's own class.
+
+    Horovod's arguments and meaning.  ``named_parameters`` (e.g. ``model.named_parameters()``)
+    must name every parameter of the optimizer.  ``backward_passes_per_step`` backward passes are
+    accumulated locally before one allreduce.  ``groups`` is a number of groups or a list of lists
+    of parameters, each group reduced as one.  ``sparse_as_dense`` is accepted for compatibility:
+    psrt always reduces densely (a sparse gradient is added into its dense buffer).  ``bucketing``
+    (psrt's addition) sets the bucket sizes and whether communication overlaps backward.
+
+    The wrapper shares ``param_groups``, ``state`` and ``defaults`` with ``optimizer``: use the
+    returned object from then on.  Parameters must be in the optimizer, and trainable, when it is
+    wrapped.  ``zero_grad()`` zeroes gradients in place and never sets them to None, since they
+    are views into the communication buffers.
+    """
+    _check_arguments(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                     sparse_as_dense, bucketing)
+    cls = _wrapped_class(type(optimizer))
+    wrapped = cls.__new__(cls)
+    # An LR scheduler patches ``step`` on the instance it was given; that patch belongs to the original.
+    wrapped.__dict__.update((key, value) for key, value in vars(optimizer).items() if key != "step")
+    wrapped._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
+                               gradient_predivide_factor, groups, process_set, bucketing)
+    return wrapped
+
+
+def _check_arguments(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                     sparse_as_dense, bucketing) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    compressor(compression)
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    if op == Adasum:
+        raise ValueError("op=Adasum is not supported by psrt; use hvd.Average or hvd.Sum")
+    if op not in (Average, Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum for gradients, got {op!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
+    if not isinstance(bucketing, Bucketing):
+        raise TypeError(f"bucketing must be a psrt.torch.optimizer.Bucketing, got {type(bucketing).__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapped_class(base: type) -> type:
+    """One subclass per optimizer class, so ``isinstance(wrapped, base)`` holds."""
+    return type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+
+
+class _GradientBucket:
+    """One bucket's slice of a flat buffer and the state of its allreduce in this step."""
+
+    __slots__ = ("name", "flat", "members", "waiting", "handle", "ctx")
+
+    def __init__(self, name: str, flat: torch.Tensor, members: tuple[int, ...]) -> None:
+        self.name, self.flat, self.members = name, flat, members
+        self.waiting = len(members)  # members whose gradient is not complete for this step
+        self.handle: int | None = None
+        self.ctx: object = None
+
+
+class _DistributedOptimizer:
+    """The methods a wrapped optimizer's class gets in front of its own (see DistributedOptimizer)."""
+
+    def _setup_distributed(self, named_parameters, compression, backward_passes_per_step, op,
+                           gradient_predivide_factor, groups, process_set, bucketing) -> None:
+        ordered = _ready_order(self.param_groups, named_parameters)
+        explicit = _resolve_groups(groups, ordered)
+        if not process_set.included():  # as in Horovod: a plain local optimizer on other ranks
+            ordered, explicit = [], None
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self._scales = ((1.0 / gradient_predivide_factor, gradient_predivide_factor) if op == Average
+                        else (1.0, 1.0))
+        self.process_set = process_set
+        self._overlap = bucketing.overlap
+        self._synchronized = False
+        self._should_synchronize = True
+        self._params = ordered
+        self._views: list[torch.Tensor] = [None] * len(ordered)  # type: ignore[list-item]
+        self._bucket_of: list[_GradientBucket] = [None] * len(ordered)  # type: ignore[list-item]
+        self._buckets = self._build_buckets(explicit, bucketing)
+        self._counts = [0] * len(ordered)
+        hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(weakref.ref(self), i))
+                 for i, p in enumerate(ordered)]
+        weakref.finalize(self, _remove_hooks, hooks)
+
+    def _build_buckets(self, explicit, bucketing: Bucketing) -> list[_GradientBucket]:
+        """Allocate the flat buffers, point every ``.grad`` at its view (keeping any gradient
+        already there) and create the buckets."""
+        slots = [Slot(p.numel(), p.element_size(), (p.dtype, p.device)) for p in self._params]
+        plan = plan_buckets(slots, explicit,
+                            first_bucket_bytes=bucketing.first_bucket_bytes, bucket_bytes=bucketing.bucket_bytes)
+        flats = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in buffer_sizes(plan).items()}
+        prefix = f"DistributedOptimizer.{next(_instances)}.bucket"
+        buckets = []
+        for number, spec in enumerate(plan):
+            bucket = _GradientBucket(f"{prefix}.{number}", flats[spec.key][spec.start:spec.stop], spec.members)
+            for index, offset in zip(spec.members, spec.offsets):
+                param = self._params[index]
+                self._views[index] = flats[spec.key][offset:offset + param.numel()].view(param.shape)
+                self._bucket_of[index] = bucket
+                self._adopt(index)
+            buckets.append(bucket)
+        return buckets
+
+    def _adopt(self, index: int) -> None:
+        """Make the parameter's gradient its view again, keeping the value it has (None: zero).
+
+        Needed after ``zero_grad(set_to_none=True)`` on the model, or anything else that gave
+        the parameter a new ``.grad`` tensor.
+        """
+        param, view = self._params[index], self._views[index]
+        grad = param.grad
+        if grad is view:
+            return
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad.to_dense() if grad.is_sparse else grad)
+        param.grad = view
+
+    def _on_grad_ready(self, index: int) -> None:
+        """A backward pass finished accumulating parameter ``index``'s gradient."""
+        self._adopt(index)
+        self._synchronized = False
+        self._counts[index] += 1
+        if self._counts[index] > self.backward_passes_per_step:
+            raise AssertionError(_TOO_MANY_PASSES)
+        if self._counts[index] == self.backward_passes_per_step:
+            bucket = self._bucket_of[index]
+            bucket.waiting -= 1
+            if bucket.waiting == 0 and self._overlap:
+                self._submit(bucket)
+
+    def _submit(self, bucket: _GradientBucket) -> None:
+        for index in bucket.members:
+            self._adopt(index)
+        wire, bucket.ctx = self._compression.compress(bucket.flat)
+        prescale, postscale = self._scales
+        bucket.handle = hvd.allreduce_async_(wire, name=bucket.name, op=self.op, prescale_factor=prescale,
+                                             postscale_factor=postscale, process_set=self.process_set)
+
+    def synchronize(self) -> None:
+        """Finish reducing the gradients accumulated since the last step: start the buckets
+        backward did not complete (a parameter without a gradient contributes zeros, so every
+        rank starts the same buckets) and wait for all of them.  Every rank of the process set
+        must call it; calling it again before the next backward or step changes nothing."""
+        if self._synchronized:
+            return
+        for bucket in self._buckets:
+            if bucket.handle is None:
+                self._submit(bucket)
+        for bucket in self._buckets:
+            reduced = self._compression.decompress(hvd.synchronize(bucket.handle), bucket.ctx)
+            if reduced is not bucket.flat:
+                bucket.flat.copy_(reduced)
+            bucket.handle, bucket.ctx, bucket.waiting = None, None, len(bucket.members)
+        self._counts = [0] * len(self._params)
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Let ``step()`` use the gradients as they are, after an explicit ``synchronize()``
+        (e.g. to clip the reduced gradients in between)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(); the gradients are already reduced and are used as they "
+                              "are. Use optimizer.skip_synchronize() around step() after synchronize().")
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every gradient in place (``set_to_none`` is ignored for the reduced parameters:
+        their gradients are views into the communication buffers)."""
+        if any(bucket.handle is not None for bucket in self._buckets):
+            raise AssertionError(_ZERO_GRAD_IN_FLIGHT)
+        if not self._buckets:
+            return super().zero_grad(set_to_none)
+        for param, view in zip(self._params, self._views):
+            if param.grad is not view:
+                param.grad = view
+        for bucket in self._buckets:
+            bucket.flat.zero_()
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ValueError("DistributedOptimizer cannot reduce the gradients of parameters added after wrapping; "
+                         "add every parameter group to the optimizer before DistributedOptimizer(...)")
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated before the allreduce (Horovod's API)."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        self.backward_passes_per_step = passes
+        self._counts = [0] * len(self._params)
+        for bucket in self._buckets:
+            bucket.waiting = len(bucket.members)
+
+
+def _remove_hooks(hooks: list) -> None:
+    for hook in hooks:
+        hook.remove()
+
+
+def _grad_ready_hook(optimizer_ref: weakref.ref, index: int):
+    """A post-accumulate-grad hook that does nothing once its optimizer is gone."""
+    def hook(_param: torch.Tensor) -> None:
+        optimizer = optimizer_ref()
+        if optimizer is not None:
+            optimizer._on_grad_ready(index)
+    return hook
+
+
+def _ready_order(param_groups, named_parameters) -> list[torch.Tensor]:
+    """The optimizer's trainable parameters in the order backward completes their gradients:
+    the reverse of registration order (``named_parameters``' order when given)."""
+    params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is not None:
+        named = _check_names(list(named_parameters), params)
+        in_optimizer = {id(p) for p in params}
+        params = list({id(p): p for _, p in named if id(p) in in_optimizer}.values())
+    return [p for p in reversed(params) if p.requires_grad]
+
+
+def _check_names(named: list, params: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                         "model.named_parameters().")
+    duplicates = sorted(name for name, times in Counter(name for name, _ in named).items() if times > 1)
+    if duplicates:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
+                         f"{', '.join(map(str, duplicates))}")
+    named_ids = {id(p) for _, p in named}
+    unnamed = [f"#{i} (shape {tuple(p.shape)})" for i, p in enumerate(params) if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(f"named_parameters was specified, but one or more model parameters were not named: "
+                         f"optimizer parameters {', '.join(unnamed)} (counted over param_groups)")
+    return named
+
+
+def _resolve_groups(groups, ordered: list[torch.Tensor]) -> list[list[int]] | None:
+    """Horovod's ``groups`` as lists of ready-order positions: a number of equal runs, or the
+    given lists (parameters not listed are reduced alone); None means buckets by size."""
+    if groups is None:
+        return None
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups > 0:
+        return split_evenly(len(ordered), groups)
+    if not isinstance(groups, list):
+        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+    position = {id(p): i for i, p in enumerate(ordered)}
+    listed: set[int] = set()
+    resolved = []
+    for group in groups:
+        members = []
+        for p in _tensors_of(group):
+            if id(p) in listed:
+                raise ValueError("A parameter can only appear once in groups.")
+            listed.add(id(p))
+            if id(p) in position:
+                members.append(position[id(p)])
+        if members:
+            resolved.append(members)
+    resolved.extend([i] for i, p in enumerate(ordered) if id(p) not in listed)
+    return resolved
+
+
+def _tensors_of(group: object) -> list[torch.Tensor]:
+    if not isinstance(group, (list, tuple)) or any(not isinstance(p, torch.Tensor) for p in group):
+        raise ValueError("groups must consist of torch.Tensor.")
+    return list(group)
