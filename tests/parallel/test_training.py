@@ -58,3 +58,17 @@ def test_sync_batch_norm_matches_batch_norm_on_the_concatenated_batch(parallel_j
 @pytest.mark.parametrize("np", RANK_COUNTS)
 def test_training_job_reports_every_check_and_ends_cleanly(parallel_jobs, np):
     training(parallel_jobs, np).assert_complete(EXPECTED)
+
+
+FUSION_THRESHOLDS = ("0", "1024")  # fusion off, and a threshold smaller than one bucket
+FUSION_SENSITIVE = ["sgd_momentum_matches_single_process", "adam_matches_single_process",
+                    "backward_passes_per_step_2_matches_single_process", "groups_match_single_process",
+                    "overlap_on_equals_overlap_off"]
+
+
+@pytest.mark.parametrize("threshold", FUSION_THRESHOLDS)
+@pytest.mark.parametrize("check", FUSION_SENSITIVE)
+def test_training_is_unchanged_by_the_fusion_threshold(parallel_jobs, threshold, check):
+    """The default threshold (128 MiB) is covered above; fusion off and 1 KiB must agree too."""
+    parallel_jobs.get("training_check.py", 2, {"PSRT_FUSION_THRESHOLD": threshold}).assert_ok(
+        f"optimizer/{check}")
