@@ -197,9 +197,11 @@ class Engine:
         """Take in new works; return those to announce now: unknown to the cache, or
         waiting for other ranks for long."""
         fresh = []
+        cache = self._negotiator.cache
         for work in arrived:
             self._local[work.key] = work
-            if self._negotiator.cache.lookup(work.announcement) is None:
+            work.cache_index = cache.lookup(work.announcement)
+            if work.cache_index is None:
                 fresh.append(work)
         overdue = time.perf_counter() - self._report_after
         seen = set(map(id, fresh))
@@ -229,8 +231,8 @@ class Engine:
             return
         works = [self._take(r) for r in responses]
         # A member without the work has joined: it contributes zeros.
-        buffers = [w.buffer if w is not None else r.announcement.reduction.zeros()
-                   for w, r in zip(works, responses)]
+        buffers = [b for w, r in zip(works, responses)
+                   for b in (w.buffers if w is not None else (r.announcement.reduction.zeros(),))]
         reduction = first.reduction
         comm = self._data_comm(reduction.set_id, buffers[0].device)
         start = time.perf_counter()

@@ -9,7 +9,6 @@ otherwise they are packed into a persistent fusion buffer and unpacked after.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -32,7 +31,7 @@ class Batch:
 
 def _nbytes(response: Response) -> int:
     reduction = response.announcement.reduction
-    return math.prod(reduction.shape) * reduction.dtype.itemsize
+    return reduction.numel * reduction.dtype.itemsize
 
 
 def plan(responses: Sequence[Response], threshold: int) -> list[Batch]:
@@ -61,16 +60,18 @@ def plan(responses: Sequence[Response], threshold: int) -> list[Batch]:
 def contiguous_span(buffers: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A flat view covering ``buffers`` if they lie back to back, in order, in one storage."""
     first = buffers[0]
-    if not all(b.is_contiguous() for b in buffers):
-        return None
-    storage = first.untyped_storage().data_ptr()
-    end = first.data_ptr() + first.numel() * first.element_size()
-    for buffer in buffers[1:]:
-        if buffer.untyped_storage().data_ptr() != storage or buffer.data_ptr() != end:
+    base = first._base
+    if base is None or any(b._base is not base for b in buffers):
+        # Not all views of one tensor: compare storages (slower, but still exact).
+        storage = first.untyped_storage().data_ptr()
+        if any(b.untyped_storage().data_ptr() != storage for b in buffers):
+            return None
+    end = first.data_ptr()
+    for buffer in buffers:
+        if buffer.data_ptr() != end or not buffer.is_contiguous():
             return None
         end += buffer.numel() * buffer.element_size()
-    total = sum(b.numel() for b in buffers)
-    return first.as_strided((total,), (1,))
+    return first.as_strided((sum(b.numel() for b in buffers),), (1,))
 
 
 class FusionBuffers:

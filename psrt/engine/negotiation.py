@@ -96,19 +96,31 @@ class Negotiator:
         self.cache = ResponseCache(cache_capacity)
         self.table: dict[WorkKey, _Pending] = {}
         self.joined: list[int] = []
+        self._idle = np.zeros(0, dtype=np.uint8)
+        self._idle_state: tuple = (0, ())
 
     # -- the fast path -------------------------------------------------------------
+    def _idle_ready(self) -> np.ndarray:
+        """Per cached entry, whether this rank counts as ready without having the work: it
+        is not a member of the entry's set, or it has joined and the entry is an allreduce.
+        Recomputed only when the cache or the joined ranks change."""
+        state = (len(self.cache), tuple(self.joined))
+        if state != self._idle_state:
+            joined = self.rank in self.joined
+            self._idle = np.fromiter(
+                (self.rank not in e.ranks or (joined and e.reduction is not None)
+                 for e in self.cache.entries), dtype=np.uint8, count=len(self.cache))
+            self._idle_state = state
+        return self._idle
+
     def _fast_vector(self, local: dict[WorkKey, Work]) -> np.ndarray:
-        entries = self.cache.entries
-        vector = np.ones(1 + 2 * len(entries), dtype=np.uint8)
-        ready, absent = vector[1:1 + len(entries)], vector[1 + len(entries):]
-        joined = self.rank in self.joined
-        for i, entry in enumerate(entries):
-            work = local.get(entry.key)
-            if work is not None and not work.reported and work.announcement == entry:
-                absent[i] = 0
-            elif self.rank in entry.ranks and not (joined and entry.reduction is not None):
-                ready[i] = 0
+        n = len(self.cache)
+        vector = np.ones(1 + 2 * n, dtype=np.uint8)
+        vector[1:1 + n] = self._idle_ready()
+        for work in local.values():
+            if work.cache_index is not None and not work.reported:
+                vector[1 + work.cache_index] = 1
+                vector[1 + n + work.cache_index] = 0
         return vector
 
     def _fast_round(self, local: dict[WorkKey, Work], need_slow: bool,

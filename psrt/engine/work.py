@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -23,18 +22,19 @@ Descriptor = tuple[tuple[str, object], ...]
 WorkKey = tuple[int, str]
 
 
-@dataclass(frozen=True)
-class Reduction:
-    """How an allreduce's buffer is reduced: works with equal ``fusion_key`` may share a message.
+class Reduction(NamedTuple):
+    """How an allreduce's buffers are reduced: works with equal ``fusion_key`` may share a
+    message.  ``numel`` counts the elements of all the work's buffers together.
 
-    Plain values only: it travels between ranks during negotiation, so that a
-    rank that has joined can contribute zeros of the right shape.
+    Plain values only (a named tuple: cheap to build on every call): it travels
+    between ranks during negotiation, so that a rank that has joined can
+    contribute zeros of the right size.
     """
 
     set_id: int
     device: str
     dtype: torch.dtype
-    shape: tuple[int, ...]
+    numel: int
     op: ReduceOp
     scale: float
 
@@ -43,11 +43,10 @@ class Reduction:
         return (self.set_id, self.device, self.dtype, self.op, self.scale)
 
     def zeros(self) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype, device=torch.device(self.device))
+        return torch.zeros(self.numel, dtype=self.dtype, device=torch.device(self.device))
 
 
-@dataclass(frozen=True)
-class Announcement:
+class Announcement(NamedTuple):
     """What a rank tells the others about one of its pending works."""
 
     key: WorkKey
@@ -64,31 +63,36 @@ class Announcement:
 class Work:
     """A submitted operation: its announcement, how to run it, and its completion state.
 
-    ``buffer`` is the contiguous tensor an allreduce reduces in place;
+    ``buffers`` are the contiguous tensors an allreduce reduces in place (one, or
+    a grouped call's tensors of one dtype, reduced as one message);
     ``execute(host, data)`` runs any other collective on the engine thread, given
     the set's host communicator (sizes, metadata) and the one that carries
     tensors on ``device``.
     """
 
     def __init__(self, announcement: Announcement, *, device: torch.device,
-                 buffer: torch.Tensor | None = None,
+                 buffers: list[torch.Tensor] | None = None,
                  execute: Callable[[Communicator, Communicator], object] | None = None,
                  finish: Callable[[object], object] = lambda value: value) -> None:
-        if (buffer is None) == (execute is None):
+        if (buffers is None) == (execute is None):
             raise ValueError("a work reduces a buffer or executes a callable, not both")
         self.announcement = announcement
         self.device = device
-        self.buffer = buffer
+        self.buffers = buffers
         self.execute = execute
         self.finish = finish
         self.value: object = None
         self.error: BaseException | None = None
-        self._done = threading.Event()
+        # A lock held until completion: far cheaper to create than an Event, and the
+        # caller creates one per collective.
+        self._pending = threading.Lock()
+        self._pending.acquire()
         # Timeline phases (perf_counter seconds); filled in by the engine.
         self.submitted = time.perf_counter()
         self.negotiated: float | None = None
         self.ready: float | None = None
         self.reported = False  # announced through the slow path: resolved by the shared table
+        self.cache_index: int | None = None  # its response-cache entry, if it matched one
 
     @property
     def key(self) -> WorkKey:
@@ -101,22 +105,23 @@ class Work:
     # -- completion (engine thread) --------------------------------------------------
     def complete(self, value: object = None) -> None:
         self.value = value
-        self._done.set()
+        self._pending.release()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
-        self._done.set()
+        self._pending.release()
 
     # -- the caller's side ------------------------------------------------------------
     def done(self) -> bool:
-        return self._done.is_set()
+        return not self._pending.locked()
 
     def wait(self) -> None:
-        self._done.wait()
+        with self._pending:
+            pass
 
     def result(self) -> object:
         """Wait, then return the output (or raise the error every rank got)."""
-        self._done.wait()
+        self.wait()
         if self.error is not None:
             raise self.error
         return self.finish(self.value)

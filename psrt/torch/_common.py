@@ -22,7 +22,7 @@ def set_ranks(process_set: ProcessSet) -> list[int]:
 
 def make_work(collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
               descriptor: Descriptor, device: torch.device, *,
-              buffer: torch.Tensor | None = None, reduction: Reduction | None = None,
+              buffers: list[torch.Tensor] | None = None, reduction: Reduction | None = None,
               execute: Callable[[Communicator, Communicator], object] | None = None,
               finish: Callable[[object], object] = lambda value: value) -> Work:
     """A work for the engine.  Unnamed ops get Horovod's counter-based name and stay out
@@ -32,21 +32,24 @@ def make_work(collective: str, name: str | None, process_set: ProcessSet, ranks:
         key=(process_set.process_set_id, name if name is not None else engine.unnamed(collective)),
         ranks=tuple(ranks), descriptor=(("collective", collective), *descriptor),
         reduction=reduction, cacheable=name is not None)
-    return Work(announcement, device=device, buffer=buffer, execute=execute, finish=finish)
+    return Work(announcement, device=device, buffers=buffers, execute=execute, finish=finish)
 
 
 def submit(works: Work | Sequence[Work], blocking: bool,
            combine: Callable[[list], object] | None = None) -> object:
     """Hand works to the engine; wait and return the output, or return a handle.
 
-    Several works (grouped collectives) produce ``combine([outputs])``.
+    With ``combine``, the output is ``combine([each work's output])``.
     """
     engine = runtime.current().engine
     single = isinstance(works, Work)
     group = [works] if single else list(works)
     for work in group:
         engine.submit(work)
-    handle = group[0] if single else WorkGroup(group, combine or list)
+    if single and combine is None:
+        handle = group[0]
+    else:
+        handle = WorkGroup(group, combine or list)
     return handle.result() if blocking else register(handle)
 
 

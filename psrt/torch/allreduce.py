@@ -39,30 +39,38 @@ def _resolve(dtypes: Sequence[torch.dtype], name: object, op: object, average: o
     return op, pre, post
 
 
-def _allreduce_work(tensor: torch.Tensor, in_place: bool, name: str | None, op: ReduceOp,
+def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | None, op: ReduceOp,
                     pre: float, post: float, process_set: ProcessSet, ranks: list[int]):
-    """The engine work reducing ``tensor`` (prescaled now; Average and postscale folded into
-    the reduction for floats, applied when finishing for integers)."""
+    """The engine work reducing ``tensors`` (one dtype) as one message: prescaled now,
+    Average and postscale folded into the reduction for floats, applied when finishing for
+    integers.  Its output is the list of reduced tensors."""
     if in_place:
-        buffer = _common.contiguous_buffer(tensor)
+        buffers = [_common.contiguous_buffer(t) for t in tensors]
     else:
-        buffer = tensor.detach().clone(memory_format=torch.contiguous_format)
-    _common.scale_(buffer, pre)
-    fold = _folded_scale(buffer, op, post, len(ranks))
-    reduction = Reduction(set_id=process_set.process_set_id, device=str(tensor.device),
-                          dtype=tensor.dtype, shape=tuple(tensor.shape), op=transport_op(op),
-                          scale=1.0 if fold is None else fold)
+        buffers = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+    for buffer in buffers:
+        _common.scale_(buffer, pre)
+    first = tensors[0]
+    fold = _folded_scale(first, op, post, len(ranks))
+    reduction = Reduction(process_set.process_set_id, str(first.device), first.dtype,
+                          sum(t.numel() for t in tensors), transport_op(op),
+                          1.0 if fold is None else fold)
 
-    def finish(_: object) -> torch.Tensor:
+    def finish(_: object) -> list[torch.Tensor]:
         if fold is None:
-            _common.postscale_(buffer, op is ReduceOp.Average, post, len(ranks))
-        return _common.write_back(tensor, buffer) if in_place else buffer
+            for buffer in buffers:
+                _common.postscale_(buffer, op is ReduceOp.Average, post, len(ranks))
+        if not in_place:
+            return buffers
+        return [_common.write_back(t, b) for t, b in zip(tensors, buffers)]
 
-    descriptor = (("dtype", tensor.dtype), ("shape", tuple(tensor.shape)),
-                  ("device", tensor.device.type), ("op", op.name), ("prescale_factor", pre),
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    descriptor = (("dtype", first.dtype), ("shape" if len(shapes) == 1 else "shapes",
+                                            shapes[0] if len(shapes) == 1 else shapes),
+                  ("device", first.device.type), ("op", op.name), ("prescale_factor", pre),
                   ("postscale_factor", post))
-    return _common.make_work("allreduce", name, process_set, ranks, descriptor, tensor.device,
-                             buffer=buffer, reduction=reduction, finish=finish)
+    return _common.make_work("allreduce", name, process_set, ranks, descriptor, first.device,
+                             buffers=buffers, reduction=reduction, finish=finish)
 
 
 def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
@@ -71,14 +79,14 @@ def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
     op, pre, post = _resolve((tensor.dtype,), name, op, average, prescale_factor,
                              postscale_factor)
     ranks = _common.set_ranks(process_set)
-    work = _allreduce_work(tensor, in_place, name, op, pre, post, process_set, ranks)
-    return _common.submit(work, blocking)
+    work = _allreduce_work([tensor], in_place, name, op, pre, post, process_set, ranks)
+    return _common.submit(work, blocking, lambda outputs: outputs[0][0])
 
 
-def _folded_scale(buffer: torch.Tensor, op: ReduceOp, post: float, set_size: int) -> float | None:
+def _folded_scale(tensor: torch.Tensor, op: ReduceOp, post: float, set_size: int) -> float | None:
     """The factor the transport can fold into a floating-point reduction (None for integers,
     whose Average is a floor division applied afterwards)."""
-    if not buffer.is_floating_point():
+    if not tensor.is_floating_point():
         return None
     return post / set_size if op is ReduceOp.Average else post
 
@@ -129,8 +137,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 # -- grouped -------------------------------------------------------------------------
 def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, postscale_factor,
              process_set):
-    """One allreduce per tensor, submitted together: the engine runs them in the same
-    cycle, fused where dtypes agree.  Members are named ``name.0``, ``name.1``..."""
+    """One work per dtype (one, usually), each reduced as a single message: back-to-back
+    views of one buffer are reduced where they lie, other tensors are packed."""
     tensors = check_tensor_list(tensors)
     if not tensors:
         raise InvalidArgumentError("grouped_allreduce needs at least one tensor")
@@ -140,9 +148,23 @@ def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, po
         raise InvalidArgumentError(f"grouped_allreduce needs all tensors on one device, got "
                                    f"{sorted({str(t.device) for t in tensors})}")
     ranks = _common.set_ranks(process_set)
-    works = [_allreduce_work(t, in_place, None if name is None else f"{name}.{i}", op, pre, post,
-                             process_set, ranks) for i, t in enumerate(tensors)]
-    return _common.submit(works, blocking)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(index)
+    works = []
+    for dtype, members in by_dtype.items():
+        part = name if name is None or len(by_dtype) == 1 else f"{name}.{str(dtype).removeprefix('torch.')}"
+        works.append(_allreduce_work([tensors[i] for i in members], in_place, part, op, pre, post,
+                                     process_set, ranks))
+
+    def combine(outputs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+        for members, reduced in zip(by_dtype.values(), outputs):
+            for index, tensor in zip(members, reduced):
+                results[index] = tensor
+        return results
+
+    return _common.submit(works, blocking, combine)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
