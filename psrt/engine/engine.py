@@ -39,9 +39,16 @@ logger = logging.getLogger("psrt")
 _REPORT_AFTER_S = 1.0
 _STALL_CHECK_INTERVAL_S = 1.0
 _BRIEF_WAIT_CYCLES = 10
+# When no rank has anything pending, rounds happen every this many cycles (a
+# submission starts one at once); they keep stall reports and joined or
+# non-member ranks going without costing a training step much CPU.
+_IDLE_CYCLES = 5
 # A negotiation message is polled this long before the engine starts sleeping
 # between polls: most rounds complete within it.
 _SPIN_S = 100e-6
+# Between polls the engine sleeps ever longer, up to this: a peer that is busy
+# computing may take milliseconds to reach the round.
+_LONGEST_NAP_S = 200e-6
 
 
 class Engine:
@@ -149,12 +156,12 @@ class Engine:
                 bootstrap.abort_job_with(self._world, how)
 
     def _loop(self) -> None:
-        idle = False
+        pause = 0.0
         join_sent = stop_sent = False
         cycle_s = self._config.cycle_time_ms / 1000
         while True:
-            if idle:
-                self._wake.wait(cycle_s)
+            if pause:
+                self._wake.wait(pause)
             self._wake.clear()
             if self._timeline is not None:
                 self._timeline.cycle(time.perf_counter())
@@ -180,7 +187,12 @@ class Engine:
                 self._stop(f"psrt was shut down by rank{'s' if len(result.shutdown_by) > 1 else ''} "
                            f"{', '.join(map(str, result.shutdown_by))}")
                 return
-            idle = not result.responses and not self._queue and not self._waiting_briefly()
+            if result.responses or self._queue or self._waiting_briefly():
+                pause = 0.0
+            elif result.waiting or self._local:
+                pause = cycle_s
+            else:  # nobody anywhere has work: a submission wakes this engine anyway
+                pause = cycle_s * _IDLE_CYCLES
 
     def _waiting_briefly(self) -> bool:
         """Whether a local work has been waiting for other ranks only a few cycles.
@@ -335,6 +347,8 @@ def _wait_politely(request: Request) -> None:
     """Wait for a negotiation message without spinning a core: ranks reach a round at
     different times, and a busy wait would steal the CPU the training step needs."""
     spin_until = time.perf_counter() + _SPIN_S
+    nap = 2e-5
     while not request.test():
         if time.perf_counter() > spin_until:
-            time.sleep(2e-5)
+            time.sleep(nap)
+            nap = min(nap * 2, _LONGEST_NAP_S)

@@ -83,6 +83,9 @@ class _Pending:
 @dataclass
 class RoundResult:
     responses: list[Response]
+    # Some rank still has a work waiting for others (or has joined): every engine
+    # should keep negotiating at the normal pace.  The same on every rank.
+    waiting: bool = False
     join_completed: int | None = None  # the last rank to join, once every rank has
     shutdown_by: list[int] = field(default_factory=list)
 
@@ -124,15 +127,17 @@ class Negotiator:
         return vector
 
     def _fast_round(self, local: dict[WorkKey, Work], need_slow: bool,
-                    wait: Callable[[Request], None]) -> tuple[list[Response], bool]:
+                    wait: Callable[[Request], None]) -> tuple[list[Response], bool, bool]:
+        """(responses, whether the slow path follows, whether a cached work is still waiting)."""
         vector = self._fast_vector(local)
         vector[0] = 0 if need_slow else 1
         tensor = torch.from_numpy(vector)
         wait(self.comm.iallreduce(tensor, ReduceOp.MIN))
         n = len(self.cache)
-        ready, absent = vector[1:1 + n], vector[1 + n:]
-        hits = np.flatnonzero(ready & (absent == 0))
-        return [Response(self.cache.entries[i]) for i in hits.tolist()], vector[0] == 0
+        ready, held = vector[1:1 + n], vector[1 + n:] == 0
+        hits = np.flatnonzero(ready & held)
+        waiting = bool((held & (ready == 0)).any())
+        return [Response(self.cache.entries[i]) for i in hits.tolist()], vector[0] == 0, waiting
 
     # -- the slow path -------------------------------------------------------------
     def _slow_round(self, announcements: list[Announcement], join: bool,
@@ -184,15 +189,16 @@ class Negotiator:
         """Negotiate: ``local`` are this rank's unfinished works, ``fresh`` those that
         need announcing now (new to the cache, or waited too long)."""
         need_slow = bool(fresh or join or shutdown or self.table)
-        responses, slow = self._fast_round(local, need_slow, wait)
+        responses, slow, waiting = self._fast_round(local, need_slow, wait)
         if not slow:
-            return RoundResult(responses)
+            return RoundResult(responses, waiting or bool(self.joined))
         resolved = {r.announcement.key for r in responses}
         unannounced = [w for w in local.values() if not w.reported and w.key not in resolved]
         for work in unannounced:
             work.reported = True
         result = self._slow_round([w.announcement for w in unannounced], join, shutdown)
         result.responses[:0] = responses
+        result.waiting = waiting or bool(self.table) or bool(self.joined)
         return result
 
     def stalled(self, older_than: float) -> list[tuple[Announcement, float, list[int], list[int]]]:
