@@ -24,7 +24,7 @@ import time
 import torch
 
 from psrt.comm import bootstrap
-from psrt.comm.base import Communicator, Request
+from psrt.comm.base import Communicator, ReduceOp, Request
 from psrt.config import Config
 from psrt.engine import fusion
 from psrt.engine.negotiation import Negotiator, Response
@@ -244,26 +244,38 @@ class Engine:
         works = [self._take(r) for r in responses]
         # A member without the work has joined: it contributes zeros.
         buffers = [b for w, r in zip(works, responses)
-                   for b in (w.buffers if w is not None else (r.announcement.reduction.zeros(),))]
-        reduction = first.reduction
-        comm = self._data_comm(reduction.set_id, buffers[0].device)
+                   for b in (w.buffers if w is not None else r.announcement.reduction.zeros())]
+        pieces = [p for r in responses for p in r.announcement.reduction.pieces]
+        comm = self._data_comm(first.reduction.set_id, buffers[0].device)
+        phases: list[tuple[str, float, float]] = []
+        for message in fusion.messages(pieces):
+            piece = pieces[message[0]]
+            self._reduce_message([buffers[i] for i in message], first.reduction.op, piece.scale,
+                                 comm, phases)
+        for work in works:
+            if work is not None:
+                self._finish(work, None, None, phases)
+
+    def _reduce_message(self, buffers: list[torch.Tensor], op: ReduceOp, scale: float,
+                        comm: Communicator, phases: list[tuple[str, float, float]]) -> None:
+        """One allreduce carrying ``buffers``: in place when they are one tensor or lie back
+        to back, else packed into the fusion buffer and unpacked after."""
         start = time.perf_counter()
         flat = buffers[0].view(-1) if len(buffers) == 1 else fusion.contiguous_span(buffers)
         staged = flat is None
         if staged:
-            flat = self._fusion.get(reduction.dtype, buffers[0].device, sum(b.numel() for b in buffers))
+            flat = self._fusion.get(buffers[0].dtype, buffers[0].device, sum(b.numel() for b in buffers))
             fusion.pack(buffers, flat)
         packed = time.perf_counter()
-        comm.allreduce(flat, reduction.op, reduction.scale)
+        comm.allreduce(flat, op, scale)
         reduced = time.perf_counter()
         if staged:
             fusion.unpack(flat, buffers)
-        end = time.perf_counter()
-        phases = (("MEMCPY_IN_FUSION_BUFFER", start, packed), ("ALLREDUCE", packed, reduced),
-                  ("MEMCPY_OUT_FUSION_BUFFER", reduced, end)) if staged else (("ALLREDUCE", start, end),)
-        for work in works:
-            if work is not None:
-                self._finish(work, None, None, phases)
+            end = time.perf_counter()
+            phases += [("MEMCPY_IN_FUSION_BUFFER", start, packed), ("ALLREDUCE", packed, reduced),
+                       ("MEMCPY_OUT_FUSION_BUFFER", reduced, end)]
+        else:
+            phases.append(("ALLREDUCE", start, reduced))
 
     def _run_one(self, response: Response) -> None:
         work = self._take(response)

@@ -1,11 +1,13 @@
-"""Tensor fusion: allreduces that are ready together travel as one message.
+"""Tensor fusion: small allreduces that are ready together travel as one message.
 
-The plan (which works share a message, in which order) depends only on what
-every rank negotiated — sizes, dtypes, ops, the response order — so it is the
-same on every rank.  How a rank lays a batch out in memory is its own affair:
-if the batch's buffers already sit back to back in one storage (gradients kept
-as views of a flat bucket), the message is that span and nothing is copied;
-otherwise they are packed into a persistent fusion buffer and unpacked after.
+The plan (which works form a batch, and which of a batch's buffers share a
+message) depends only on what every rank negotiated — sizes, dtypes, ops, the
+response order — so it is the same on every rank.  Large buffers are reduced
+in place as messages of their own; runs of small ones share a message.  How a
+rank lays such a message out is its own affair: if the buffers already sit back
+to back in one storage (views of one flat tensor), the message is that span
+and nothing is copied; otherwise they are packed into a persistent fusion
+buffer and unpacked after.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Sequence
 import torch
 
 from psrt.engine.negotiation import Response
+from psrt.engine.work import Piece
 
 
 @dataclass
@@ -29,13 +32,18 @@ class Batch:
         return first.reduction is not None and self.responses[0].error is None
 
 
+#: A tensor at least this large travels as a message of its own, reduced where it
+#: lies: packing it would cost two passes over its memory to save one message's
+#: latency, which is worth it only for small tensors.
+PACK_LIMIT_BYTES = 1 << 20
+
+
 def _nbytes(response: Response) -> int:
-    reduction = response.announcement.reduction
-    return reduction.numel * reduction.dtype.itemsize
+    return response.announcement.reduction.nbytes
 
 
 def plan(responses: Sequence[Response], threshold: int) -> list[Batch]:
-    """Group compatible allreduces (equal fusion key) up to ``threshold`` bytes each;
+    """Group compatible allreduces (same process set, device and op) up to ``threshold`` bytes;
     everything else runs alone.  Batches run in the order of their first response."""
     batches: list[Batch] = []
     open_batches: dict[tuple, tuple[Batch, int]] = {}
@@ -55,6 +63,26 @@ def plan(responses: Sequence[Response], threshold: int) -> list[Batch]:
             batches.append(batch)
             open_batches[key] = (batch, size)
     return batches
+
+
+def messages(pieces: Sequence[Piece], pack_limit: int = PACK_LIMIT_BYTES) -> list[list[int]]:
+    """Split a batch's pieces (in batch order) into messages: each large piece alone, each
+    run of small ones of one dtype and scale together.  Pieces are agreed across ranks, so
+    every rank splits the same way."""
+    result: list[list[int]] = []
+    run: list[int] = []
+    for index, piece in enumerate(pieces):
+        if run and (piece.nbytes >= pack_limit or (piece.dtype, piece.scale)
+                    != (pieces[run[0]].dtype, pieces[run[0]].scale)):
+            result.append(run)
+            run = []
+        if piece.nbytes >= pack_limit:
+            result.append([index])
+        else:
+            run.append(index)
+    if run:
+        result.append(run)
+    return result
 
 
 def contiguous_span(buffers: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -22,28 +22,45 @@ Descriptor = tuple[tuple[str, object], ...]
 WorkKey = tuple[int, str]
 
 
+class Piece(NamedTuple):
+    """One buffer of an allreduce: its element count, dtype, and the factor folded into its
+    reduction (1/size for a floating-point Average; integers are scaled afterwards)."""
+
+    numel: int
+    dtype: torch.dtype
+    scale: float
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
 class Reduction(NamedTuple):
-    """How an allreduce's buffers are reduced: works with equal ``fusion_key`` may share a
-    message.  ``numel`` counts the elements of all the work's buffers together.
+    """How an allreduce's buffers are reduced; works with equal ``fusion_key`` may share a
+    batch, whose pieces of equal dtype and scale may share a message.
 
     Plain values only (a named tuple: cheap to build on every call): it travels
     between ranks during negotiation, so that a rank that has joined can
-    contribute zeros of the right size.
+    contribute zeros of the right sizes.
     """
 
     set_id: int
     device: str
-    dtype: torch.dtype
-    numel: int
     op: ReduceOp
-    scale: float
+    pieces: tuple[Piece, ...]
 
     @property
     def fusion_key(self) -> tuple:
-        return (self.set_id, self.device, self.dtype, self.op, self.scale)
+        return (self.set_id, self.device, self.op)
 
-    def zeros(self) -> torch.Tensor:
-        return torch.zeros(self.numel, dtype=self.dtype, device=torch.device(self.device))
+    @property
+    def nbytes(self) -> int:
+        return sum(piece.nbytes for piece in self.pieces)
+
+    def zeros(self) -> list[torch.Tensor]:
+        """What a rank that has joined contributes in place of the work's buffers."""
+        device = torch.device(self.device)
+        return [torch.zeros(p.numel, dtype=p.dtype, device=device) for p in self.pieces]
 
 
 class Announcement(NamedTuple):
@@ -64,7 +81,7 @@ class Work:
     """A submitted operation: its announcement, how to run it, and its completion state.
 
     ``buffers`` are the contiguous tensors an allreduce reduces in place (one, or
-    a grouped call's tensors of one dtype, reduced as one message);
+    a grouped call's tensors, described piece by piece in its reduction);
     ``execute(host, data)`` runs any other collective on the engine thread, given
     the set's host communicator (sizes, metadata) and the one that carries
     tensors on ``device``.

@@ -1,12 +1,15 @@
-"""Where DistributedOptimizer keeps gradients: flat buffers split into buckets, planned as data.
+"""How DistributedOptimizer groups gradients into allreduces: buckets, planned as data.
 
-Gradients live as views into one persistent flat buffer per (dtype, device),
-so that a bucket is a contiguous slice that one in-place allreduce carries
-without packing.  Tensors are laid out in the order their gradients become
-ready in backward (the reverse of registration order), so the first buckets
-fill first and their allreduces overlap the rest of backward.  The plan is a
-pure function of tensor sizes: it is computed, and can be tested, without any
-communication.
+A bucket is a list of parameters; when backward has finished accumulating the
+gradient of its last member, one grouped allreduce carries the whole bucket.
+Parameters are taken in the order their gradients become ready in backward
+(the reverse of registration order), so the first buckets fill first and their
+allreduces overlap the rest of backward.  The plan is a pure function of
+tensor sizes: it is computed, and can be tested, without any communication.
+
+There are no flat buffers behind the buckets: each gradient is the tensor
+autograd produced, and the engine reduces a grouped call as one message, in
+place for large tensors, copying (packing) only the small ones.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ class Bucketing:
 
 @dataclass(frozen=True)
 class Slot:
-    """One tensor to place; tensors with different keys (dtype, device) never share a buffer."""
+    """One tensor to place; tensors with different keys (dtype, device) never share a bucket."""
 
     numel: int
     element_size: int
@@ -54,16 +57,10 @@ class Slot:
 
 @dataclass(frozen=True)
 class Bucket:
-    """A contiguous slice ``[start, stop)`` of the flat buffer of ``key``.
-
-    ``members`` are slot indices in ready order; ``offsets[i]`` is where member i starts.
-    """
+    """Tensors of one key reduced together: ``members`` are slot indices in ready order."""
 
     key: Hashable
     members: tuple[int, ...]
-    offsets: tuple[int, ...]
-    start: int
-    stop: int
 
 
 def plan_buckets(slots: Sequence[Slot], groups: Sequence[Sequence[int]] | None = None, *,
@@ -80,15 +77,7 @@ def plan_buckets(slots: Sequence[Slot], groups: Sequence[Sequence[int]] | None =
     else:
         member_lists = _split_groups_by_key(slots, groups)
     member_lists.sort(key=lambda members: members[0])
-    return _place(slots, member_lists)
-
-
-def buffer_sizes(buckets: Sequence[Bucket]) -> dict[Hashable, int]:
-    """Elements of the flat buffer each key needs."""
-    sizes: dict[Hashable, int] = {}
-    for bucket in buckets:
-        sizes[bucket.key] = max(sizes.get(bucket.key, 0), bucket.stop)
-    return sizes
+    return [Bucket(slots[members[0]].key, tuple(members)) for members in member_lists]
 
 
 def split_evenly(count: int, parts: int) -> list[list[int]]:
@@ -131,17 +120,3 @@ def _split_groups_by_key(slots: Sequence[Slot], groups: Sequence[Sequence[int]])
         member_lists.extend(by_key.values())
     return member_lists
 
-
-def _place(slots: Sequence[Slot], member_lists: Sequence[list[int]]) -> list[Bucket]:
-    filled: dict[Hashable, int] = {}
-    buckets = []
-    for members in member_lists:
-        key = slots[members[0]].key
-        start = position = filled.get(key, 0)
-        offsets = []
-        for index in members:
-            offsets.append(position)
-            position += slots[index].numel
-        filled[key] = position
-        buckets.append(Bucket(key, tuple(members), tuple(offsets), start, position))
-    return buckets

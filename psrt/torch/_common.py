@@ -35,37 +35,10 @@ def make_work(collective: str, name: str | None, process_set: ProcessSet, ranks:
     return Work(announcement, device=device, buffers=buffers, execute=execute, finish=finish)
 
 
-def submit(works: Work | Sequence[Work], blocking: bool,
-           combine: Callable[[list], object] | None = None) -> object:
-    """Hand works to the engine; wait and return the output, or return a handle.
-
-    With ``combine``, the output is ``combine([each work's output])``.
-    """
-    engine = runtime.current().engine
-    single = isinstance(works, Work)
-    group = [works] if single else list(works)
-    for work in group:
-        engine.submit(work)
-    if single and combine is None:
-        handle = group[0]
-    else:
-        handle = WorkGroup(group, combine or list)
-    return handle.result() if blocking else register(handle)
-
-
-class WorkGroup:
-    """Works that complete together as one handle (grouped collectives)."""
-
-    def __init__(self, works: list[Work], combine: Callable[[list], object]) -> None:
-        self.works, self.combine = works, combine
-
-    def done(self) -> bool:
-        return all(work.done() for work in self.works)
-
-    def result(self) -> object:
-        for work in self.works:  # wait for all, even when one failed
-            work.wait()
-        return self.combine([work.result() for work in self.works])
+def submit(work: Work, blocking: bool) -> object:
+    """Hand a work to the engine; wait and return its output, or return a handle."""
+    runtime.current().engine.submit(work)
+    return work.result() if blocking else register(work)
 
 
 def contiguous_buffer(tensor: torch.Tensor) -> torch.Tensor:

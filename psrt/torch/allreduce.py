@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from psrt.engine import Reduction
+from psrt.engine import Piece, Reduction
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
@@ -40,36 +40,37 @@ def _resolve(dtypes: Sequence[torch.dtype], name: object, op: object, average: o
 
 
 def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | None, op: ReduceOp,
-                    pre: float, post: float, process_set: ProcessSet, ranks: list[int]):
-    """The engine work reducing ``tensors`` (one dtype) as one message: prescaled now,
-    Average and postscale folded into the reduction for floats, applied when finishing for
-    integers.  Its output is the list of reduced tensors."""
+                    pre: float, post: float, process_set: ProcessSet, ranks: list[int],
+                    grouped: bool):
+    """The engine work reducing ``tensors`` (one, or a grouped call's): prescaled now;
+    Average and postscale folded into the reduction for floating-point tensors, applied when
+    finishing for integers.  Its output is the reduced tensor, or the list for ``grouped``."""
     if in_place:
         buffers = [_common.contiguous_buffer(t) for t in tensors]
     else:
         buffers = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+    folds = [_folded_scale(t, op, post, len(ranks)) for t in tensors]
     for buffer in buffers:
         _common.scale_(buffer, pre)
-    first = tensors[0]
-    fold = _folded_scale(first, op, post, len(ranks))
-    reduction = Reduction(process_set.process_set_id, str(first.device), first.dtype,
-                          sum(t.numel() for t in tensors), transport_op(op),
-                          1.0 if fold is None else fold)
+    reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
+                          tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
+                                for t, f in zip(tensors, folds)))
 
-    def finish(_: object) -> list[torch.Tensor]:
-        if fold is None:
-            for buffer in buffers:
+    def finish(_: object) -> torch.Tensor | list[torch.Tensor]:
+        for buffer, fold in zip(buffers, folds):
+            if fold is None:
                 _common.postscale_(buffer, op is ReduceOp.Average, post, len(ranks))
-        if not in_place:
-            return buffers
-        return [_common.write_back(t, b) for t, b in zip(tensors, buffers)]
+        outputs = [_common.write_back(t, b) for t, b in zip(tensors, buffers)] if in_place else buffers
+        return outputs if grouped else outputs[0]
 
-    shapes = tuple(tuple(t.shape) for t in tensors)
-    descriptor = (("dtype", first.dtype), ("shape" if len(shapes) == 1 else "shapes",
-                                            shapes[0] if len(shapes) == 1 else shapes),
-                  ("device", first.device.type), ("op", op.name), ("prescale_factor", pre),
-                  ("postscale_factor", post))
-    return _common.make_work("allreduce", name, process_set, ranks, descriptor, first.device,
+    if len(tensors) == 1:
+        layout = (("dtype", tensors[0].dtype), ("shape", tuple(tensors[0].shape)))
+    else:
+        layout = (("dtypes", tuple(t.dtype for t in tensors)),
+                  ("shapes", tuple(tuple(t.shape) for t in tensors)))
+    descriptor = (*layout, ("device", tensors[0].device.type), ("op", op.name),
+                  ("prescale_factor", pre), ("postscale_factor", post))
+    return _common.make_work("allreduce", name, process_set, ranks, descriptor, tensors[0].device,
                              buffers=buffers, reduction=reduction, finish=finish)
 
 
@@ -79,8 +80,8 @@ def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
     op, pre, post = _resolve((tensor.dtype,), name, op, average, prescale_factor,
                              postscale_factor)
     ranks = _common.set_ranks(process_set)
-    work = _allreduce_work([tensor], in_place, name, op, pre, post, process_set, ranks)
-    return _common.submit(work, blocking, lambda outputs: outputs[0][0])
+    work = _allreduce_work([tensor], in_place, name, op, pre, post, process_set, ranks, grouped=False)
+    return _common.submit(work, blocking)
 
 
 def _folded_scale(tensor: torch.Tensor, op: ReduceOp, post: float, set_size: int) -> float | None:
@@ -137,8 +138,9 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 # -- grouped -------------------------------------------------------------------------
 def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, postscale_factor,
              process_set):
-    """One work per dtype (one, usually), each reduced as a single message: back-to-back
-    views of one buffer are reduced where they lie, other tensors are packed."""
+    """One work for the whole list, negotiated as a unit: large tensors are reduced where
+    they lie, small ones of one dtype share a message (in place if they are back-to-back
+    views of one buffer, else packed)."""
     tensors = check_tensor_list(tensors)
     if not tensors:
         raise InvalidArgumentError("grouped_allreduce needs at least one tensor")
@@ -148,23 +150,8 @@ def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, po
         raise InvalidArgumentError(f"grouped_allreduce needs all tensors on one device, got "
                                    f"{sorted({str(t.device) for t in tensors})}")
     ranks = _common.set_ranks(process_set)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(index)
-    works = []
-    for dtype, members in by_dtype.items():
-        part = name if name is None or len(by_dtype) == 1 else f"{name}.{str(dtype).removeprefix('torch.')}"
-        works.append(_allreduce_work([tensors[i] for i in members], in_place, part, op, pre, post,
-                                     process_set, ranks))
-
-    def combine(outputs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-        for members, reduced in zip(by_dtype.values(), outputs):
-            for index, tensor in zip(members, reduced):
-                results[index] = tensor
-        return results
-
-    return _common.submit(works, blocking, combine)
+    work = _allreduce_work(tensors, in_place, name, op, pre, post, process_set, ranks, grouped=True)
+    return _common.submit(work, blocking)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,

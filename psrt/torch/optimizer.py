@@ -1,11 +1,19 @@
 """``DistributedOptimizer``: Horovod's data-parallel optimizer wrapper, with DDP's gradient buckets.
 
 Every rank computes gradients on its own batch; the wrapper averages them over
-the process set before the wrapped optimizer's step.  Gradients are views into
-persistent flat buffers (one per dtype and device, laid out by ``_buckets``),
-and each bucket's allreduce starts during backward as soon as its last
-gradient is accumulated, so communication overlaps the rest of backward and
-no gradient is packed or copied on the way.
+the process set before the wrapped optimizer's step.  Parameters are split
+into buckets (planned by ``_buckets``, in the order backward completes their
+gradients), and each bucket's allreduce starts during backward as soon as its
+last gradient is accumulated, so communication overlaps the rest of backward.
+
+Gradients are whatever autograd produces: ``.grad`` is assigned by autograd
+and a bucket is one grouped allreduce of its parameters' ``.grad`` tensors,
+reduced in place.  There are no persistent flat buffers behind the
+gradients: keeping gradients as views of such buffers costs two extra memory
+passes per step (zeroing the buffer, and autograd accumulating into an
+existing ``.grad`` instead of just taking the fresh gradient tensor), which
+is more than the engine spends on a grouped call, where it reduces large
+tensors where they lie and copies (packs) only the small ones.
 
 Every rank must build the same model and wrap it the same way (the same
 parameters, named the same, in the same order): bucket names and contents
@@ -26,7 +34,7 @@ import torch
 import psrt.torch as hvd
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
-from psrt.torch._buckets import Bucketing, Slot, buffer_sizes, plan_buckets, split_evenly
+from psrt.torch._buckets import Bucketing, Slot, plan_buckets, split_evenly
 from psrt.torch.compression import Compression, compressor
 from psrt.torch.ops import Adasum, Average, Sum
 
@@ -51,13 +59,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     must name every parameter of the optimizer.  ``backward_passes_per_step`` backward passes are
     accumulated locally before one allreduce.  ``groups`` is a number of groups or a list of lists
     of parameters, each group reduced as one.  ``sparse_as_dense`` is accepted for compatibility:
-    psrt always reduces densely (a sparse gradient is added into its dense buffer).  ``bucketing``
-    (psrt's addition) sets the bucket sizes and whether communication overlaps backward.
+    psrt always reduces densely (a sparse gradient is replaced by its dense form, ``p.grad =
+    p.grad.to_dense()``, before its bucket is reduced).  ``bucketing`` (psrt's addition) sets the
+    bucket sizes and whether communication overlaps backward.
 
     The wrapper shares ``param_groups``, ``state`` and ``defaults`` with ``optimizer``: use the
     returned object from then on.  Parameters must be in the optimizer, and trainable, when it is
-    wrapped.  ``zero_grad()`` zeroes gradients in place and never sets them to None, since they
-    are views into the communication buffers.
+    wrapped.  ``zero_grad(set_to_none=True)`` behaves as torch's: gradients become None (the
+    default) or are zeroed in place.
     """
     _check_arguments(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor,
                      sparse_as_dense, bucketing)
@@ -99,15 +108,19 @@ def _wrapped_class(base: type) -> type:
 
 
 class _GradientBucket:
-    """One bucket's slice of a flat buffer and the state of its allreduce in this step."""
+    """One bucket's parameters (ready-order positions) and the state of its allreduce in this step."""
 
-    __slots__ = ("name", "flat", "members", "waiting", "handle", "ctx")
+    __slots__ = ("name", "members", "waiting", "handle", "grads", "ctxs")
 
-    def __init__(self, name: str, flat: torch.Tensor, members: tuple[int, ...]) -> None:
-        self.name, self.flat, self.members = name, flat, members
+    def __init__(self, name: str, members: tuple[int, ...]) -> None:
+        self.name, self.members = name, members
         self.waiting = len(members)  # members whose gradient is not complete for this step
         self.handle: int | None = None
-        self.ctx: object = None
+        self.grads: list[torch.Tensor] = []  # the gradients submitted, which receive the result
+        self.ctxs: list[object] = []  # compression contexts, one per gradient
+
+    def reset(self) -> None:
+        self.waiting, self.handle, self.grads, self.ctxs = len(self.members), None, [], []
 
 
 class _DistributedOptimizer:
@@ -129,7 +142,6 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self._params = ordered
-        self._views: list[torch.Tensor] = [None] * len(ordered)  # type: ignore[list-item]
         self._bucket_of: list[_GradientBucket] = [None] * len(ordered)  # type: ignore[list-item]
         self._buckets = self._build_buckets(explicit, bucketing)
         self._counts = [0] * len(ordered)
@@ -138,43 +150,18 @@ class _DistributedOptimizer:
         weakref.finalize(self, _remove_hooks, hooks)
 
     def _build_buckets(self, explicit, bucketing: Bucketing) -> list[_GradientBucket]:
-        """Allocate the flat buffers, point every ``.grad`` at its view (keeping any gradient
-        already there) and create the buckets."""
         slots = [Slot(p.numel(), p.element_size(), (p.dtype, p.device)) for p in self._params]
         plan = plan_buckets(slots, explicit,
                             first_bucket_bytes=bucketing.first_bucket_bytes, bucket_bytes=bucketing.bucket_bytes)
-        flats = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in buffer_sizes(plan).items()}
         prefix = f"DistributedOptimizer.{next(_instances)}.bucket"
-        buckets = []
-        for number, spec in enumerate(plan):
-            bucket = _GradientBucket(f"{prefix}.{number}", flats[spec.key][spec.start:spec.stop], spec.members)
-            for index, offset in zip(spec.members, spec.offsets):
-                param = self._params[index]
-                self._views[index] = flats[spec.key][offset:offset + param.numel()].view(param.shape)
+        buckets = [_GradientBucket(f"{prefix}.{number}", spec.members) for number, spec in enumerate(plan)]
+        for bucket in buckets:
+            for index in bucket.members:
                 self._bucket_of[index] = bucket
-                self._adopt(index)
-            buckets.append(bucket)
         return buckets
-
-    def _adopt(self, index: int) -> None:
-        """Make the parameter's gradient its view again, keeping the value it has (None: zero).
-
-        Needed after ``zero_grad(set_to_none=True)`` on the model, or anything else that gave
-        the parameter a new ``.grad`` tensor.
-        """
-        param, view = self._params[index], self._views[index]
-        grad = param.grad
-        if grad is view:
-            return
-        if grad is None:
-            view.zero_()
-        else:
-            view.copy_(grad.to_dense() if grad.is_sparse else grad)
-        param.grad = view
 
     def _on_grad_ready(self, index: int) -> None:
         """A backward pass finished accumulating parameter ``index``'s gradient."""
-        self._adopt(index)
         self._synchronized = False
         self._counts[index] += 1
         if self._counts[index] > self.backward_passes_per_step:
@@ -186,12 +173,25 @@ class _DistributedOptimizer:
                 self._submit(bucket)
 
     def _submit(self, bucket: _GradientBucket) -> None:
+        """Start the bucket's grouped allreduce on its parameters' gradients, in place.
+
+        A parameter without a gradient gets zeros (every rank then submits the same names and
+        shapes); a sparse gradient is replaced by its dense form.
+        """
+        grads = []
         for index in bucket.members:
-            self._adopt(index)
-        wire, bucket.ctx = self._compression.compress(bucket.flat)
+            param = self._params[index]
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            elif param.grad.layout != torch.strided:
+                param.grad = param.grad.to_dense()
+            grads.append(param.grad)
+        packed = [self._compression.compress(grad) for grad in grads]
+        bucket.grads, bucket.ctxs = grads, [ctx for _, ctx in packed]
         prescale, postscale = self._scales
-        bucket.handle = hvd.allreduce_async_(wire, name=bucket.name, op=self.op, prescale_factor=prescale,
-                                             postscale_factor=postscale, process_set=self.process_set)
+        bucket.handle = hvd.grouped_allreduce_async_([wire for wire, _ in packed], name=bucket.name, op=self.op,
+                                                     prescale_factor=prescale, postscale_factor=postscale,
+                                                     process_set=self.process_set)
 
     def synchronize(self) -> None:
         """Finish reducing the gradients accumulated since the last step: start the buckets
@@ -204,10 +204,12 @@ class _DistributedOptimizer:
             if bucket.handle is None:
                 self._submit(bucket)
         for bucket in self._buckets:
-            reduced = self._compression.decompress(hvd.synchronize(bucket.handle), bucket.ctx)
-            if reduced is not bucket.flat:
-                bucket.flat.copy_(reduced)
-            bucket.handle, bucket.ctx, bucket.waiting = None, None, len(bucket.members)
+            outputs = hvd.synchronize(bucket.handle)
+            for grad, wire, ctx in zip(bucket.grads, outputs, bucket.ctxs):
+                reduced = self._compression.decompress(wire, ctx)
+                if reduced is not grad:
+                    grad.copy_(reduced)
+            bucket.reset()
         self._counts = [0] * len(self._params)
         self._synchronized = True
 
@@ -232,17 +234,11 @@ class _DistributedOptimizer:
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero every gradient in place (``set_to_none`` is ignored for the reduced parameters:
-        their gradients are views into the communication buffers)."""
+        """As torch's: set every gradient to None, or with ``set_to_none=False`` zero it in place.
+        Raises, as Horovod does, while allreduces of this step are outstanding."""
         if any(bucket.handle is not None for bucket in self._buckets):
             raise AssertionError(_ZERO_GRAD_IN_FLIGHT)
-        if not self._buckets:
-            return super().zero_grad(set_to_none)
-        for param, view in zip(self._params, self._views):
-            if param.grad is not view:
-                param.grad = view
-        for bucket in self._buckets:
-            bucket.flat.zero_()
+        super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         raise ValueError("DistributedOptimizer cannot reduce the gradients of parameters added after wrapping; "

@@ -1,12 +1,12 @@
-"""DistributedOptimizer's bucket plan, checked as data (no communication), and the flat
-buffers and gradient views built from it, in a world of one."""
+"""DistributedOptimizer's bucket plan, checked as data (no communication), and, in a world of
+one, how the optimizer handles gradients: autograd's own tensors, one grouped allreduce per bucket."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import psrt.torch as hvd
-from psrt.torch._buckets import Bucketing, Slot, buffer_sizes, plan_buckets, split_evenly
+from psrt.torch._buckets import Bucketing, Slot, plan_buckets, split_evenly
 from psrt.torch.optimizer import DistributedOptimizer
 
 F32, F64 = "float32", "float64"
@@ -21,18 +21,20 @@ def test_first_bucket_closes_at_its_small_cap_and_later_ones_at_the_large_cap():
     assert [b.members for b in plan] == [(0, 1), (2, 3), (4, 5)]
 
 
-def test_members_are_contiguous_in_ready_order():
+def test_buckets_take_consecutive_slots_in_ready_order():
     plan = plan_buckets(slots(3, 4, 5, 6), first_bucket_bytes=20, bucket_bytes=40)
-    assert [(b.start, b.stop, b.offsets) for b in plan] == [(0, 7, (0, 3)), (7, 18, (7, 12))]
-    assert buffer_sizes(plan) == {F32: 18}
+    assert [(b.key, b.members) for b in plan] == [(F32, (0, 1)), (F32, (2, 3))]
 
 
-def test_dtypes_get_buffers_of_their_own_and_their_own_first_bucket():
+def test_the_last_bucket_holds_what_is_left_below_the_cap():
+    plan = plan_buckets(slots(5, 1, 1), first_bucket_bytes=20, bucket_bytes=1000)
+    assert [b.members for b in plan] == [(0,), (1, 2)]
+
+
+def test_dtypes_get_buckets_of_their_own_and_their_own_first_bucket():
     mixed = [Slot(4, 4, F32), Slot(4, 8, F64), Slot(4, 4, F32), Slot(4, 8, F64)]
     plan = plan_buckets(mixed, first_bucket_bytes=16, bucket_bytes=1000)
-    assert [(b.key, b.members, b.start) for b in plan] == [(F32, (0,), 0), (F64, (1,), 0), (F32, (2,), 4),
-                                                            (F64, (3,), 4)]
-    assert buffer_sizes(plan) == {F32: 8, F64: 8}
+    assert [(b.key, b.members) for b in plan] == [(F32, (0,)), (F64, (1,)), (F32, (2,)), (F64, (3,))]
 
 
 def test_a_tensor_larger_than_the_cap_is_a_bucket_of_its_own():
@@ -65,7 +67,7 @@ def test_bucketing_rejects_bad_settings(kwargs):
         Bucketing(**kwargs)
 
 
-# -- the optimizer in a world of one: the buffers and views behind the plan -------------------------
+# -- the optimizer in a world of one: autograd's gradients, one grouped allreduce per bucket -------
 @pytest.fixture
 def world_of_one():
     hvd.init()
@@ -78,33 +80,142 @@ def wrapped(model: torch.nn.Module, **kwargs):
                                 **kwargs)
 
 
-def test_gradients_are_views_laid_out_in_reverse_registration_order(world_of_one):
+class TwoHeads(torch.nn.Module):
+    """Three small layers (each its own bucket under ``SMALL``); ``extra`` only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out, self.extra = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        y = self.out(torch.tanh(self.hidden(x)))
+        return y + self.extra(x) if use_extra else y
+
+
+SMALL = Bucketing(first_bucket_bytes=8, bucket_bytes=8)
+
+
+@pytest.fixture
+def grouped_calls(monkeypatch):
+    """Every grouped_allreduce_async_ the optimizer starts: (name, the list of tensors)."""
+    calls = []
+    real = hvd.grouped_allreduce_async_
+
+    def recording(tensors, *args, **kwargs):
+        calls.append((kwargs.get("name"), list(tensors)))
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(hvd, "grouped_allreduce_async_", recording)
+    return calls
+
+
+def test_wrapping_creates_no_gradients_and_backward_assigns_its_own(world_of_one):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     optimizer = wrapped(model)
-    (flat,) = {bucket.flat.data_ptr() for bucket in optimizer._buckets}
-    addresses = [p.grad.data_ptr() for p in model.parameters()]
-    assert addresses == sorted(addresses, reverse=True) and min(addresses) == flat
+    assert all(p.grad is None for p in model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == 4, "gradients share memory: they are views of one buffer"
+    assert all(p.grad.untyped_storage().nbytes() == p.grad.nbytes for p in model.parameters())
+    optimizer.step()
 
 
-def test_zero_grad_keeps_the_views_and_a_replaced_grad_is_copied_back(world_of_one):
+def test_each_bucket_is_one_grouped_allreduce_of_the_gradients_themselves(world_of_one, grouped_calls):
+    model = TwoHeads()
+    optimizer = wrapped(model, bucketing=Bucketing(first_bucket_bytes=32, bucket_bytes=1 << 20))
+    model(torch.ones(2, 3), use_extra=True).sum().backward()
+    grads = {id(p.grad) for p in model.parameters()}
+    optimizer.step()
+    assert [name for name, _ in grouped_calls] == [bucket.name for bucket in optimizer._buckets]
+    assert [len(tensors) for _, tensors in grouped_calls] == [len(b.members) for b in optimizer._buckets] == [2, 4]
+    assert {id(t) for _, tensors in grouped_calls for t in tensors} == grads, "something other than .grad was sent"
+    assert {id(p.grad) for p in model.parameters()} == grads, "the reduction replaced a gradient tensor"
+
+
+def test_zero_grad_sets_none_by_default_and_zeroes_in_place_when_asked(world_of_one):
     model = torch.nn.Linear(3, 2)
     optimizer = wrapped(model)
-    views = [p.grad for p in model.parameters()]
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
-    model.zero_grad(set_to_none=True)  # the model, not the optimizer: grads become None
+    grads = [p.grad for p in model.parameters()]
+    optimizer.zero_grad(set_to_none=False)
+    assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), grads))
     model(torch.ones(1, 3)).sum().backward()
-    assert all(p.grad is v for p, v in zip(model.parameters(), views))
-    assert torch.equal(model.bias.grad, torch.ones(2)), "the old gradient was added to, not replaced"
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads)), "autograd accumulates into a kept .grad"
+    assert torch.equal(model.bias.grad, torch.ones(2))
     optimizer.step()
     optimizer.zero_grad()
-    assert all(p.grad is v and not v.any() for p, v in zip(model.parameters(), views))
+    assert all(p.grad is None for p in model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    assert torch.equal(model.bias.grad, torch.ones(2))
+    optimizer.step()
 
 
-def test_sparse_gradients_are_reduced_densely(world_of_one):
+def test_zero_grad_while_allreduces_are_outstanding_raises(world_of_one):
+    model = torch.nn.Linear(3, 2)
+    optimizer = wrapped(model)
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(AssertionError, match="before optimizer.step"):
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_parameter_without_a_gradient_gets_zeros_at_synchronize(world_of_one, grouped_calls):
+    model = TwoHeads()
+    optimizer = wrapped(model, bucketing=SMALL)
+    model(torch.ones(2, 3)).sum().backward()
+    assert model.extra.weight.grad is None and model.extra.bias.grad is None
+    started = [bucket.handle is not None for bucket in optimizer._buckets]
+    assert started == [False, False, True, True, True, True], "the unused head's buckets cannot start in backward"
+    optimizer.synchronize()
+    assert len(grouped_calls) == 6
+    for param in model.extra.parameters():
+        assert param.grad is not None and param.grad.shape == param.shape and not param.grad.any()
+    with optimizer.skip_synchronize():
+        optimizer.step()
+
+
+def test_model_zero_grad_set_to_none_between_steps(world_of_one):
+    model = TwoHeads()
+    optimizer = wrapped(model, bucketing=SMALL)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        model(torch.ones(2, 3), use_extra=True).sum().backward()
+        optimizer.step()
+        assert torch.equal(model.out.bias.grad, torch.full((2,), 2.0))
+
+
+def test_backward_passes_per_step_starts_the_allreduce_after_the_last_pass(world_of_one, grouped_calls):
+    model = torch.nn.Linear(3, 2)
+    optimizer = wrapped(model, backward_passes_per_step=2)
+    model(torch.ones(1, 3)).sum().backward()
+    assert not grouped_calls
+    model(torch.ones(1, 3)).sum().backward()
+    assert len(grouped_calls) == 1
+    optimizer.step()
+    assert torch.equal(model.bias.grad, torch.full((2,), 2.0))
+
+
+def test_fp16_compression_reduces_into_the_gradient_tensors(world_of_one, grouped_calls):
+    model = torch.nn.Linear(3, 2)
+    optimizer = wrapped(model, compression=hvd.Compression.fp16)
+    model(torch.full((1, 3), 1 / 3)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    optimizer.step()
+    assert [t.dtype for t in grouped_calls[0][1]] == [torch.float16, torch.float16]
+    assert all(p.grad is g and g.dtype == torch.float32 for p, g in zip(model.parameters(), grads))
+    assert torch.equal(model.weight.grad, torch.full((2, 3), 1 / 3, dtype=torch.float16).float())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sparse_gradients_are_made_dense_when_their_bucket_starts(world_of_one, overlap):
     embedding = torch.nn.Embedding(5, 2, sparse=True)
-    optimizer = wrapped(embedding)
+    optimizer = wrapped(embedding, sparse_as_dense=True, bucketing=Bucketing(overlap=overlap))
     embedding(torch.tensor([1, 1, 3])).sum().backward()
+    assert embedding.weight.grad.is_sparse == (not overlap), "overlap starts the bucket in backward"
     optimizer.step()
     assert not embedding.weight.grad.is_sparse
     assert embedding.weight.grad[:, 0].tolist() == [0, 2, 0, 1, 0]
