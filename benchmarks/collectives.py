@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ from psrt import runtime
 from psrt.comm import ReduceOp
 from psrt.comm.ring import ring_allreduce
 
+from _gloo import init_gloo  # noqa: E402
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -426,18 +426,6 @@ def _crossover(sizes: list[int], wins: list[bool]) -> int | None:
 
 
 # -- entry point -----------------------------------------------------------------------
-def init_gloo() -> None:
-    """torch.distributed with gloo: TCP rendezvous on 127.0.0.1, rank and size from MPI."""
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.rank, world_size=comm.size)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
@@ -472,7 +460,7 @@ def main() -> None:
     if args.sweep_threshold:
         sweep_threshold(args)
     else:
-        init_gloo()
+        init_gloo(comm)
         say(f"# psrt collectives benchmark: {comm.size} ranks, sizes "
             f"{','.join(map(fmt_size, args.sizes))}, pid {os.getpid()}")
         benchmark(args)

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import socket
 import statistics
 import sys
 import time
@@ -70,6 +69,7 @@ from torch.nn.parallel import DistributedDataParallel
 import psrt.torch as hvd
 from psrt.torch.optimizer import Bucketing
 
+from _gloo import init_gloo  # noqa: E402
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI  # noqa: E402
 
 BATCH = 64
@@ -85,18 +85,6 @@ comm = MPI.COMM_WORLD.Dup()   # our barriers and baselines never interleave with
 def say(*args: object) -> None:
     if comm.rank == 0:
         print(*args, flush=True)
-
-
-def init_gloo() -> None:
-    """torch.distributed with gloo: TCP rendezvous on 127.0.0.1, rank and size from MPI."""
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.rank, world_size=comm.size)
 
 
 # -- models and data ---------------------------------------------------------------
@@ -405,7 +393,7 @@ def main() -> None:
     say(f"# psrt data-parallel training benchmark: {comm.size} ranks, torch {torch.__version__}, "
         "1 thread per rank")
     if not args.fusion:
-        init_gloo()
+        init_gloo(comm)
         for name in MODELS:
             summary[name] = bench_model(name, args)
             say(model_table(name, summary[name]))
