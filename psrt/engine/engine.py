@@ -330,9 +330,8 @@ class Engine:
         stalled = self._negotiator.stalled(self._config.stall_check_time_s)
         if not stalled:
             return
-        lines = [f"{dict(a.descriptor).get('collective', 'collective')} of tensor '{a.name}' for "
-                 f"{age:.0f} s: submitted by ranks {have}, missing ranks {missing}"
-                 for a, age, have, missing in stalled]
+        lines = [f"{what} for {age:.0f} s: submitted by ranks {have}, missing ranks {missing}"
+                 for what, age, have, missing in stalled]
         message = ("stall: some ranks have not submitted these collectives (a rank may be "
                    "stuck, or ranks are calling different collectives): " + "; ".join(lines))
         limit = self._config.stall_shutdown_time_s

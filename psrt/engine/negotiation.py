@@ -99,6 +99,7 @@ class Negotiator:
         self.cache = ResponseCache(cache_capacity)
         self.table: dict[WorkKey, _Pending] = {}
         self.joined: list[int] = []
+        self._join_started = 0.0  # when the first rank of the current join joined
         self._idle = np.zeros(0, dtype=np.uint8)
         self._idle_state: tuple = (0, ())
 
@@ -150,6 +151,8 @@ class Negotiator:
                 pending = self.table.setdefault(announcement.key, _Pending(now))
                 pending.by_rank[rank] = announcement
             if joining:
+                if not self.joined:
+                    self._join_started = now
                 self.joined.append(rank)
             if stopping:
                 result.shutdown_by.append(rank)
@@ -201,9 +204,9 @@ class Negotiator:
         result.waiting = waiting or bool(self.table) or bool(self.joined)
         return result
 
-    def stalled(self, older_than: float) -> list[tuple[Announcement, float, list[int], list[int]]]:
-        """Table works waiting at least ``older_than`` seconds: (work, seconds waited,
-        ranks that submitted it, ranks missing)."""
+    def stalled(self, older_than: float) -> list[tuple[str, float, list[int], list[int]]]:
+        """What has waited at least ``older_than`` seconds for some ranks: (what, seconds
+        waited, ranks that are there, ranks missing), for table works and for a join."""
         now = time.monotonic()
         stalled = []
         for pending in self.table.values():
@@ -211,5 +214,11 @@ class Negotiator:
                 first = next(iter(pending.by_rank.values()))
                 have = sorted(pending.by_rank)
                 missing = [r for r in first.ranks if r not in pending.by_rank and r not in self.joined]
-                stalled.append((first, now - pending.first_seen, have, missing))
+                collective = dict(first.descriptor).get("collective", "collective")
+                stalled.append((f"{collective} of tensor '{first.name}'", now - pending.first_seen,
+                                have, missing))
+        if self.joined and now - self._join_started >= older_than:
+            have = sorted(set(self.joined))
+            stalled.append(("join", now - self._join_started, have,
+                            [r for r in range(self.comm.size) if r not in have]))
         return stalled

@@ -58,6 +58,16 @@ def test_a_stall_names_the_tensor_and_missing_rank_then_aborts_the_job():
     assert not _results(report), "the stalled allreduce returned"
 
 
+def test_a_join_that_some_rank_never_makes_is_reported_and_aborts_the_job():
+    report = launch("engine_failures.py", 2, {"PSRT_STALL_CHECK_TIME": "1",
+                                              "PSRT_STALL_SHUTDOWN_TIME": "3"},
+                    args=("join_stall",), timeout_s=90)
+    assert report.returncode not in (0, None), report.diagnosis()
+    assert report.seconds < 60, f"the stalled join took {report.seconds:.0f} s to end"
+    assert "join for" in report.stderr and "missing ranks [1]" in report.stderr, report.diagnosis()
+    assert not _results(report), "join returned although rank 1 never joined"
+
+
 def test_a_late_rank_gets_a_stall_warning_and_the_job_still_succeeds():
     report = launch("engine_failures.py", 2, {"PSRT_STALL_CHECK_TIME": "1"},
                     args=("stall_warning",), timeout_s=90)

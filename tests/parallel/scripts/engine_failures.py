@@ -4,6 +4,7 @@
                   PSRT_STALL_CHECK_TIME / PSRT_STALL_SHUTDOWN_TIME set the job
                   must end on its own, naming the tensor and rank 1.
 ``stall_warning`` rank 1 submits 2.5 s late; a warning names it and the job ends well.
+``join_stall``    rank 0 joins; rank 1 never does: the stall report names the join and rank 1.
 ``shutdown``      rank 1 shuts psrt down while rank 0 waits on a collective: rank 0's
                   synchronize raises, naming rank 1, instead of hanging.
 Each rank prints ``RESULT <json>`` lines the test reads.
@@ -40,6 +41,14 @@ def stall_warning() -> None:
     report(value=got.tolist())
 
 
+def join_stall() -> None:
+    if hvd.rank() == 0:
+        hvd.join()
+        report(unexpected="join returned")
+    else:
+        time.sleep(120)
+
+
 def shutdown() -> None:
     if hvd.rank() == 1:
         time.sleep(0.5)
@@ -60,4 +69,6 @@ def shutdown() -> None:
 
 if __name__ == "__main__":
     psrt.init()
-    {"stall_abort": stall_abort, "stall_warning": stall_warning, "shutdown": shutdown}[sys.argv[1]]()
+    modes = {"stall_abort": stall_abort, "stall_warning": stall_warning, "join_stall": join_stall,
+             "shutdown": shutdown}
+    modes[sys.argv[1]]()
