@@ -23,6 +23,7 @@ CHECKS = [
     "views_of_one_buffer_reduced_in_place", "average_and_postscale_in_fused_batches",
     "mismatch_after_the_name_was_cached", "join_with_uneven_steps",
     "join_refuses_other_collectives", "barrier_with_async_ops_outstanding",
+    "remove_process_set_refuses_while_its_ops_are_pending",
     "timeline_records_each_phase",
 ]
 JOBS = [(2, {}), (4, {}), (2, {"PSRT_FUSION_THRESHOLD": "0"}),

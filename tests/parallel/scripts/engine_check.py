@@ -184,6 +184,21 @@ def barrier_with_async_ops_outstanding(key: str) -> None:
     assert_equal(hvd.synchronize(handle), _sum(inputs), key)
 
 
+def remove_process_set_refuses_while_its_ops_are_pending(key: str) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    process_set = hvd.add_process_set(list(range(size)))
+    inputs = _inputs(key, size)
+    if rank != 0:
+        time.sleep(0.3)  # rank 0's operation is still pending when it tries to remove the set
+    handle = hvd.allreduce_async(inputs[rank], name=key, op=hvd.Sum, process_set=process_set)
+    if rank == 0:
+        expect_raises(psrt.ProcessSetError, lambda: hvd.remove_process_set(process_set),
+                      "still pending", key, what=key)
+    assert_equal(hvd.synchronize(handle), _sum(inputs), key)
+    hvd.remove_process_set(process_set)
+    assert process_set.process_set_id is None, f"{key}: the set is still registered"
+
+
 def timeline_records_each_phase(key: str) -> None:
     rank = hvd.rank()
     path = os.path.join(tempfile.gettempdir(), f"psrt-timeline-{os.getppid()}.json")
@@ -229,6 +244,8 @@ def main() -> None:
         ("join_with_uneven_steps", join_with_uneven_steps),
         ("join_refuses_other_collectives", join_refuses_other_collectives),
         ("barrier_with_async_ops_outstanding", barrier_with_async_ops_outstanding),
+        ("remove_process_set_refuses_while_its_ops_are_pending",
+         remove_process_set_refuses_while_its_ops_are_pending),
         ("timeline_records_each_phase", timeline_records_each_phase),
     ]:
         checks.add(name, function)
