@@ -14,7 +14,9 @@ place for large tensors, copying (packing) only the small ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Iterable, Sequence
+
+import torch
 
 #: DDP's defaults: a small first bucket so communication starts early in backward,
 #: then buckets large enough to amortise each allreduce's latency.
@@ -30,20 +32,35 @@ class Bucketing:
     A bucket is closed once it holds at least its cap in bytes (the first bucket of each dtype
     uses ``first_bucket_bytes``).  With ``overlap`` a bucket's allreduce starts during backward
     as soon as its last gradient is accumulated; without it every bucket starts in
-    ``synchronize()``, which is only useful to measure what overlap gains.
+    ``synchronize()``.  ``None`` (the default) decides with :func:`overlap_pays`.
     """
 
     first_bucket_bytes: int = FIRST_BUCKET_BYTES
     bucket_bytes: int = BUCKET_BYTES
-    overlap: bool = True
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         for field in ("first_bucket_bytes", "bucket_bytes"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Bucketing.{field} must be a positive int (bytes), got {value!r}")
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"Bucketing.overlap must be a bool, got {self.overlap!r}")
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise ValueError(f"Bucketing.overlap must be a bool or None, got {self.overlap!r}")
+
+
+def overlap_pays(devices: Iterable[torch.device], ranks_on_host: int, host_cores: int,
+                 threads_per_rank: int) -> bool:
+    """Whether overlapping allreduces with backward can hide them.
+
+    Only if communication has resources that backward does not use: GPU gradients
+    (NCCL moves them while the GPU computes), or CPU cores to spare for every rank's engine
+    thread.  On CPU, an allreduce is CPU work (copies and the reduction); when the host's
+    ranks already fill every core, running it during backward slows backward by more than
+    it saves (benchmarks/RESULTS.md: 2 ranks on 2 cores).
+    """
+    if any(device.type == "cuda" for device in devices):
+        return True
+    return host_cores >= ranks_on_host * (threads_per_rank + 1)
 
 
 @dataclass(frozen=True)

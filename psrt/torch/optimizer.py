@@ -22,6 +22,7 @@ must agree across ranks.
 from __future__ import annotations
 
 import functools
+import os
 import itertools
 import warnings
 import weakref
@@ -34,7 +35,7 @@ import torch
 import psrt.torch as hvd
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
-from psrt.torch._buckets import Bucketing, Slot, plan_buckets, split_evenly
+from psrt.torch._buckets import Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
 from psrt.torch.compression import Compression, compressor
 from psrt.torch.ops import Adasum, Average, Sum
 
@@ -61,7 +62,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     of parameters, each group reduced as one.  ``sparse_as_dense`` is accepted for compatibility:
     psrt always reduces densely (a sparse gradient is replaced by its dense form, ``p.grad =
     p.grad.to_dense()``, before its bucket is reduced).  ``bucketing`` (psrt's addition) sets the
-    bucket sizes and whether communication overlaps backward.
+    bucket sizes and whether communication overlaps backward (by default: where it can pay,
+    see ``psrt.torch._buckets.overlap_pays``).
 
     The wrapper shares ``param_groups``, ``state`` and ``defaults`` with ``optimizer``: use the
     returned object from then on.  Parameters must be in the optimizer, and trainable, when it is
@@ -139,6 +141,9 @@ class _DistributedOptimizer:
                         else (1.0, 1.0))
         self.process_set = process_set
         self._overlap = bucketing.overlap
+        if self._overlap is None:
+            self._overlap = overlap_pays({p.device for p in ordered}, hvd.local_size(), _usable_cores(),
+                                         torch.get_num_threads())
         self._synchronized = False
         self._should_synchronize = True
         self._params = ordered
@@ -252,6 +257,11 @@ class _DistributedOptimizer:
         self._counts = [0] * len(self._params)
         for bucket in self._buckets:
             bucket.waiting = len(bucket.members)
+
+
+def _usable_cores() -> int:
+    """CPU cores this process may run on (its affinity; all of them under ``--bind-to none``)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _remove_hooks(hooks: list) -> None:

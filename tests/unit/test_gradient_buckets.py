@@ -2,11 +2,13 @@
 one, how the optimizer handles gradients: autograd's own tensors, one grouped allreduce per bucket."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import psrt.torch as hvd
-from psrt.torch._buckets import Bucketing, Slot, plan_buckets, split_evenly
+from psrt.torch._buckets import Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
 from psrt.torch.optimizer import DistributedOptimizer
 
 F32, F64 = "float32", "float64"
@@ -76,6 +78,8 @@ def world_of_one():
 
 
 def wrapped(model: torch.nn.Module, **kwargs):
+    """Overlap on unless a test says otherwise: these tests watch buckets start in backward."""
+    kwargs.setdefault("bucketing", Bucketing(overlap=True))
     return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
                                 **kwargs)
 
@@ -92,7 +96,7 @@ class TwoHeads(torch.nn.Module):
         return y + self.extra(x) if use_extra else y
 
 
-SMALL = Bucketing(first_bucket_bytes=8, bucket_bytes=8)
+SMALL = Bucketing(first_bucket_bytes=8, bucket_bytes=8, overlap=True)
 
 
 @pytest.fixture
@@ -234,3 +238,21 @@ def test_wrapping_rejects_what_it_cannot_reduce(world_of_one):
         DistributedOptimizer(optimizer)
     with pytest.raises(ValueError, match="before DistributedOptimizer"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+
+
+@pytest.mark.parametrize("devices, ranks, cores, threads, pays", [
+    ([torch.device("cpu")], 2, 2, 1, False),    # this box: 2 ranks fill both cores
+    ([torch.device("cpu")], 2, 4, 1, True),     # a core to spare for each rank's engine thread
+    ([torch.device("cpu")], 8, 64, 4, True),
+    ([torch.device("cpu")], 8, 64, 8, False),   # torch's threads already take every core
+    ([torch.device("cuda", 0)], 8, 8, 8, True),  # GPU gradients: NCCL works while the GPU computes
+])
+def test_overlap_is_on_where_communication_has_resources_of_its_own(devices, ranks, cores, threads, pays):
+    assert overlap_pays(devices, ranks, cores, threads) is pays
+
+
+def test_overlap_left_unset_is_decided_for_this_host(world_of_one):
+    model = torch.nn.Linear(3, 2)
+    optimizer = wrapped(model, bucketing=Bucketing())
+    assert optimizer._overlap is overlap_pays([torch.device("cpu")], 1, len(os.sched_getaffinity(0)),
+                                              torch.get_num_threads())

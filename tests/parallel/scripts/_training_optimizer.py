@@ -15,7 +15,7 @@ from _training_common import (ROWS_PER_RANK, Mlp, assert_params_close, assert_pa
 
 STEPS = 3
 #: Caps small enough that the MLP (about 1.7 KiB of float64 gradients) spans several buckets.
-SMALL = Bucketing(first_bucket_bytes=64, bucket_bytes=512)
+SMALL = Bucketing(first_bucket_bytes=64, bucket_bytes=512, overlap=True)
 
 
 def sgd(params):
@@ -180,7 +180,9 @@ def names_must_be_unique_and_complete(key) -> None:
 
 def misuse_raises_horovods_errors(key) -> None:
     model = Mlp(key)
-    optimizer = DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters())
+    # Overlap on: zero_grad races only with allreduces that backward started.
+    optimizer = DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                     bucketing=SMALL)
     x, y = global_batch(key, 0)
     loss_of(model, my_rows(x), my_rows(y), use_extra=True).backward()
     expect_raises(AssertionError, optimizer.zero_grad, "before optimizer.step() or optimizer.synchronize()", key)
