@@ -90,10 +90,10 @@ class Engine:
     def submit(self, work: Work) -> Work:
         with self._lock:
             if self._stopped is not None:
-                raise EngineStoppedError(f"cannot run {self._what(work)}: {self._stopped}")
+                raise EngineStoppedError(f"cannot run {work.announcement.describe()}: {self._stopped}")
             if work.key in self._in_flight:
                 raise InvalidArgumentError(
-                    f"{self._what(work)} is already pending on rank {self.rank}: a name may be "
+                    f"{work.announcement.describe()} is already pending on rank {self.rank}: a name may be "
                     "submitted again only after the previous operation completed")
             self._in_flight.add(work.key)
             self._queue.append(work)
@@ -139,11 +139,6 @@ class Engine:
         if timeline is not None:
             timeline.close()
 
-    @staticmethod
-    def _what(work: Work) -> str:
-        collective = dict(work.announcement.descriptor).get("collective", "collective")
-        return f"{collective} of tensor '{work.name}'"
-
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -163,8 +158,9 @@ class Engine:
             if pause:
                 self._wake.wait(pause)
             self._wake.clear()
-            if self._timeline is not None:
-                self._timeline.cycle(time.perf_counter())
+            timeline = self._timeline  # read once: stop_timeline() may clear it meanwhile
+            if timeline is not None:
+                timeline.cycle(time.perf_counter())
             with self._lock:
                 arrived, self._queue = self._queue, []
                 join = self._join_requested and not join_sent
@@ -284,13 +280,12 @@ class Engine:
         if response.error is not None:
             self._finish(work, None, CollectiveMismatchError(response.error), ())
             return
-        collective = dict(work.announcement.descriptor).get("collective", "collective")
         set_id = work.announcement.key[0]
         host = self._host_comm(set_id)
         data = self._data_comm(set_id, work.device)
         start = time.perf_counter()
         value = work.execute(host, data)
-        self._finish(work, value, None, ((collective.upper(), start, time.perf_counter()),))
+        self._finish(work, value, None, ((work.announcement.collective.upper(), start, time.perf_counter()),))
 
     def _host_comm(self, set_id: int) -> Communicator:
         return self._topology.communicator(self._topology.process_set(set_id))
@@ -302,23 +297,13 @@ class Engine:
                 phases: tuple) -> None:
         with self._lock:
             self._in_flight.discard(work.key)
-        if self._timeline is not None:
-            self._record(work, phases)
+        timeline = self._timeline  # read once: stop_timeline() may clear it meanwhile
+        if timeline is not None:
+            _record(timeline, work, phases)
         if error is None:
             work.complete(value)
         else:
             work.fail(error)
-
-    def _record(self, work: Work, phases: tuple) -> None:
-        timeline = self._timeline
-        negotiated = work.negotiated or work.submitted
-        ready = work.ready or negotiated
-        start = phases[0][1] if phases else ready
-        timeline.phase(work.name, "NEGOTIATE", work.submitted, negotiated)
-        timeline.phase(work.name, "WAIT_FOR_OTHER_RANKS", negotiated, ready)
-        timeline.phase(work.name, "QUEUE", ready, start)
-        for phase, begin, end in phases:
-            timeline.phase(work.name, phase, begin, end)
 
     # -- stalls and stopping ----------------------------------------------------------------------
     def _inspect_stalls(self) -> None:
@@ -348,10 +333,22 @@ class Engine:
             self._local, self._queue = {}, []
             self._in_flight.clear()
         for work in abandoned:
-            work.fail(EngineStoppedError(f"{self._what(work)} did not complete: {reason}"))
+            work.fail(EngineStoppedError(f"{work.announcement.describe()} did not complete: {reason}"))
         if self._join_requested and not self._join_done.is_set():
             self._join_value = EngineStoppedError(f"join did not complete: {reason}")
             self._join_done.set()
+
+
+def _record(timeline: Timeline, work: Work, phases: tuple) -> None:
+    """A completed work's phases on the timeline."""
+    negotiated = work.negotiated or work.submitted
+    ready = work.ready or negotiated
+    start = phases[0][1] if phases else ready
+    timeline.phase(work.name, "NEGOTIATE", work.submitted, negotiated)
+    timeline.phase(work.name, "WAIT_FOR_OTHER_RANKS", negotiated, ready)
+    timeline.phase(work.name, "QUEUE", ready, start)
+    for phase, begin, end in phases:
+        timeline.phase(work.name, phase, begin, end)
 
 
 def _wait_politely(request: Request) -> None:

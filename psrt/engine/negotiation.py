@@ -180,8 +180,7 @@ class Negotiator:
             descriptors = {rank: a.descriptor for rank, a in sorted(announcements.items())}
             return Response(first, describe_mismatch(first.name, descriptors))
         if joined_members and first.reduction is None:
-            collective = dict(first.descriptor).get("collective", "collective")
-            return Response(first, f"{collective} of tensor '{first.name}' cannot run: ranks "
+            return Response(first, f"{first.describe()} cannot run: ranks "
                                    f"{joined_members} have joined, and after join() only "
                                    "allreduce is supported")
         return Response(first)
@@ -214,8 +213,7 @@ class Negotiator:
                 first = next(iter(pending.by_rank.values()))
                 have = sorted(pending.by_rank)
                 missing = [r for r in first.ranks if r not in pending.by_rank and r not in self.joined]
-                collective = dict(first.descriptor).get("collective", "collective")
-                stalled.append((f"{collective} of tensor '{first.name}'", now - pending.first_seen,
+                stalled.append((first.describe(), now - pending.first_seen,
                                 have, missing))
         if self.joined and now - self._join_started >= older_than:
             have = sorted(set(self.joined))

@@ -76,6 +76,14 @@ class Announcement(NamedTuple):
     def name(self) -> str:
         return self.key[1]
 
+    @property
+    def collective(self) -> str:
+        return dict(self.descriptor).get("collective", "collective")
+
+    def describe(self) -> str:
+        """E.g. "allreduce of tensor 'grad.w'", for messages."""
+        return f"{self.collective} of tensor '{self.name}'"
+
 
 class Work:
     """A submitted operation: its announcement, how to run it, and its completion state.
