@@ -62,6 +62,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeline-mark-cycles", action="store_true",
                         help="mark the engine's cycles in the timeline "
                              "(sets PSRT_TIMELINE_MARK_CYCLES=1 on every rank)")
+    parser.add_argument("--num-servers", type=int, metavar="S",
+                        help="parameter-server mode: S ranks become servers, the rest workers "
+                             "(sets PSRT_NUM_SERVERS=S on every rank)")
     parser.add_argument("--verbose", action="store_true",
                         help="print the mpirun command line to stderr before running it")
     parser.add_argument("--dry-run", action="store_true",
@@ -82,6 +85,13 @@ def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Host, ...]
 def _rank_env(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The variables psrun's own flags set on every rank."""
     settings = []
+    if args.num_servers is not None:
+        if args.num_servers < 1:
+            raise LaunchError(f"--num-servers must be at least 1, got {args.num_servers}")
+        if args.num_proc is not None and args.num_servers >= args.num_proc:
+            raise LaunchError(f"--num-servers {args.num_servers} leaves no worker among -np {args.num_proc} "
+                              "ranks; use fewer servers or more ranks")
+        settings.append(("PSRT_NUM_SERVERS", str(args.num_servers)))
     if args.timeline_filename is not None:
         settings.append(("PSRT_TIMELINE", args.timeline_filename))
     if args.timeline_mark_cycles:

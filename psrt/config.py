@@ -47,6 +47,13 @@ class Config:
     timeline: str = ""
     # Mark each engine cycle in the timeline.
     timeline_mark_cycles: bool = False
+    # Parameter-server mode: this many ranks are servers, the rest workers
+    # (0: no servers, every rank is a worker of the allreduce world).
+    num_servers: int = 0
+    # Tensors larger than this (bytes) are split into chunks of about this size
+    # spread across the servers (BytePS's partition size); smaller ones live whole
+    # on the least-loaded server.
+    ps_chunk_bytes: int = 4 * _MiB
 
 
 _ENV_NAMES: dict[str, tuple[str, ...]] = {
@@ -60,9 +67,11 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "stall_shutdown_time_s": ("PSRT_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
     "timeline": ("PSRT_TIMELINE", "HOROVOD_TIMELINE"),
     "timeline_mark_cycles": ("PSRT_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES"),
+    "num_servers": ("PSRT_NUM_SERVERS",),
+    "ps_chunk_bytes": ("PSRT_PS_CHUNK_BYTES",),
 }
 # Sizes that make no sense at zero; every other number may be zero (0 = off).
-_POSITIVE = {"ring_threshold", "ring_segment", "stall_check_time_s"}
+_POSITIVE = {"ring_threshold", "ring_segment", "stall_check_time_s", "ps_chunk_bytes"}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -47,3 +47,8 @@ class CommunicationError(PsrtError, RuntimeError):
 
 class EngineStoppedError(PsrtError, RuntimeError):
     """A collective was submitted or still pending when psrt was shut down on some rank."""
+
+
+class ParameterServerError(PsrtError, RuntimeError):
+    """A parameter server refused or failed a worker's request (the message says which
+    server, key and worker), or a consistency mode can no longer make progress."""

@@ -9,13 +9,17 @@ from __future__ import annotations
 import atexit
 import sys
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from psrt.comm import bootstrap
+from psrt.comm.mpi import MpiCommunicator
 from psrt.config import Config, config_from_env
 from psrt.engine import Engine
 from psrt.errors import NotInitializedError, ProcessSetError
 from psrt.topology import ProcessSet, Topology
+
+if TYPE_CHECKING:
+    from psrt.ps.service import WorkerLink
 
 #: The set of all ranks; usable once ``init()`` has run.
 global_process_set = ProcessSet()
@@ -26,6 +30,7 @@ class Runtime:
     config: Config
     topology: Topology
     engine: Engine
+    ps: WorkerLink | None = None  # parameter-server mode: this worker's link to the servers
 
 
 _runtime: Runtime | None = None
@@ -37,17 +42,24 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
 
     Idempotent: a second call while initialised does nothing.  Under a
     launcher every rank must call it.
+
+    In parameter-server mode (``PSRT_NUM_SERVERS`` > 0) a server rank serves
+    inside this call and exits the process once every worker has shut down;
+    on worker ranks the world (``rank()``, ``size()``, every collective) is
+    the workers only.
     """
     global _runtime
     if _runtime is not None:
         return
     config = config_from_env()
-    layout = bootstrap.start_mpi(config)
-    topology = Topology(layout.world, layout.local, layout.cross, global_process_set)
+    job = bootstrap.start_mpi(config)
     hook_module = getattr(sys.excepthook, "__module__", "")
     if config.abort_on_exception and hook_module != bootstrap.__name__:
-        bootstrap.install_abort_on_exception(layout.world)
-    _runtime = Runtime(config=config, topology=topology, engine=Engine(topology, config))
+        bootstrap.install_abort_on_exception(job)
+    world, link = (job, None) if config.num_servers == 0 else _parameter_server_roles(job, config)
+    layout = bootstrap.host_layout(world)
+    topology = Topology(layout.world, layout.local, layout.cross, global_process_set)
+    _runtime = Runtime(config=config, topology=topology, engine=Engine(topology, config), ps=link)
     global _exit_hook_installed
     if not _exit_hook_installed:
         # Stop the engine thread before mpi4py finalises MPI at exit (atexit runs
@@ -56,6 +68,27 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
         _exit_hook_installed = True
     for process_set in process_sets or ():
         topology.add_process_set(process_set)
+
+
+def _parameter_server_roles(job: MpiCommunicator, config: Config) -> tuple[MpiCommunicator, WorkerLink]:
+    """Split the job into servers and workers; a server serves here, then exits."""
+    from psrt.ps import roles, service  # the parameter server builds on this runtime
+
+    local = job.split_by_host()
+    host_leader = local.allgather_object(job.rank)[0]
+    local.free()
+    assigned = roles.assign_roles(job.allgather_object(host_leader), config.num_servers)
+    server = assigned.is_server(job.rank)
+    link_comm = job.split(0, key=job.rank)  # worker <-> server traffic, apart from collectives
+    workers = job.split(None if server else 0, key=job.rank)
+    assert link_comm is not None
+    if server:
+        service.run_server(link_comm, assigned, config,
+                           abort=lambda how: bootstrap.abort_job_with(job, how))
+        link_comm.free()
+        raise SystemExit(0)
+    assert workers is not None
+    return workers, service.WorkerLink(link_comm, assigned, config)
 
 
 def shutdown() -> None:
@@ -68,8 +101,12 @@ def shutdown() -> None:
     global _runtime
     if _runtime is not None:
         runtime, _runtime = _runtime, None
+        if runtime.ps is not None:
+            runtime.ps.close()
         runtime.engine.shutdown()
         runtime.topology.free()
+        if runtime.ps is not None:
+            runtime.ps.comm.free()
 
 
 def is_initialized() -> bool:

@@ -56,18 +56,22 @@ class Layout:
     cross: MpiCommunicator  # ranks with the same local rank, one per host
 
 
-def start_mpi(config: Config) -> Layout:
-    """Initialise MPI if needed and split the world into local and cross groups."""
+def start_mpi(config: Config) -> MpiCommunicator:
+    """Initialise MPI if needed; returns the communicator of the whole job."""
     MPI = _import_mpi()
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     from psrt.comm.mpi import MpiCommunicator
 
-    world = MPI.COMM_WORLD
-    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    cross = world.Split(local.Get_rank(), key=world.Get_rank())
-    return Layout(world=MpiCommunicator(world, config), local=MpiCommunicator(local, config),
-                  cross=MpiCommunicator(cross, config))
+    return MpiCommunicator(MPI.COMM_WORLD, config)
+
+
+def host_layout(world: MpiCommunicator) -> Layout:
+    """Split ``world`` into local (same host) and cross (same local rank) groups."""
+    local = world.split_by_host()
+    cross = world.split(local.rank, key=world.rank)
+    assert cross is not None
+    return Layout(world=world, local=local, cross=cross)
 
 
 def describe_exception(exc: BaseException) -> str:

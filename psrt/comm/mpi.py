@@ -191,6 +191,13 @@ class MpiCommunicator(Communicator):
             sub = self._comm.Split(MPI.UNDEFINED if color is None else color, key)
         return None if sub == MPI.COMM_NULL else MpiCommunicator(sub, self._config)
 
+    def split_by_host(self) -> MpiCommunicator:
+        """Sub-communicator of the ranks sharing this host's memory (``MPI_COMM_TYPE_SHARED``,
+        not launcher variables, which Open MPI numbers differently under ``--map-by``)."""
+        with _Translated("communicator split by host"):
+            return MpiCommunicator(self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank),
+                                   self._config)
+
     def abort(self, code: int) -> None:
         """End every process of the job at once (used when one rank fails)."""
         self._comm.Abort(code)

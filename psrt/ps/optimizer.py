@@ -1,0 +1,147 @@
+"""Training a torch model against the parameter servers with the usual optimizer habits.
+
+``DistributedOptimizer`` (the parameter-server counterpart of
+``psrt.torch.DistributedOptimizer``) keys every parameter by its name,
+initialises the keys from worker 0's parameters, and installs the wrapped
+optimizer's class and hyperparameters on the servers, which from then on do
+the updating.  Each gradient is pushed from its post-accumulate hook, so
+pushes overlap the rest of backward, and its updated value is requested at
+once; ``step()`` waits for the values and writes them into the parameters
+before the next forward.  ``zero_grad()`` and LR schedulers work as usual: a
+changed learning rate goes to the servers before the next step's first push.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.ps.client import Handle, KVStore, optimizer_spec
+from psrt.torch.optimizer import _check_names
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, *, mode: str = "sync",
+                         max_staleness: int | None = None, reduce: str = "mean",
+                         store: KVStore | None = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that its updates run on the parameter servers; returns an
+    instance of the optimizer's own class (use it from then on).
+
+    ``mode``, ``max_staleness`` and ``reduce`` are :class:`~psrt.ps.KVStore`'s (a new store is
+    created unless ``store`` is given).  ``named_parameters`` names the keys (default
+    ``param.<i>`` in optimizer order); every worker wraps the same model the same way.
+    Every parameter group must share the same hyperparameters, and the optimizer must be
+    a ``torch.optim`` class, since that is what the servers run.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _PsOptimizer):
+        raise InvalidArgumentError("optimizer is already a parameter-server DistributedOptimizer")
+    base = type(optimizer)
+    if getattr(torch.optim, base.__name__, None) is not base:
+        raise InvalidArgumentError(f"the servers run torch.optim optimizers; {base.__name__} is not one")
+    cls = _wrapped_class(base)
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update((key, value) for key, value in vars(optimizer).items() if key != "step")
+    wrapped._setup_servers(base, named_parameters,
+                           store or KVStore(mode, max_staleness=max_staleness, reduce=reduce))
+    return wrapped
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapped_class(base: type) -> type:
+    return type(base.__name__, (_PsOptimizer, base), {"__module__": base.__module__})
+
+
+def _hyperparameters(base: type, param_groups: list[dict]) -> dict:
+    accepted = set(inspect.signature(base.__init__).parameters) - {"self", "params"}
+    options = [{k: v for k, v in group.items() if k in accepted} for group in param_groups]
+    if any(o != options[0] for o in options[1:]):
+        raise InvalidArgumentError("parameter groups with different hyperparameters are not supported "
+                                   "by the parameter-server optimizer: the servers run one optimizer "
+                                   f"per store (groups: {options})")
+    if isinstance(options[0].get("lr"), torch.Tensor):
+        options[0]["lr"] = float(options[0]["lr"])
+    return options[0]
+
+
+class _PsOptimizer:
+    """Mixin placed before the wrapped optimizer's class."""
+
+    def _setup_servers(self, base: type, named_parameters, store: KVStore) -> None:
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if named_parameters is None:
+            named = [(f"param.{i}", p) for i, p in enumerate(params)]
+        else:
+            in_optimizer = {id(p) for p in params}
+            named = [(n, p) for n, p in _check_names(list(named_parameters), params) if id(p) in in_optimizer]
+        self.store = store
+        self._named = named
+        self._pulled = {name: torch.empty_like(p, device="cpu") for name, p in named}
+        self._inflight: dict[str, Handle] = {}
+        hyperparameters = _hyperparameters(base, self.param_groups)
+        self._sent_lr = hyperparameters.get("lr")
+        store.set_optimizer(optimizer_spec(base, hyperparameters).name, **hyperparameters)
+        for name, p in named:
+            store.init(name, p.detach())
+        self._pull_parameters()
+        for name, p in named:
+            p.register_post_accumulate_grad_hook(functools.partial(_push_hook, self, name))
+
+    def _pull_parameters(self) -> None:
+        """Every worker starts from (and, after a load, resumes with) the servers' values."""
+        handles = [(p, self.store.pull_async(name, self._pulled[name])) for name, p in self._named]
+        self._write(handles)
+
+    @staticmethod
+    def _write(handles: list[tuple[torch.Tensor, Handle]]) -> None:
+        with torch.no_grad():
+            for p, handle in handles:
+                p.copy_(handle.wait())
+
+    def _push(self, name: str, gradient: torch.Tensor) -> None:
+        if name in self._inflight:
+            raise InvalidArgumentError(f"the gradient of {name!r} was computed twice before step(): "
+                                       "gradient accumulation is not supported by the parameter-server "
+                                       "optimizer; call step() after every backward")
+        if not self._inflight:
+            self._send_learning_rate()
+        self._inflight[name] = self.store.push_pull_async(name, gradient, self._pulled[name])
+
+    def _send_learning_rate(self) -> None:
+        lr = self.param_groups[0]["lr"]
+        lr = float(lr) if isinstance(lr, torch.Tensor) else lr
+        if lr != self._sent_lr:
+            self.store.set_learning_rate(lr)
+            self._sent_lr = lr
+
+    def step(self, closure=None):
+        """Wait for the servers' updated values and copy them into the parameters.
+        A parameter that got no gradient this step pushes zeros, as in allreduce DP."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for name, p in self._named:
+            if name not in self._inflight:
+                self._push(name, p.grad if p.grad is not None else torch.zeros_like(p))
+        params = dict(self._named)
+        handles = [(params[name], handle) for name, handle in self._inflight.items()]
+        self._inflight = {}
+        self._write(handles)
+        return loss
+
+    def save(self, path: str) -> None:
+        """Checkpoint the servers (every worker calls it after the same step)."""
+        self.store.save(path)
+
+    def load(self, path: str) -> int:
+        """Restore a checkpoint into the servers and the model; returns the steps it had taken."""
+        steps = self.store.load(path)
+        self._pull_parameters()
+        return steps
+
+
+def _push_hook(optimizer: _PsOptimizer, name: str, param: torch.Tensor) -> None:
+    optimizer._push(name, param.grad)

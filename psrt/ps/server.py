@@ -1,0 +1,434 @@
+"""The parameter server: one event loop per server rank, serving every worker at once.
+
+The loop never blocks on one worker.  It keeps one header receive posted per
+worker, starts the receives and sends each request needs, and in every turn
+applies the pushes and answers the pulls that the consistency mode allows.
+An error in one request is answered to the worker that sent it (at once for
+requests with a reply, with its next reply for a push), never swallowed.
+A pull that waits longer than ``PSRT_STALL_CHECK_TIME`` is reported with the
+workers it is waiting for, and ends the job after ``PSRT_STALL_SHUTDOWN_TIME``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from psrt.comm.base import Communicator, Request
+from psrt.config import Config
+from psrt.errors import InvalidArgumentError, ParameterServerError
+from psrt.ps import checkpoint, protocol
+from psrt.ps.protocol import HEADER_LEN, Mode, Op, Status
+from psrt.ps.roles import Roles
+from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard
+
+_SPIN_S = 5e-5
+_LONGEST_NAP_S = 2e-4
+_STALL_SCAN_S = 1.0
+
+
+@dataclass
+class _Store:
+    """One KVStore's shards on this server and the settings its workers created it with."""
+
+    settings: tuple[int, int, int]  # mode, max staleness, reduce (0 mean, 1 sum)
+    consistency: Consistency
+    optimizer: OptimizerSpec | None = None
+    shards: dict[int, Shard] = field(default_factory=dict)
+    init_waiting: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # chunk: (worker, tag)
+
+
+class Server:
+    """Serves the workers of ``roles`` over ``comm`` until all of them have shut down."""
+
+    def __init__(self, comm: Communicator, roles: Roles, config: Config,
+                 abort: Callable[[str], None]) -> None:
+        self.comm, self.roles, self.config, self._abort = comm, roles, config, abort
+        self.index = roles.server_index(comm.rank)
+        self.num_workers = len(roles.workers)
+        self.stores: dict[int, _Store] = {}
+        self.departed: set[int] = set()
+        self._headers: dict[int, tuple[torch.Tensor, Request]] = {}
+        self._inflight: list[tuple[Request, Callable[[], None] | None]] = []
+        self._deferred: dict[int, list[str]] = {}  # worker: errors to give with its next reply
+        self._gathering: dict[Op, dict[int, tuple[int, dict]]] = {Op.SAVE: {}, Op.LOAD: {}}
+        self._next_stall_scan = time.monotonic() + _STALL_SCAN_S
+
+    @property
+    def name(self) -> str:
+        return f"parameter server {self.index} (rank {self.comm.rank})"
+
+    def serve(self) -> None:
+        for worker in range(self.num_workers):
+            self._post_header(worker)
+        idle_since = None
+        while not self._finished():
+            progressed = self._poll_headers() | self._poll_inflight() | self._advance()
+            if time.monotonic() >= self._next_stall_scan:
+                self._scan_for_stalls()
+            if progressed:
+                idle_since = None
+                continue
+            now = time.perf_counter()
+            idle_since = idle_since or now
+            if now - idle_since > _SPIN_S:
+                time.sleep(min(_LONGEST_NAP_S, (now - idle_since) / 4))
+        self._report_unfinished_steps()
+
+    def _finished(self) -> bool:
+        return len(self.departed) == self.num_workers and not self._inflight and not any(
+            shard.pulls for store in self.stores.values() for shard in store.shards.values())
+
+    # -- messaging ------------------------------------------------------------------------
+    def _rank(self, worker: int) -> int:
+        return self.roles.workers[worker]
+
+    def _post_header(self, worker: int) -> None:
+        buffer = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self._headers[worker] = (buffer, self.comm.irecv(buffer, self._rank(worker), protocol.HEADER_TAG))
+
+    def _receive(self, worker: int, tensor: torch.Tensor, tag: int,
+                 then: Callable[[], None] | None = None) -> None:
+        self._inflight.append((self.comm.irecv(tensor, self._rank(worker), tag), then))
+
+    def _send(self, worker: int, tensor: torch.Tensor, tag: int,
+              then: Callable[[], None] | None = None) -> None:
+        self._inflight.append((self.comm.isend(tensor, self._rank(worker), tag), then))
+
+    def _poll_headers(self) -> bool:
+        progressed = False
+        for worker, (buffer, request) in list(self._headers.items()):
+            if request.test():
+                del self._headers[worker]
+                fields = buffer.tolist()
+                if fields[0] != Op.BYE:
+                    self._post_header(worker)
+                self._dispatch(worker, fields)
+                progressed = True
+        return progressed
+
+    def _poll_inflight(self) -> bool:
+        done = [(r, then) for r, then in self._inflight if r.test()]
+        if not done:
+            return False
+        finished = {id(r) for r, _ in done}
+        self._inflight = [(r, then) for r, then in self._inflight if id(r) not in finished]
+        for _, then in done:
+            if then is not None:
+                then()
+        return True
+
+    # -- replies ----------------------------------------------------------------------------
+    def _take_deferred(self, worker: int) -> str | None:
+        errors = self._deferred.pop(worker, None)
+        return "; ".join(errors) if errors else None
+
+    def _ack(self, worker: int, tag: int, payload: object = None) -> None:
+        error = self._take_deferred(worker)
+        if error is not None:
+            return self._ack_error(worker, tag, error)
+        body = protocol.encode(payload) if payload is not None else None
+        self._send(worker, protocol.status(Status.OK, 0 if body is None else body.numel()), tag)
+        if body is not None:
+            self._send(worker, body, tag + 1)
+
+    def _ack_error(self, worker: int, tag: int, text: str) -> None:
+        body = protocol.text_bytes(f"{self.name}: {text}")
+        self._send(worker, protocol.status(Status.ERROR, body.numel()), tag)
+        self._send(worker, body, tag + 1)
+
+    def _answer_pull(self, worker: int, tag: int, shard: Shard) -> None:
+        error = self._take_deferred(worker)
+        if error is not None:
+            return self._refuse_pull(worker, tag, error)
+        self._send(worker, protocol.status(Status.OK), tag)
+        shard.sending += 1
+
+        def sent() -> None:
+            shard.sending -= 1
+        self._send(worker, shard.value, tag + 1, sent)
+
+    def _refuse_pull(self, worker: int, tag: int, text: str) -> None:
+        body = protocol.text_bytes(f"{self.name}: {text}")
+        self._send(worker, protocol.status(Status.ERROR, body.numel()), tag)
+        self._send(worker, torch.empty(0, dtype=torch.uint8), tag + 1)  # completes the posted data receive
+        self._send(worker, body, tag + 2)
+
+    def _defer(self, worker: int, text: str) -> None:
+        self._deferred.setdefault(worker, []).append(text)
+
+    # -- requests -----------------------------------------------------------------------------
+    def _dispatch(self, worker: int, fields: list[int]) -> None:
+        op, store_id, chunk_id, tag, *args = fields
+        try:
+            op = Op(op)
+            handler = self._HANDLERS[op]
+        except (ValueError, KeyError):
+            self._defer(worker, f"unknown request code {fields[0]} from worker {worker}")
+            return
+        try:
+            handler(self, worker, store_id, chunk_id, tag, args)
+        except (InvalidArgumentError, ParameterServerError, RuntimeError, TypeError, ValueError) as e:
+            self._fail(op, worker, tag, str(e))
+
+    def _fail(self, op: Op, worker: int, tag: int, text: str) -> None:
+        """Report a failed request to the worker that made it."""
+        if op == Op.PULL:
+            self._refuse_pull(worker, tag, text)
+        elif op in (Op.PUSH, Op.SET_LR, Op.BYE):
+            self._defer(worker, text)
+        else:
+            self._ack_error(worker, tag, text)
+
+    def _with_meta(self, worker: int, tag: int, length: int, op: Op,
+                   then: Callable[[dict], None]) -> None:
+        """Receive the JSON document following a header, then run ``then`` on it (errors
+        go back to the worker like those of the header itself)."""
+        data = torch.empty(length, dtype=torch.uint8)
+
+        def received() -> None:
+            try:
+                then(protocol.decode(data))
+            except (InvalidArgumentError, ParameterServerError, RuntimeError, TypeError,
+                    ValueError) as e:
+                self._fail(op, worker, tag, str(e))
+        self._receive(worker, data, tag, received)
+
+    def _store(self, store_id: int) -> _Store:
+        store = self.stores.get(store_id)
+        if store is None:
+            raise ParameterServerError(f"KVStore {store_id} was never created on this server")
+        return store
+
+    def _shard(self, store_id: int, chunk_id: int, worker: int) -> Shard:
+        shard = self._store(store_id).shards.get(chunk_id)
+        if shard is None:
+            raise ParameterServerError(f"chunk {chunk_id} of KVStore {store_id} was never "
+                                       f"initialised (worker {worker} used it before init)")
+        return shard
+
+    def _configure(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
+        settings = (args[0], args[1], args[2])
+        store = self.stores.get(store_id)
+        if store is None:
+            scale = 1.0 / self.num_workers if settings[2] == 0 else 1.0
+            store = _Store(settings, Consistency(Mode(settings[0]), settings[1], scale))
+            self.stores[store_id] = store
+        elif store.settings != settings:
+            raise ParameterServerError(
+                f"worker {worker} created KVStore {store_id} with {_describe_settings(settings)}, "
+                f"an earlier worker with {_describe_settings(store.settings)}")
+        self._ack(worker, tag)
+
+    def _init(self, worker: int, store_id: int, chunk_id: int, tag: int, args: list[int]) -> None:
+        numel, dtype_code, has_data, meta_len = args[:4]
+        store = self._store(store_id)
+        data = torch.empty(numel, dtype=protocol.DTYPES[dtype_code]) if has_data else None
+        pending = [2 if has_data else 1]
+        meta_box: list[dict] = []
+
+        def part_done() -> None:
+            pending[0] -= 1
+            if pending[0] == 0:
+                try:
+                    self._register(store, worker, chunk_id, tag, meta_box[0], numel, dtype_code, data)
+                except (InvalidArgumentError, ParameterServerError) as e:
+                    self._ack_error(worker, tag, str(e))
+        self._with_meta(worker, tag, meta_len, Op.INIT, lambda doc: (meta_box.append(doc), part_done()))
+        if data is not None:
+            self._receive(worker, data, tag + 1, part_done)
+
+    def _register(self, store: _Store, worker: int, chunk_id: int, tag: int, doc: dict,
+                  numel: int, dtype_code: int, data: torch.Tensor | None) -> None:
+        meta = ChunkMeta(key=doc["key"], shape=tuple(doc["shape"]), dtype=protocol.DTYPES[dtype_code],
+                         offset=doc["offset"], numel=numel)
+        shard = store.shards.get(chunk_id)
+        if shard is None:
+            shard = store.shards[chunk_id] = Shard(meta, self.num_workers, store.consistency)
+        elif shard.meta != meta:
+            raise ParameterServerError(
+                f"worker {worker} initialised key {meta.key!r} as {_describe_meta(meta)}, but chunk "
+                f"{chunk_id} already holds key {shard.meta.key!r} as {_describe_meta(shard.meta)} "
+                "(every worker must init the same keys, with the same shapes, in the same order)")
+        if data is not None and shard.param is None:
+            shard.set_value(data)
+            shard.set_optimizer(store.optimizer)
+        waiting = store.init_waiting.setdefault(chunk_id, [])
+        waiting.append((worker, tag))
+        if shard.param is not None:  # acknowledge once the value (from worker 0) is here
+            for who, their_tag in store.init_waiting.pop(chunk_id):
+                self._ack(who, their_tag)
+
+    def _push(self, worker: int, store_id: int, chunk_id: int, tag: int, args: list[int]) -> None:
+        numel, dtype_code = args[:2]
+        try:
+            shard = self._shard(store_id, chunk_id, worker)
+            if (numel, protocol.DTYPES[dtype_code]) != (shard.meta.numel, shard.meta.dtype):
+                raise ParameterServerError(
+                    f"worker {worker} pushed {numel} elements of {protocol.DTYPES[dtype_code]} to "
+                    f"{shard.meta.describe()}, which holds {shard.meta.numel} of {shard.meta.dtype}")
+        except ParameterServerError as e:  # still take the data, or MPI would hold it forever
+            self._receive(worker, torch.empty(numel, dtype=protocol.DTYPES[dtype_code]), tag)
+            raise e
+        buffer = shard.expect_push(worker)
+        self._receive(worker, buffer, tag, lambda: shard.arrived(worker, buffer))
+
+    def _pull(self, worker: int, store_id: int, chunk_id: int, tag: int, _args: list[int]) -> None:
+        self._shard(store_id, chunk_id, worker).add_pull(worker, tag)
+
+    def _set_optimizer(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
+        def apply(doc: dict) -> None:
+            store = self._store(store_id)
+            spec = OptimizerSpec(doc["name"], doc["hyperparameters"])
+            spec.build(torch.nn.Parameter(torch.zeros(1)))  # fails here, with the reason, if invalid
+            if spec != store.optimizer:
+                store.optimizer = spec
+                for shard in store.shards.values():
+                    shard.set_optimizer(spec)
+            self._ack(worker, tag)
+        self._with_meta(worker, tag, args[0], Op.SET_OPTIMIZER, apply)
+
+    def _set_lr(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
+        def apply(doc: dict) -> None:
+            store = self._store(store_id)
+            if store.optimizer is None:
+                raise ParameterServerError("set_learning_rate() before set_optimizer()")
+            store.optimizer = OptimizerSpec(store.optimizer.name,
+                                            {**store.optimizer.hyperparameters, "lr": doc["lr"]})
+            for shard in store.shards.values():
+                shard.set_lr(doc["lr"])
+        self._with_meta(worker, tag, args[0], Op.SET_LR, apply)
+
+    def _gather(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int], op: Op) -> None:
+        def arrived(doc: dict) -> None:
+            self._store(store_id)
+            self._gathering[op][worker] = (tag, {**doc, "store": store_id})
+        self._with_meta(worker, tag, args[0], op, arrived)
+
+    def _stats(self, worker: int, store_id: int, _chunk: int, tag: int, _args: list[int]) -> None:
+        store = self._store(store_id)
+        staleness: dict[int, int] = {}
+        keys: dict[str, dict] = {}
+        for chunk_id, shard in sorted(store.shards.items()):
+            for lead, count in shard.staleness.items():
+                staleness[lead] = staleness.get(lead, 0) + count
+            entry = keys.setdefault(shard.meta.key, {})
+            entry[str(chunk_id)] = {"pushes_applied": shard.pushes_applied, "updates": shard.updates}
+        self._ack(worker, tag, {"keys": keys, "staleness": staleness})
+
+    def _bye(self, worker: int, _store: int, _chunk: int, _tag: int, _args: list[int]) -> None:
+        self.departed.add(worker)
+        self._deferred.pop(worker, None)
+
+    _HANDLERS: dict[Op, Callable] = {
+        Op.CONFIGURE: _configure, Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull,
+        Op.SET_OPTIMIZER: _set_optimizer, Op.SET_LR: _set_lr, Op.STATS: _stats, Op.BYE: _bye,
+        Op.SAVE: lambda self, *a: self._gather(*a, Op.SAVE),
+        Op.LOAD: lambda self, *a: self._gather(*a, Op.LOAD),
+    }
+
+    # -- progress ---------------------------------------------------------------------------------
+    def _active(self) -> list[int]:
+        return [w for w in range(self.num_workers) if w not in self.departed]
+
+    def _advance(self) -> bool:
+        """Apply what may be applied, answer what may be answered."""
+        progressed = False
+        active = self._active()
+        for store in self.stores.values():
+            for shard in store.shards.values():
+                progressed |= shard.apply_ready() > 0
+                for pull in shard.ready_pulls(active):
+                    self._answer_pull(pull.worker, pull.tag, shard)
+                    progressed = True
+                if self.departed and shard.pulls:
+                    self._refuse_impossible_pulls(shard, active)
+        for op in (Op.SAVE, Op.LOAD):
+            progressed |= self._run_gathered(op, active)
+        return progressed
+
+    def _refuse_impossible_pulls(self, shard: Shard, active: list[int]) -> None:
+        for pull in list(shard.pulls):
+            gone = [w for w in shard.missing_for(pull, range(self.num_workers)) if w in self.departed]
+            if gone:
+                shard.pulls.remove(pull)
+                self._refuse_pull(pull.worker, pull.tag,
+                                  f"step {pull.target} of {shard.meta.describe()} can never complete: "
+                                  f"worker{'s' if len(gone) > 1 else ''} {_names(gone)} shut down "
+                                  "without pushing it")
+
+    def _run_gathered(self, op: Op, active: list[int]) -> bool:
+        """Save or load once every active worker asked for it and no push is in flight."""
+        requests = self._gathering[op]
+        if not requests or any(w not in requests for w in active):
+            return False
+        if any(shard.pushes_in_flight() or shard.sending
+               for store in self.stores.values() for shard in store.shards.values()):
+            return False
+        self._gathering[op] = {}
+        documents = {doc["path"] for _, doc in requests.values()}
+        try:
+            if len(documents) != 1:
+                raise ParameterServerError(f"workers asked to {op.name.lower()} different "
+                                           f"directories: {sorted(documents)}")
+            path = documents.pop()
+            if op == Op.SAVE:
+                checkpoint.save_server(path, self.index, len(self.roles.servers), self.stores)
+                reply = {}
+            else:
+                reply = checkpoint.load_server(path, self.index, len(self.roles.servers), self.stores)
+        except (OSError, InvalidArgumentError, ParameterServerError, RuntimeError, KeyError) as e:
+            for worker, (tag, _) in requests.items():
+                self._ack_error(worker, tag, f"{op.name.lower()} failed: {e}")
+            return True
+        for worker, (tag, _) in requests.items():
+            self._ack(worker, tag, reply)
+        return True
+
+    # -- stalls --------------------------------------------------------------------------------
+    def _scan_for_stalls(self) -> None:
+        now = time.monotonic()
+        self._next_stall_scan = now + _STALL_SCAN_S
+        check, shutdown = self.config.stall_check_time_s, self.config.stall_shutdown_time_s
+        active = self._active()
+        for store in self.stores.values():
+            for shard in store.shards.values():
+                for pull in shard.pulls:
+                    waited = now - pull.since
+                    if waited < check or (pull.reported and not (shutdown and waited >= shutdown)):
+                        continue
+                    missing = shard.missing_for(pull, active)
+                    because = (f"it needs pushes from worker{'s' if len(missing) > 1 else ''} "
+                               f"{_names(missing)}" if missing else "its own pushes have not arrived")
+                    text = (f"worker {pull.worker}'s pull of {shard.meta.describe()} has waited "
+                            f"{waited:.0f} s for step {pull.target}: {because}")
+                    if shutdown and waited >= shutdown:
+                        self._abort(f"{self.name}: stalled: {text}")
+                    print(f"psrt: {self.name}: stall: {text}", file=sys.stderr, flush=True)
+                    pull.reported = True
+
+    def _report_unfinished_steps(self) -> None:
+        for store in self.stores.values():
+            for shard in store.shards.values():
+                if shard.pushes_in_flight():
+                    print(f"psrt: {self.name}: warning: pushes to {shard.meta.describe()} from workers "
+                          f"{[w for w in range(self.num_workers) if shard.received[w] > shard.applied[w]]} "
+                          "were never applied: the other workers shut down without pushing that step",
+                          file=sys.stderr, flush=True)
+
+
+def _names(workers) -> str:
+    return ", ".join(map(str, workers))
+
+
+def _describe_meta(meta: ChunkMeta) -> str:
+    return f"shape {list(meta.shape)} {meta.dtype} (elements {meta.offset}..{meta.offset + meta.numel})"
+
+
+def _describe_settings(settings: tuple[int, int, int]) -> str:
+    mode, staleness, reduce = settings
+    bound = f", max_staleness={staleness}" if Mode(mode) == Mode.BOUNDED else ""
+    return f"mode={Mode(mode).name.lower()!r}{bound}, reduce={'mean' if reduce == 0 else 'sum'!r}"

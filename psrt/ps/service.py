@@ -1,0 +1,67 @@
+"""Parameter-server mode at start-up and shut-down: what a server rank runs, and the
+worker's link to the servers that every KVStore of that worker shares.
+
+``psrt.init()`` calls :func:`run_server` on server ranks (it returns once every
+worker has shut down) and keeps a :class:`WorkerLink` on worker ranks; the
+link's :meth:`~WorkerLink.close` (run by ``psrt.shutdown()``) finishes every
+store's outstanding requests and tells each server this worker is gone.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, Protocol
+
+from psrt.comm.base import Communicator
+from psrt.config import Config
+from psrt.ps import protocol
+from psrt.ps.protocol import Op
+from psrt.ps.roles import Roles
+from psrt.ps.server import Server
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def run_server(comm: Communicator, roles: Roles, config: Config, abort: Callable[[str], None]) -> None:
+    """Serve the workers until all of them have shut down."""
+    Server(comm, roles, config, abort).serve()
+
+
+class WorkerLink:
+    """A worker's channel to the servers: the job-wide communicator, the role table and
+    the request tags, shared by this worker's stores."""
+
+    def __init__(self, comm: Communicator, roles: Roles, config: Config) -> None:
+        self.comm, self.roles, self.config = comm, roles, config
+        self.worker = roles.worker_index(comm.rank)
+        self.num_workers = len(roles.workers)
+        self.num_servers = len(roles.servers)
+        self.lock = threading.RLock()  # hooks may push from autograd's threads
+        self._requests = itertools.count()
+        self._store_ids = itertools.count()
+        self._stores: list[_Closable] = []
+        self.closed = False
+
+    def next_tag(self) -> int:
+        return protocol.request_tag(next(self._requests))
+
+    def server_rank(self, server: int) -> int:
+        return self.roles.servers[server]
+
+    def register_store(self, store: _Closable) -> int:
+        """A new store's id (the same on every worker that creates stores in the same order)."""
+        self._stores.append(store)
+        return next(self._store_ids)
+
+    def close(self) -> None:
+        """Finish every store's requests, then tell every server this worker is gone."""
+        if self.closed:
+            return
+        self.closed = True
+        for store in self._stores:
+            store.close()
+        with self.lock:
+            for server in range(self.num_servers):
+                self.comm.send(protocol.header(Op.BYE), self.server_rank(server), protocol.HEADER_TAG)
