@@ -28,6 +28,9 @@ from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard
 _SPIN_S = 5e-5
 _LONGEST_NAP_S = 2e-4
 _STALL_SCAN_S = 1.0
+# What a request can fail with and be answered: bad input, a failing optimizer, a bad path.
+_REPORTABLE = (InvalidArgumentError, ParameterServerError, RuntimeError, TypeError, ValueError,
+               KeyError, OSError)
 
 
 @dataclass
@@ -38,7 +41,8 @@ class _Store:
     consistency: Consistency
     optimizer: OptimizerSpec | None = None
     shards: dict[int, Shard] = field(default_factory=dict)
-    init_waiting: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # chunk: (worker, tag)
+    # chunk: (worker, tag, meta) of inits that came before worker 0's
+    init_waiting: dict[int, list[tuple[int, int, ChunkMeta]]] = field(default_factory=dict)
 
 
 class Server:
@@ -171,7 +175,7 @@ class Server:
             return
         try:
             handler(self, worker, store_id, chunk_id, tag, args)
-        except (InvalidArgumentError, ParameterServerError, RuntimeError, TypeError, ValueError) as e:
+        except _REPORTABLE as e:
             self._fail(op, worker, tag, str(e))
 
     def _fail(self, op: Op, worker: int, tag: int, text: str) -> None:
@@ -192,8 +196,7 @@ class Server:
         def received() -> None:
             try:
                 then(protocol.decode(data))
-            except (InvalidArgumentError, ParameterServerError, RuntimeError, TypeError,
-                    ValueError) as e:
+            except _REPORTABLE as e:
                 self._fail(op, worker, tag, str(e))
         self._receive(worker, data, tag, received)
 
@@ -208,6 +211,8 @@ class Server:
         if shard is None:
             raise ParameterServerError(f"chunk {chunk_id} of KVStore {store_id} was never "
                                        f"initialised (worker {worker} used it before init)")
+        if shard.failed is not None:
+            raise ParameterServerError(shard.failed)
         return shard
 
     def _configure(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
@@ -235,7 +240,7 @@ class Server:
             if pending[0] == 0:
                 try:
                     self._register(store, worker, chunk_id, tag, meta_box[0], numel, dtype_code, data)
-                except (InvalidArgumentError, ParameterServerError) as e:
+                except _REPORTABLE as e:
                     self._ack_error(worker, tag, str(e))
         self._with_meta(worker, tag, meta_len, Op.INIT, lambda doc: (meta_box.append(doc), part_done()))
         if data is not None:
@@ -243,24 +248,26 @@ class Server:
 
     def _register(self, store: _Store, worker: int, chunk_id: int, tag: int, doc: dict,
                   numel: int, dtype_code: int, data: torch.Tensor | None) -> None:
+        """Worker 0's init (the one with data) creates the chunk; the others' are checked
+        against it, waiting for it if they come first."""
         meta = ChunkMeta(key=doc["key"], shape=tuple(doc["shape"]), dtype=protocol.DTYPES[dtype_code],
                          offset=doc["offset"], numel=numel)
         shard = store.shards.get(chunk_id)
+        if shard is None and data is None:
+            store.init_waiting.setdefault(chunk_id, []).append((worker, tag, meta))
+            return
         if shard is None:
             shard = store.shards[chunk_id] = Shard(meta, self.num_workers, store.consistency)
-        elif shard.meta != meta:
-            raise ParameterServerError(
-                f"worker {worker} initialised key {meta.key!r} as {_describe_meta(meta)}, but chunk "
-                f"{chunk_id} already holds key {shard.meta.key!r} as {_describe_meta(shard.meta)} "
-                "(every worker must init the same keys, with the same shapes, in the same order)")
-        if data is not None and shard.param is None:
             shard.set_value(data)
             shard.set_optimizer(store.optimizer)
-        waiting = store.init_waiting.setdefault(chunk_id, [])
-        waiting.append((worker, tag))
-        if shard.param is not None:  # acknowledge once the value (from worker 0) is here
-            for who, their_tag in store.init_waiting.pop(chunk_id):
+        for who, their_tag, their_meta in [*store.init_waiting.pop(chunk_id, []), (worker, tag, meta)]:
+            if their_meta == shard.meta:
                 self._ack(who, their_tag)
+            else:
+                self._ack_error(who, their_tag, (
+                    f"worker {who} initialised key {their_meta.key!r} as {_describe_meta(their_meta)}, but "
+                    f"chunk {chunk_id} holds key {shard.meta.key!r} as {_describe_meta(shard.meta)} "
+                    "(every worker must init the same keys, with the same shapes, in the same order)"))
 
     def _push(self, worker: int, store_id: int, chunk_id: int, tag: int, args: list[int]) -> None:
         numel, dtype_code = args[:2]
@@ -340,7 +347,7 @@ class Server:
         active = self._active()
         for store in self.stores.values():
             for shard in store.shards.values():
-                progressed |= shard.apply_ready() > 0
+                progressed |= self._apply(shard, active)
                 for pull in shard.ready_pulls(active):
                     self._answer_pull(pull.worker, pull.tag, shard)
                     progressed = True
@@ -349,6 +356,20 @@ class Server:
         for op in (Op.SAVE, Op.LOAD):
             progressed |= self._run_gathered(op, active)
         return progressed
+
+    def _apply(self, shard: Shard, active: list[int]) -> bool:
+        """Apply ready pushes; an update that fails (say, an optimizer that cannot handle
+        the dtype) fails the chunk and every request on it, not the server."""
+        if shard.failed is not None:
+            return False
+        try:
+            return shard.apply_ready(active) > 0
+        except _REPORTABLE as e:
+            shard.failed = f"updating {shard.meta.describe()} failed: {type(e).__name__}: {e}"
+            for pull in shard.pulls:
+                self._refuse_pull(pull.worker, pull.tag, shard.failed)
+            shard.pulls = []
+            return True
 
     def _refuse_impossible_pulls(self, shard: Shard, active: list[int]) -> None:
         for pull in list(shard.pulls):
@@ -365,7 +386,7 @@ class Server:
         requests = self._gathering[op]
         if not requests or any(w not in requests for w in active):
             return False
-        if any(shard.pushes_in_flight() or shard.sending
+        if any(shard.failed is None and (shard.pushes_in_flight() or shard.sending)
                for store in self.stores.values() for shard in store.shards.values()):
             return False
         self._gathering[op] = {}
@@ -380,7 +401,7 @@ class Server:
                 reply = {}
             else:
                 reply = checkpoint.load_server(path, self.index, len(self.roles.servers), self.stores)
-        except (OSError, InvalidArgumentError, ParameterServerError, RuntimeError, KeyError) as e:
+        except _REPORTABLE as e:
             for worker, (tag, _) in requests.items():
                 self._ack_error(worker, tag, f"{op.name.lower()} failed: {e}")
             return True
@@ -413,7 +434,7 @@ class Server:
     def _report_unfinished_steps(self) -> None:
         for store in self.stores.values():
             for shard in store.shards.values():
-                if shard.pushes_in_flight():
+                if shard.failed is None and shard.pushes_in_flight():
                     print(f"psrt: {self.name}: warning: pushes to {shard.meta.describe()} from workers "
                           f"{[w for w in range(self.num_workers) if shard.received[w] > shard.applied[w]]} "
                           "were never applied: the other workers shut down without pushing that step",

@@ -11,13 +11,18 @@ so they can be tested with plain tensors:
   the step's gradients are summed in worker order, scaled, and applied as one
   update, and every worker's ``applied`` advances together.
 * async: each push is applied on arrival.
-* bounded (max staleness τ): pushes as in async, but a pull from a worker more
-  than τ steps (pushes applied) ahead of the slowest active worker waits.
+* bounded (max staleness τ): a worker's k-th push is applied once every active
+  worker's first k + 1 - τ pushes have arrived, so no worker's updates run more
+  than τ steps ahead of the slowest, and a pull (which waits for the worker's
+  own pushes) blocks a worker that is more than τ steps ahead until the slowest
+  catches up.  With τ = 0 each step's pushes are applied together, after all of
+  them arrived, and every read sees exactly the previous steps: sync mode's
+  values (up to rounding: one update per push instead of one per step).
 
 With reduce="mean" every gradient is scaled by 1/num_workers: in sync mode
 that is the mean of the step; in the other modes a round of one push per
-worker moves the parameters as far as one sync step, so with τ = 0 and SGD
-bounded mode computes what sync mode does.
+worker moves the parameters as far as one sync step, which is what makes
+bounded mode with τ = 0 and SGD compute what sync mode does.
 """
 from __future__ import annotations
 
@@ -97,6 +102,7 @@ class Shard:
         self.updates = 0        # optimizer steps (or assignments) applied
         self.pushes_applied = 0
         self.sending = 0        # replies still reading the value: no update until they finish
+        self.failed: str | None = None  # why an update failed; the chunk refuses requests from then on
         self.staleness: Counter[int] = Counter()
         self.pulls: list[WaitingPull] = []
         self._arrivals: list[deque[_Arrival]] = [deque() for _ in range(num_workers)]
@@ -110,7 +116,7 @@ class Shard:
         return self.param.detach()
 
     def set_value(self, data: torch.Tensor) -> None:
-        self.param = torch.nn.Parameter(data.reshape(-1), requires_grad=True)
+        self.param = torch.nn.Parameter(data.reshape(-1), requires_grad=data.is_floating_point())
         self.optimizer = None
 
     def set_optimizer(self, spec: OptimizerSpec | None) -> None:
@@ -144,11 +150,23 @@ class Shard:
         queue = self._arrivals[worker]
         return bool(queue) and queue[0].arrived
 
-    def apply_ready(self) -> int:
-        """Apply every push the consistency mode allows; returns how many updates ran."""
+    def _arrived_total(self, worker: int) -> int:
+        return self.applied[worker] + sum(a.arrived for a in self._arrivals[worker])
+
+    def _may_apply(self, worker: int, active: Sequence[int]) -> bool:
+        """Whether ``worker``'s next push may be applied (bounded mode's gate)."""
+        if self.consistency.mode != Mode.BOUNDED:
+            return True
+        slowest = min((self._arrived_total(w) for w in active), default=self.applied[worker] + 1)
+        return self.applied[worker] + 1 - slowest <= self.consistency.max_staleness
+
+    def apply_ready(self, active: Sequence[int] | None = None) -> int:
+        """Apply every push the consistency mode allows (``active``: the workers that have not
+        shut down, default all); returns how many updates ran."""
         if self.sending or self.param is None:
             return 0
         workers = range(self.num_workers)
+        active = workers if active is None else active
         updates = 0
         if self.consistency.mode == Mode.SYNC:
             while all(self._head_arrived(w) for w in workers):
@@ -160,7 +178,7 @@ class Shard:
                 updates += 1
             return updates
         for w in workers:
-            while self._head_arrived(w):
+            while self._head_arrived(w) and self._may_apply(w, active):
                 buffer = self._arrivals[w].popleft().buffer
                 if self.consistency.scale != 1.0:
                     buffer.mul_(self.consistency.scale)
@@ -230,8 +248,10 @@ class Shard:
             return [w for w in range(self.num_workers)
                     if self.applied[w] + sum(a.arrived for a in self._arrivals[w]) < pull.target]
         if self.consistency.mode == Mode.BOUNDED:
-            floor = self.applied[pull.worker] - self.consistency.max_staleness
-            return [w for w in active if self.applied[w] < floor]
+            mine = self.applied[pull.worker]
+            if mine < pull.target:  # its own next push waits for the slowest to arrive
+                return [w for w in active if self._arrived_total(w) < mine + 1 - self.consistency.max_staleness]
+            return [w for w in active if self.applied[w] < mine - self.consistency.max_staleness]
         return []
 
     # -- checkpoints ---------------------------------------------------------------------

@@ -1,0 +1,255 @@
+"""Parameter-server plans and rules without communication: roles, key placement, the
+consistency rules of a shard, optimizer specs and server checkpoints."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from psrt.config import config_from_env
+from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError
+from psrt.ps import checkpoint
+from psrt.ps.client import optimizer_spec
+from psrt.ps.placement import Placement
+from psrt.ps.protocol import Mode
+from psrt.ps.roles import assign_roles
+from psrt.ps.server import _Store
+from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard
+
+MiB = 1 << 20
+
+
+# -- roles ---------------------------------------------------------------------------------
+def test_servers_are_spread_over_hosts_and_take_their_highest_ranks():
+    roles = assign_roles(["a"] * 4 + ["b"] * 4, 2)
+    assert roles.servers == (3, 7)
+    assert roles.workers == (0, 1, 2, 4, 5, 6)
+    assert roles.worker_index(4) == 3 and roles.server_index(7) == 1
+
+
+def test_one_host_gives_the_last_ranks_to_servers():
+    assert assign_roles([0, 0, 0], 1).servers == (2,)
+    assert assign_roles([0, 0, 0, 0], 2).servers == (2, 3)
+
+
+def test_more_servers_than_hosts_go_round_robin():
+    roles = assign_roles(["a", "a", "a", "b", "b", "b"], 3)
+    assert roles.servers == (1, 2, 5)
+
+
+@pytest.mark.parametrize("servers", [0, 3, 5])
+def test_a_job_needs_a_server_and_a_worker(servers):
+    with pytest.raises(InvalidArgumentError, match="at least one server and one worker"):
+        assign_roles([0, 0, 0], servers)
+
+
+def test_num_servers_comes_from_the_environment():
+    config = config_from_env({"PSRT_NUM_SERVERS": "2", "PSRT_PS_CHUNK_BYTES": "1024"})
+    assert (config.num_servers, config.ps_chunk_bytes) == (2, 1024)
+    with pytest.raises(InvalidArgumentError, match="PSRT_PS_CHUNK_BYTES"):
+        config_from_env({"PSRT_PS_CHUNK_BYTES": "0"})
+
+
+# -- placement -----------------------------------------------------------------------------
+def test_large_keys_are_split_into_contiguous_chunks_over_all_servers():
+    placement = Placement(num_servers=4, chunk_bytes=1 * MiB)
+    chunks = placement.add("embedding", 10 * MiB // 4 + 3, 4)
+    assert sum(c.numel for c in chunks) == 10 * MiB // 4 + 3
+    assert [c.offset for c in chunks] == [sum(c.numel for c in chunks[:i]) for i in range(len(chunks))]
+    assert max(c.numel for c in chunks) * 4 <= 1 * MiB + 4
+    assert {c.server for c in chunks} == {0, 1, 2, 3}
+
+
+def test_small_keys_go_whole_to_the_least_loaded_server():
+    placement = Placement(num_servers=2, chunk_bytes=1 * MiB)
+    placement.add("big", 3 * MiB // 4, 4)   # three chunks: servers 0, 1, 0
+    (bias,) = placement.add("bias", 10, 4)
+    assert bias.server == 1 and bias.numel == 10
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3, 5])
+def test_placement_balances_bytes_within_one_chunk_of_the_mean(servers):
+    chunk_bytes = 4 * MiB
+    rng = random.Random(servers)
+    placement = Placement(servers, chunk_bytes)
+    for i in range(60):
+        placement.add(f"p{i}", rng.choice([10, 1000, 300_000, 2_000_000, 9_000_000]), 4)
+    mean = sum(placement.loads) / servers
+    assert max(placement.loads) - mean <= chunk_bytes
+    assert sum(placement.loads) == sum(c.numel * 4 for c in placement.chunks)
+
+
+def test_placement_is_the_same_for_the_same_keys_in_the_same_order():
+    def plan():
+        placement = Placement(3, 1 * MiB)
+        for i, numel in enumerate([5, 700_000, 1, 3_000_000, 42]):
+            placement.add(f"k{i}", numel, 4)
+        return placement.chunks
+    assert plan() == plan()
+
+
+def test_a_key_is_placed_once():
+    placement = Placement(1, 1024)
+    placement.add("w", 10, 4)
+    with pytest.raises(InvalidArgumentError, match="already placed"):
+        placement.add("w", 10, 4)
+
+
+# -- shard rules -----------------------------------------------------------------------------
+def make_shard(mode: Mode, workers: int = 2, staleness: int = 0, scale: float = 1.0) -> Shard:
+    meta = ChunkMeta(key="w", shape=(4,), dtype=torch.float64, offset=0, numel=4)
+    shard = Shard(meta, workers, Consistency(mode, staleness, scale))
+    shard.set_value(torch.zeros(4, dtype=torch.float64))
+    return shard
+
+
+def push(shard: Shard, worker: int, value: float) -> None:
+    buffer = shard.expect_push(worker)
+    buffer.fill_(value)
+    shard.arrived(worker, buffer)
+
+
+def test_sync_applies_one_mean_update_once_every_worker_pushed():
+    shard = make_shard(Mode.SYNC, workers=2, scale=0.5)
+    shard.set_optimizer(OptimizerSpec("SGD", {"lr": 1.0}))
+    push(shard, 0, 2.0)
+    shard.add_pull(0, tag=10)
+    assert shard.apply_ready() == 0 and shard.ready_pulls([0, 1]) == []
+    push(shard, 1, 4.0)
+    assert shard.apply_ready() == 1
+    assert [p.worker for p in shard.ready_pulls([0, 1])] == [0]
+    assert torch.equal(shard.value, torch.full((4,), -3.0, dtype=torch.float64))
+    assert shard.applied == [1, 1] and shard.pushes_applied == 2
+
+
+def test_sync_pull_names_the_workers_it_waits_for():
+    shard = make_shard(Mode.SYNC, workers=3)
+    push(shard, 0, 1.0)
+    shard.add_pull(0, tag=10)
+    push(shard, 2, 1.0)
+    assert shard.missing_for(shard.pulls[0], [0, 1, 2]) == [1]
+
+
+def test_async_applies_every_push_on_arrival_exactly_once():
+    shard = make_shard(Mode.ASYNC)
+    for value in (1.0, 2.0, 3.0):
+        push(shard, 0, value)
+    assert shard.apply_ready() == 3
+    assert shard.applied == [3, 0] and shard.updates == 3
+    assert torch.equal(shard.value, torch.full((4,), 3.0, dtype=torch.float64))  # no optimizer: assign
+
+
+def test_a_pull_waits_for_the_workers_own_pushes_before_it():
+    shard = make_shard(Mode.ASYNC)
+    buffer = shard.expect_push(0)   # announced, data still in flight
+    shard.add_pull(0, tag=10)
+    shard.apply_ready()
+    assert shard.ready_pulls([0, 1]) == []
+    shard.arrived(0, buffer)
+    shard.apply_ready()
+    assert len(shard.ready_pulls([0, 1])) == 1
+
+
+def test_bounded_holds_a_worker_more_than_tau_steps_ahead():
+    shard = make_shard(Mode.BOUNDED, staleness=1)
+    push(shard, 0, 1.0)
+    shard.apply_ready()
+    shard.add_pull(0, tag=10)
+    assert len(shard.ready_pulls([0, 1])) == 1          # one step ahead: allowed
+    push(shard, 0, 1.0)
+    assert shard.apply_ready() == 0                     # two ahead: held until worker 1 pushes
+    shard.add_pull(0, tag=13)
+    assert shard.ready_pulls([0, 1]) == []
+    assert shard.missing_for(shard.pulls[0], [0, 1]) == [1]
+    push(shard, 1, 1.0)
+    assert shard.apply_ready() == 2
+    assert len(shard.ready_pulls([0, 1])) == 1
+    assert max(shard.staleness) <= 1
+
+
+def test_bounded_with_tau_zero_applies_a_step_only_once_every_worker_pushed_it():
+    shard = make_shard(Mode.BOUNDED, staleness=0)
+    push(shard, 0, 1.0)
+    assert shard.apply_ready() == 0
+    push(shard, 1, 1.0)
+    assert shard.apply_ready() == 2 and shard.applied == [1, 1]
+
+
+def test_bounded_stops_waiting_for_a_worker_that_left():
+    shard = make_shard(Mode.BOUNDED, staleness=0)
+    push(shard, 0, 1.0)
+    shard.apply_ready()
+    shard.add_pull(0, tag=10)
+    assert shard.ready_pulls([0, 1]) == []
+    shard.apply_ready([0])
+    assert len(shard.ready_pulls([0])) == 1
+
+
+def test_bounded_with_tau_zero_computes_what_sync_does_for_sgd():
+    sync = make_shard(Mode.SYNC, scale=0.5)
+    bounded = make_shard(Mode.BOUNDED, staleness=0, scale=0.5)
+    for shard in (sync, bounded):
+        shard.set_optimizer(OptimizerSpec("SGD", {"lr": 0.1}))
+        for step in range(3):
+            push(shard, 0, 1.0 + step)
+            push(shard, 1, -0.25 * step)
+            shard.apply_ready()
+    torch.testing.assert_close(sync.value, bounded.value)
+
+
+def test_no_update_while_a_reply_is_still_reading_the_value():
+    shard = make_shard(Mode.ASYNC)
+    shard.sending = 1
+    push(shard, 0, 1.0)
+    assert shard.apply_ready() == 0
+    shard.sending = 0
+    assert shard.apply_ready() == 1
+
+
+# -- optimizer specs and checkpoints ---------------------------------------------------------------
+def test_optimizer_spec_accepts_classes_and_names_and_checks_options():
+    assert optimizer_spec(torch.optim.Adam, {"lr": 0.1, "betas": (0.8, 0.9)}).hyperparameters["betas"] == [0.8, 0.9]
+    assert optimizer_spec("sgd", {"lr": 0.1}).name == "SGD"
+    with pytest.raises(InvalidArgumentError, match="unknown optimizer 'Sgdd'"):
+        optimizer_spec("Sgdd", {})
+    with pytest.raises(ArgumentTypeError):
+        optimizer_spec(42, {})
+    with pytest.raises(ValueError, match="momentum"):
+        optimizer_spec("SGD", {"lr": 0.1, "momentum": -1.0})
+
+
+def store_with_momentum(scale: float = 1.0) -> _Store:
+    store = _Store((int(Mode.SYNC), 0, 0), Consistency(Mode.SYNC, 0, scale),
+                   optimizer=OptimizerSpec("SGD", {"lr": 0.1, "momentum": 0.9}))
+    store.shards[0] = make_shard(Mode.SYNC)
+    store.shards[0].set_optimizer(store.optimizer)
+    return store
+
+
+def test_checkpoint_restores_value_momentum_and_clocks(tmp_path):
+    store = store_with_momentum()
+    for step in range(2):
+        push(store.shards[0], 0, 1.0)
+        push(store.shards[0], 1, 2.0)
+        store.shards[0].apply_ready()
+    checkpoint.save_server(str(tmp_path), 0, 1, {0: store})
+    restored = store_with_momentum()
+    assert checkpoint.load_server(str(tmp_path), 0, 1, {0: restored}) == {"steps": {0: 2}}
+    for shard in (store.shards[0], restored.shards[0]):   # one more step on both
+        push(shard, 0, 1.0)
+        push(shard, 1, 2.0)
+        shard.apply_ready()
+    assert torch.equal(store.shards[0].value, restored.shards[0].value)
+    assert restored.shards[0].applied == [3, 3]
+
+
+def test_checkpoint_of_another_layout_or_server_count_is_refused(tmp_path):
+    store = store_with_momentum()
+    checkpoint.save_server(str(tmp_path), 0, 1, {0: store})
+    with pytest.raises(ParameterServerError, match="another number of servers"):
+        checkpoint.load_server(str(tmp_path), 0, 2, {0: store})
+    other = store_with_momentum()
+    other.shards[0].meta = ChunkMeta(key="v", shape=(4,), dtype=torch.float64, offset=0, numel=4)
+    with pytest.raises(ParameterServerError, match="different model"):
+        checkpoint.load_server(str(tmp_path), 0, 1, {0: other})
