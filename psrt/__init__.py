@@ -4,7 +4,8 @@ User scripts normally ``import psrt.torch as hvd``; this package holds the
 framework-independent basics (start-up, ranks, process sets, errors).
 """
 from psrt.errors import (ArgumentTypeError, CollectiveMismatchError, CommunicationError,
-                         EngineStoppedError, InvalidArgumentError, NotInitializedError, ProcessSetError, PsrtError,
+                         EngineStoppedError, InvalidArgumentError, NotInitializedError, ParameterServerError,
+                         ProcessSetError, PsrtError,
                          UnsupportedDeviceError)
 from psrt.runtime import (add_process_set, cross_rank, cross_size, global_process_set, init,
                           is_initialized, local_rank, local_size, rank, remove_process_set,
@@ -15,8 +16,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentTypeError", "CollectiveMismatchError", "CommunicationError", "EngineStoppedError",
-    "InvalidArgumentError",
-    "NotInitializedError", "ProcessSet", "ProcessSetError", "PsrtError", "UnsupportedDeviceError",
+    "InvalidArgumentError", "NotInitializedError", "ParameterServerError", "ProcessSet", "ProcessSetError",
+    "PsrtError", "UnsupportedDeviceError",
     "add_process_set", "cross_rank", "cross_size", "global_process_set", "init",
     "is_initialized", "local_rank", "local_size", "rank", "remove_process_set", "shutdown",
     "size",

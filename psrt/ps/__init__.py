@@ -10,11 +10,12 @@ then exits the process; on worker ranks it returns, and ``psrt.rank()``,
 from __future__ import annotations
 
 from psrt import runtime
+from psrt.errors import ParameterServerError
 from psrt.ps.client import Handle, KVStore
 from psrt.ps.optimizer import DistributedOptimizer
 
-__all__ = ["DistributedOptimizer", "Handle", "KVStore", "num_servers", "num_workers", "role", "serve",
-           "worker_rank"]
+__all__ = ["DistributedOptimizer", "Handle", "KVStore", "ParameterServerError", "num_servers", "num_workers",
+           "role", "serve", "worker_rank"]
 
 
 def role() -> str:

@@ -1,0 +1,60 @@
+"""Checkpoint, restart, resume: two jobs of ``python ps_resume.py PHASE DIR`` (1 server, 2 workers).
+
+``first`` trains STEPS steps, saves the servers to DIR/ckpt, writes the
+parameters there and after STEPS more steps to DIR/first.pt (worker 0).
+``second`` is a new job on a freshly (and differently) initialised model: it
+loads DIR/ckpt, writes the parameters it got, trains the same STEPS more
+steps, saves again to DIR/again, and writes everything to DIR/second.pt.  The
+test compares the two files and the two checkpoints.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import psrt.ps as ps
+import psrt.torch as hvd
+
+from _training_common import Mlp, global_batch, loss_of, my_rows
+
+STEPS = 3
+
+
+def train(model, optimizer, first_step: int) -> None:
+    for step in range(first_step, first_step + STEPS):
+        optimizer.zero_grad()
+        x, y = global_batch("resume", step)
+        loss_of(model, my_rows(x), my_rows(y)).backward()
+        optimizer.step()
+
+
+def snapshot(model) -> dict:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def main(phase: str, directory: str) -> None:
+    hvd.init()
+    model = Mlp("resume" if phase == "first" else "a different start")
+    optimizer = ps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                        model.named_parameters(), mode="sync")
+    record = {}
+    if phase == "first":
+        train(model, optimizer, 0)
+        optimizer.save(os.path.join(directory, "ckpt"))
+        record["saved"] = snapshot(model)
+        record["steps"] = STEPS
+    else:
+        record["steps"] = optimizer.load(os.path.join(directory, "ckpt"))
+        record["saved"] = snapshot(model)
+        optimizer.save(os.path.join(directory, "again"))
+    train(model, optimizer, STEPS)
+    record["final"] = snapshot(model)
+    if hvd.rank() == 0:
+        torch.save(record, os.path.join(directory, f"{phase}.pt"))
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,111 @@
+"""Parameter-server mode: training and consistency checks against references with one
+server and with two (keys then split in small chunks across both), failures that must
+end with a named cause, and a checkpoint resumed by a new job.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import launch
+
+pytestmark = pytest.mark.parallel
+
+CHECKS = [
+    "sync/sgd_momentum_matches_allreduce_and_single_process", "sync/adam_matches_allreduce_and_single_process",
+    "sync/lr_scheduler_reaches_the_servers", "async/every_push_applied_exactly_once",
+    "async/least_squares_converges", "bounded/holds_the_fast_worker_within_tau_1",
+    "bounded/holds_the_fast_worker_within_tau_2", "bounded/tau_0_equals_sync",
+    "errors/bad_keys_shapes_and_dtypes", "errors/workers_init_different_shapes",
+    "errors/workers_disagree_on_the_mode", "errors/failing_server_update_is_reported",
+]
+# (ranks, environment): 1 server + 2 workers; 2 servers + 2 workers with 256-byte chunks,
+# so every parameter of the test model is split across both servers.
+JOBS = [(3, {"PSRT_NUM_SERVERS": "1"}), (4, {"PSRT_NUM_SERVERS": "2", "PSRT_PS_CHUNK_BYTES": "256"})]
+JOB_IDS = ["1server", "2servers-small-chunks"]
+FAILURE_ENV = {"PSRT_NUM_SERVERS": "1", "PSRT_STALL_CHECK_TIME": "1", "PSRT_STALL_SHUTDOWN_TIME": "4"}
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("np, env", JOBS, ids=JOB_IDS)
+def test_ps_check_passes_on_every_worker(parallel_jobs, np, env, check):
+    parallel_jobs.get("ps_check.py", np, env).assert_ok(check)
+
+
+@pytest.mark.parametrize("np, env", JOBS, ids=JOB_IDS)
+def test_ps_job_reports_every_check_and_the_servers_exit_cleanly(parallel_jobs, np, env):
+    parallel_jobs.get("ps_check.py", np, env).assert_complete(CHECKS)
+
+
+def _lines(report) -> list[dict]:
+    return [json.loads(line) for line in report.stdout.splitlines() if line.startswith('{"worker"')]
+
+
+def test_a_worker_that_stops_pushing_in_sync_mode_is_named_then_the_job_ends():
+    report = launch("ps_failures.py", 3, FAILURE_ENV, args=("stall",), timeout_s=90)
+    assert report.returncode not in (0, None), report.diagnosis()
+    assert report.seconds < 60, f"the stalled job took {report.seconds:.0f} s to end"
+    assert "stall: worker 0's pull of key 'weights'" in report.stderr, report.diagnosis()
+    assert "it needs pushes from worker 1" in report.stderr, report.diagnosis()
+    assert "psrun: rank 2 failed first: parameter server 0 (rank 2): stalled" in report.stderr, report.diagnosis()
+
+
+def test_a_worker_that_shuts_down_early_fails_the_others_sync_step_naming_it():
+    report = launch("ps_failures.py", 3, FAILURE_ENV, args=("early_exit",), timeout_s=90)
+    assert report.returncode == 0, report.diagnosis()
+    (line,) = _lines(report)
+    assert line["worker"] == 0 and line["step"] == 2, line
+    assert "can never complete: worker 1 shut down without pushing it" in line["error"], line
+
+
+def test_a_clean_shutdown_loses_no_pushed_update():
+    report = launch("ps_failures.py", 3, FAILURE_ENV, args=("flush",), timeout_s=90)
+    assert report.returncode == 0, report.diagnosis()
+    (line,) = _lines(report)
+    assert line["value"] == pytest.approx([-0.3] * 3), "three steps of SGD(lr=0.1) on a mean gradient of 1"
+
+
+def test_a_worker_that_dies_ends_the_job_naming_its_rank():
+    report = launch("ps_failures.py", 3, FAILURE_ENV, args=("worker_dies",), timeout_s=90)
+    assert report.returncode == 7, report.diagnosis()
+    assert report.seconds < 60, f"the job took {report.seconds:.0f} s to end after a worker died"
+    assert "psrun: rank 1 failed first: exited with code 7" in report.stderr, report.diagnosis()
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ps-checkpoint")
+    for phase in ("first", "second"):
+        report = launch("ps_resume.py", 3, {"PSRT_NUM_SERVERS": "1"}, args=(phase, str(directory)))
+        assert report.returncode == 0, report.diagnosis()
+    load = lambda name: torch.load(directory / name, weights_only=False)  # noqa: E731
+    return directory, load("first.pt"), load("second.pt")
+
+
+def test_a_restarted_job_resumes_the_parameters_and_step_count_it_saved(resumed):
+    _, first, second = resumed
+    assert second["steps"] == first["steps"] == 3
+    for name, value in first["saved"].items():
+        assert torch.equal(second["saved"][name], value), f"{name} differs after load"
+
+
+def test_resumed_training_continues_exactly_as_the_uninterrupted_run(resumed):
+    _, first, second = resumed
+    for name, value in first["final"].items():
+        assert torch.equal(second["final"][name], value), f"{name} diverged after resuming"
+
+
+def test_a_checkpoint_saved_right_after_loading_holds_the_same_optimizer_state(resumed):
+    directory, _, _ = resumed
+    load = lambda sub: torch.load(directory / sub / "server-0-of-1.pt", weights_only=False)  # noqa: E731
+    saved, again = load("ckpt")["stores"], load("again")["stores"]
+    assert saved.keys() == again.keys()
+    for store_id, store in saved.items():
+        for chunk_id, shard in store["shards"].items():
+            other = again[store_id]["shards"][chunk_id]
+            assert torch.equal(shard["value"], other["value"]) and shard["applied"] == other["applied"]
+            for slot, state in shard["optimizer"]["state"].items():
+                for name, tensor in state.items():
+                    assert torch.equal(tensor, other["optimizer"]["state"][slot][name]), (chunk_id, name)
