@@ -1,14 +1,15 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - create .venv, install psrt, train examples/train_digits.py on 2 ranks
 #   make test   - create .venv, install psrt, run the whole test suite
-# (make demo-collectives runs examples/collectives_demo.py, every collective once)
+# (make demo-collectives runs examples/collectives_demo.py, every collective once;
+#  make demo-ps trains examples/train_digits_ps.py with 1 parameter server and 2 workers)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
 
-.PHONY: demo demo-collectives test bench bench-train clean
+.PHONY: demo demo-collectives demo-ps test bench bench-train bench-ps clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +24,9 @@ demo: $(STAMP)
 demo-collectives: $(STAMP)
 	$(VENV)/bin/psrun -np $(NP) $(PY) examples/collectives_demo.py
 
+demo-ps: $(STAMP)
+	$(VENV)/bin/psrun -np 3 --num-servers 1 $(PY) examples/train_digits_ps.py
+
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
@@ -31,6 +35,9 @@ bench: $(STAMP)
 
 bench-train: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/train_dp.py
+
+bench-ps: $(STAMP)
+	$(VENV)/bin/psrun -np 3 --num-servers 1 $(PY) benchmarks/ps.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -278,6 +278,18 @@ def test_malformed_hostfile_error_names_file_and_line(capsys, openmpi, tmp_path)
     assert err.startswith(f"psrun: error: {hostfile}:2: 'b slots=0'") and "positive" in err
 
 
+def test_num_servers_sets_the_ranks_environment(capsys, openmpi) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--num-servers", "2", "-np", "5", "python", "x.py")
+    assert cmd[-4:] == ["-x", "PSRT_NUM_SERVERS=2", "python", "x.py"]
+
+
+@pytest.mark.parametrize("servers, message", [("0", "--num-servers must be at least 1"),
+                                              ("3", "--num-servers 3 leaves no worker among -np 3")])
+def test_num_servers_must_leave_a_worker(capsys, openmpi, servers, message) -> None:
+    assert main(["--mpirun", openmpi, "--num-servers", servers, "-np", "3", "python", "x.py"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_zero_slots_in_dash_h(capsys, openmpi) -> None:
     assert main(["--mpirun", openmpi, "-H", "a:0", "python", "x.py"]) == 2
     assert "slot count 0 must be a positive integer" in capsys.readouterr().err

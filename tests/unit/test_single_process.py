@@ -174,3 +174,22 @@ def test_process_set_registration_and_errors():
         hvd.allreduce(torch.ones(2), process_set=single)
     with pytest.raises(psrt.ProcessSetError, match="cannot be removed"):
         hvd.remove_process_set(hvd.global_process_set)
+
+
+def test_parameter_server_api_outside_ps_mode():
+    import psrt.ps as ps
+    assert (ps.num_servers(), ps.num_workers(), ps.worker_rank(), ps.role()) == (0, 1, 0, "worker")
+    with pytest.raises(psrt.InvalidArgumentError, match="--num-servers"):
+        ps.KVStore("sync")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(psrt.InvalidArgumentError, match="--num-servers"):
+        ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(psrt.ArgumentTypeError, match="torch.optim.Optimizer"):
+        ps.DistributedOptimizer(model)
+
+
+def test_a_single_rank_job_cannot_be_all_servers(monkeypatch):
+    hvd.shutdown()
+    monkeypatch.setenv("PSRT_NUM_SERVERS", "1")
+    with pytest.raises(psrt.InvalidArgumentError, match="at least one server and one worker"):
+        hvd.init()
