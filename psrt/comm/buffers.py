@@ -99,3 +99,11 @@ def numpy_reducer(op: ReduceOp, dtype: torch.dtype):
         ufunc(a, b, out=out)
 
     return reduce
+
+
+def host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new host tensor whose memory numpy allocated: numpy asks for transparent huge pages
+    for large arrays, and MPI's single-copy transfers move such memory about twice as fast
+    as torch's default allocation (measured: 4 MiB in 0.21-0.37 ms against 0.52-0.54 ms)."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype)

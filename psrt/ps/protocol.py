@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import json
 
+import numpy as np
 import torch
 
 HEADER_TAG = 1
@@ -61,8 +62,9 @@ def request_tag(counter: int) -> int:
 
 
 def header(op: Op, store: int = 0, chunk: int = 0, tag: int = 0, *args: int) -> torch.Tensor:
-    fields = [int(op), store, chunk, tag, *args]
-    return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
+    fields = np.zeros(HEADER_LEN, dtype=np.int64)
+    fields[:4 + len(args)] = (op, store, chunk, tag, *args)
+    return torch.from_numpy(fields)
 
 
 def status(code: Status, payload_len: int = 0) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from psrt.comm.base import Communicator, Request
+from psrt.comm.buffers import host_buffer
 from psrt.config import Config
 from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint, protocol
@@ -29,6 +30,7 @@ _SPIN_S = 5e-5
 _LONGEST_NAP_S = 2e-4
 _STALL_SCAN_S = 1.0
 # What a request can fail with and be answered: bad input, a failing optimizer, a bad path.
+_OK = protocol.status(Status.OK)  # a send buffer every reply of a pull may share
 _REPORTABLE = (InvalidArgumentError, ParameterServerError, RuntimeError, TypeError, ValueError,
                KeyError, OSError)
 
@@ -55,10 +57,14 @@ class Server:
         self.num_workers = len(roles.workers)
         self.stores: dict[int, _Store] = {}
         self.departed: set[int] = set()
+        self._active = list(range(self.num_workers))  # workers that have not shut down
         self._headers: dict[int, tuple[torch.Tensor, Request]] = {}
         self._inflight: list[tuple[Request, Callable[[], None] | None]] = []
         self._deferred: dict[int, list[str]] = {}  # worker: errors to give with its next reply
         self._gathering: dict[Op, dict[int, tuple[int, dict]]] = {Op.SAVE: {}, Op.LOAD: {}}
+        # Shards whose pushes or pulls may have become ready: only these are looked at
+        # in a turn of the loop, so a model with many keys costs nothing while idle.
+        self._touched: set[Shard] = set()
         self._next_stall_scan = time.monotonic() + _STALL_SCAN_S
 
     @property
@@ -90,8 +96,8 @@ class Server:
     def _rank(self, worker: int) -> int:
         return self.roles.workers[worker]
 
-    def _post_header(self, worker: int) -> None:
-        buffer = torch.empty(HEADER_LEN, dtype=torch.int64)
+    def _post_header(self, worker: int, buffer: torch.Tensor | None = None) -> None:
+        buffer = torch.empty(HEADER_LEN, dtype=torch.int64) if buffer is None else buffer
         self._headers[worker] = (buffer, self.comm.irecv(buffer, self._rank(worker), protocol.HEADER_TAG))
 
     def _receive(self, worker: int, tensor: torch.Tensor, tag: int,
@@ -109,7 +115,7 @@ class Server:
                 del self._headers[worker]
                 fields = buffer.tolist()
                 if fields[0] != Op.BYE:
-                    self._post_header(worker)
+                    self._post_header(worker, buffer)
                 self._dispatch(worker, fields)
                 progressed = True
         return progressed
@@ -148,11 +154,12 @@ class Server:
         error = self._take_deferred(worker)
         if error is not None:
             return self._refuse_pull(worker, tag, error)
-        self._send(worker, protocol.status(Status.OK), tag)
+        self._send(worker, _OK, tag)
         shard.sending += 1
 
         def sent() -> None:
             shard.sending -= 1
+            self._touched.add(shard)
         self._send(worker, shard.value, tag + 1, sent)
 
     def _refuse_pull(self, worker: int, tag: int, text: str) -> None:
@@ -231,7 +238,7 @@ class Server:
     def _init(self, worker: int, store_id: int, chunk_id: int, tag: int, args: list[int]) -> None:
         numel, dtype_code, has_data, meta_len = args[:4]
         store = self._store(store_id)
-        data = torch.empty(numel, dtype=protocol.DTYPES[dtype_code]) if has_data else None
+        data = host_buffer(numel, protocol.DTYPES[dtype_code]) if has_data else None
         pending = [2 if has_data else 1]
         meta_box: list[dict] = []
 
@@ -281,10 +288,16 @@ class Server:
             self._receive(worker, torch.empty(numel, dtype=protocol.DTYPES[dtype_code]), tag)
             raise e
         buffer = shard.expect_push(worker)
-        self._receive(worker, buffer, tag, lambda: shard.arrived(worker, buffer))
+
+        def arrived() -> None:
+            shard.arrived(worker, buffer)
+            self._touched.add(shard)
+        self._receive(worker, buffer, tag, arrived)
 
     def _pull(self, worker: int, store_id: int, chunk_id: int, tag: int, _args: list[int]) -> None:
-        self._shard(store_id, chunk_id, worker).add_pull(worker, tag)
+        shard = self._shard(store_id, chunk_id, worker)
+        shard.add_pull(worker, tag)
+        self._touched.add(shard)
 
     def _set_optimizer(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
         def apply(doc: dict) -> None:
@@ -328,7 +341,12 @@ class Server:
 
     def _bye(self, worker: int, _store: int, _chunk: int, _tag: int, _args: list[int]) -> None:
         self.departed.add(worker)
+        self._active = [w for w in range(self.num_workers) if w not in self.departed]
         self._deferred.pop(worker, None)
+        self._touch_all()  # the departed no longer hold anyone back, or make steps impossible
+
+    def _touch_all(self) -> None:
+        self._touched.update(shard for store in self.stores.values() for shard in store.shards.values())
 
     _HANDLERS: dict[Op, Callable] = {
         Op.CONFIGURE: _configure, Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull,
@@ -338,21 +356,18 @@ class Server:
     }
 
     # -- progress ---------------------------------------------------------------------------------
-    def _active(self) -> list[int]:
-        return [w for w in range(self.num_workers) if w not in self.departed]
-
     def _advance(self) -> bool:
         """Apply what may be applied, answer what may be answered."""
         progressed = False
-        active = self._active()
-        for store in self.stores.values():
-            for shard in store.shards.values():
-                progressed |= self._apply(shard, active)
-                for pull in shard.ready_pulls(active):
-                    self._answer_pull(pull.worker, pull.tag, shard)
-                    progressed = True
-                if self.departed and shard.pulls:
-                    self._refuse_impossible_pulls(shard, active)
+        active = self._active
+        touched, self._touched = self._touched, set()
+        for shard in touched:
+            progressed |= self._apply(shard, active)
+            for pull in shard.ready_pulls(active):
+                self._answer_pull(pull.worker, pull.tag, shard)
+                progressed = True
+            if self.departed and shard.pulls:
+                self._refuse_impossible_pulls(shard, active)
         for op in (Op.SAVE, Op.LOAD):
             progressed |= self._run_gathered(op, active)
         return progressed
@@ -401,6 +416,7 @@ class Server:
                 reply = {}
             else:
                 reply = checkpoint.load_server(path, self.index, len(self.roles.servers), self.stores)
+                self._touch_all()
         except _REPORTABLE as e:
             for worker, (tag, _) in requests.items():
                 self._ack_error(worker, tag, f"{op.name.lower()} failed: {e}")
@@ -414,7 +430,7 @@ class Server:
         now = time.monotonic()
         self._next_stall_scan = now + _STALL_SCAN_S
         check, shutdown = self.config.stall_check_time_s, self.config.stall_shutdown_time_s
-        active = self._active()
+        active = self._active
         for store in self.stores.values():
             for shard in store.shards.values():
                 for pull in shard.pulls:

@@ -33,6 +33,7 @@ from typing import Sequence
 
 import torch
 
+from psrt.comm.buffers import host_buffer
 from psrt.errors import InvalidArgumentError
 from psrt.ps.protocol import Mode
 
@@ -135,7 +136,7 @@ class Shard:
         """Count a push announced by ``worker``; returns the buffer to receive it into.
         Call :meth:`arrived` with that buffer once its data is in."""
         self.received[worker] += 1
-        buffer = self._free.pop() if self._free else torch.empty(self.meta.numel, dtype=self.meta.dtype)
+        buffer = self._free.pop() if self._free else host_buffer(self.meta.numel, self.meta.dtype)
         self._arrivals[worker].append(_Arrival(buffer))
         return buffer
 
@@ -171,7 +172,12 @@ class Shard:
         if self.consistency.mode == Mode.SYNC:
             while all(self._head_arrived(w) for w in workers):
                 buffers = [self._arrivals[w].popleft().buffer for w in workers]
-                self._update(self._sum(buffers))
+                total = self._sum(buffers)
+                spent = self._update(total)
+                if total is self._grad:
+                    self._grad = spent
+                else:
+                    buffers = [spent if b is total else b for b in buffers]
                 self._free.extend(buffers)
                 self.applied = [n + 1 for n in self.applied]
                 self.pushes_applied += len(buffers)
@@ -182,8 +188,7 @@ class Shard:
                 buffer = self._arrivals[w].popleft().buffer
                 if self.consistency.scale != 1.0:
                     buffer.mul_(self.consistency.scale)
-                self._update(buffer)
-                self._free.append(buffer)
+                self._free.append(self._update(buffer))
                 self.applied[w] += 1
                 self.pushes_applied += 1
                 updates += 1
@@ -194,7 +199,7 @@ class Shard:
             total = buffers[0]
         else:
             if self._grad is None:
-                self._grad = torch.empty_like(buffers[0])
+                self._grad = host_buffer(self.meta.numel, self.meta.dtype)
             total = torch.add(buffers[0], buffers[1], out=self._grad)
             for buffer in buffers[2:]:
                 total.add_(buffer)
@@ -202,14 +207,17 @@ class Shard:
             total.mul_(self.consistency.scale)
         return total
 
-    def _update(self, gradient: torch.Tensor) -> None:
-        if self.optimizer is None:
-            self.value.copy_(gradient)
-        else:
-            self.param.grad = gradient
-            self.optimizer.step()
-            self.param.grad = None
+    def _update(self, gradient: torch.Tensor) -> torch.Tensor:
+        """Apply one update; returns the buffer it leaves free: ``gradient``'s, or after an
+        assignment (no optimizer) the old value's, since assigning swaps the buffers."""
         self.updates += 1
+        if self.optimizer is None:
+            old, self.param.data = self.param.data, gradient
+            return old
+        self.param.grad = gradient
+        self.optimizer.step()
+        self.param.grad = None
+        return gradient
 
     def pushes_in_flight(self) -> bool:
         """Whether some announced push is not yet applied."""
