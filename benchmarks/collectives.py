@@ -42,9 +42,9 @@ from psrt.comm import ReduceOp
 from psrt.comm.ring import ring_allreduce
 
 from _gloo import init_gloo  # noqa: E402
+from _sizes import KiB, MiB, fmt_size, parse_size  # noqa: E402
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI  # noqa: E402
 
-KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [4 * KiB * 4 ** k for k in range(9)]            # 4 KiB .. 256 MiB
 SWEEP_SIZES = [64 * KiB * 2 ** k for k in range(11)]            # 64 KiB .. 64 MiB
 SWEEP_SEGMENTS = [256 * KiB, 1 * MiB, 4 * MiB]
@@ -55,19 +55,6 @@ comm = MPI.COMM_WORLD
 
 
 # -- helpers ---------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": KiB, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * scale)
-
-
-def fmt_size(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", MiB), ("K", KiB)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
-
-
 def default_iters(nbytes: int) -> int:
     """About 2 GiB per implementation per size, between 6 and 200 iterations."""
     return max(6, min(200, (2 << 30) // nbytes))

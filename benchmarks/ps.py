@@ -90,9 +90,9 @@ from psrt.config import config_from_env
 from psrt.ps.placement import Chunk, Placement
 from psrt.ps.roles import Roles, assign_roles
 
+from _sizes import MiB, fmt_size, parse_size  # noqa: E402
 from mpi4py import MPI  # after psrt: psrt's import initialises MPI  # noqa: E402
 
-KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 TARGET = 0.9                  # psrt / mpi4py, push and pull, every size
 SERVER_FILL = 0.5             # what the baseline's server sends back
@@ -109,19 +109,6 @@ lead = False                  # whether this rank is worker 0, the one that prin
 def say(*args: object) -> None:
     if lead:
         print(*args, flush=True)
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": KiB, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * scale)
-
-
-def fmt_size(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", MiB), ("K", KiB)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
 
 
 def job_roles(num_servers: int) -> Roles:

@@ -16,51 +16,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 from tqdm import tqdm
 
 import psrt.ps
 import psrt.torch as hvd
+# The data, the model and an epoch's loop are the allreduce example's: only the optimizer differs.
+from train_digits import load_data, make_model, train_epoch
 
 MODES = ("sync", "async", "bounded")
-
-
-def load_data(seed: int) -> tuple[torch.Tensor, ...]:
-    """The same train/test split on every worker: the seed fixes it, so no rank needs to send data."""
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)   # pixels are 0..16
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed,
-                                                        stratify=y)
-    return x_train, x_test, y_train, y_test
-
-
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
-def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-                steps: int, batch_size: int) -> float:
-    """One pass over this worker's shard in ``steps`` batches; returns the mean loss over workers.
-
-    Every worker takes the same number of steps: in sync mode each ``optimizer.step()``
-    waits for the other workers' gradients of the same step, and in every mode the
-    loss is averaged with an allreduce at the end of the epoch.
-    """
-    model.train()
-    order = torch.randperm(len(x))
-    total = 0.0
-    for step in range(steps):
-        batch = order[step * batch_size:(step + 1) * batch_size]
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x[batch]), y[batch])
-        loss.backward()      # each gradient is pushed to the servers as soon as it is ready
-        optimizer.step()     # waits for the servers' updated parameters and copies them in
-        total += loss.item()
-    return hvd.allreduce(torch.tensor(total / steps), name="train_loss").item()
 
 
 @torch.no_grad()

@@ -1,6 +1,9 @@
 """The README's demo commands work end to end: ``make demo`` trains the digits
-example on 2 ranks to at least 95% test accuracy, and ``make demo-collectives``
-runs every collective, each rank reporting what it got."""
+example on 2 ranks to at least 95% test accuracy, ``make demo-collectives``
+runs every collective, each rank reporting what it got, and ``make demo-ps``
+trains the digits model against a parameter server (1 server, 2 workers) in
+sync, async and bounded mode, each to at least 90%, and the whole job (server
+included) exits cleanly."""
 from __future__ import annotations
 
 import os
@@ -56,3 +59,21 @@ def test_make_demo_collectives_runs_every_collective_on_two_ranks():
         assert re.search(rf"\[rank {rank}\] allgather \(rank\+1 rows\) +\[0, 1, 1\]", out)
     assert re.search(r"\[rank 0\] alltoall received +\[0, 100, 101\] splits \[1, 2\]", out)
     assert re.search(r"\[rank 1\] reducescatter \(Sum\) +\[2\.0, 2\.0\]", out)
+
+
+@pytest.fixture(scope="module")
+def ps_demo() -> subprocess.CompletedProcess:
+    return make("demo-ps")
+
+
+@pytest.mark.parallel
+def test_make_demo_ps_exits_cleanly(ps_demo):
+    assert ps_demo.returncode == 0, ps_demo.stdout + ps_demo.stderr[-3000:]
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("mode", ["sync", "async", "bounded"])
+def test_make_demo_ps_trains_digits_to_90_percent(ps_demo, mode):
+    found = re.findall(rf"^mode {mode}: test accuracy (\d+\.\d+)$", ps_demo.stdout, flags=re.MULTILINE)
+    assert len(found) == 1, f"expected one accuracy line for {mode} (worker 0 only):\n{ps_demo.stdout}"
+    assert float(found[0]) >= 0.9, ps_demo.stdout
