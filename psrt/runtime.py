@@ -35,6 +35,7 @@ class Runtime:
 
 _runtime: Runtime | None = None
 _exit_hook_installed = False
+_parameter_servers_gone = False  # this worker's shutdown let the servers exit
 
 
 def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> None:
@@ -52,6 +53,9 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     if _runtime is not None:
         return
     config = config_from_env()
+    if config.num_servers and _parameter_servers_gone:
+        raise NotInitializedError("psrt cannot start again in parameter-server mode: the servers "
+                                  "exited when the workers shut down")
     job = bootstrap.start_mpi(config)
     hook_module = getattr(sys.excepthook, "__module__", "")
     if config.abort_on_exception and hook_module != bootstrap.__name__:
@@ -102,6 +106,8 @@ def shutdown() -> None:
     if _runtime is not None:
         runtime, _runtime = _runtime, None
         if runtime.ps is not None:
+            global _parameter_servers_gone
+            _parameter_servers_gone = True
             runtime.ps.close()
         runtime.engine.shutdown()
         runtime.topology.free()

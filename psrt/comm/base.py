@@ -61,6 +61,8 @@ class Communicator(abc.ABC):
 
     rank: int
     size: int
+    # Largest message tag the backend accepts (MPI guarantees at least 32767).
+    max_tag: int = 32767
 
     # -- collectives -------------------------------------------------------
     @abc.abstractmethod

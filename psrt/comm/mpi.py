@@ -74,6 +74,7 @@ class MpiCommunicator(Communicator):
         self._config = config
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.max_tag = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))  # set on the world only
 
     # -- allreduce -----------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:

@@ -12,15 +12,18 @@ from ``wait()`` (for a push, from the worker's next request with a reply).
 from __future__ import annotations
 
 import sys
+import threading
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+import psrt.torch as hvd
 from psrt import runtime
 from psrt.comm.base import Request
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError, PsrtError
-from psrt.ps import protocol
+from psrt.ps import checkpoint, protocol
 from psrt.ps.placement import Chunk, Placement
 from psrt.ps.protocol import HEADER_TAG, STATUS_LEN, Mode, Op, Status
 from psrt.ps.service import WorkerLink
@@ -80,6 +83,8 @@ class Handle:
                  finish: Callable[[], None] | None = None) -> None:
         self._sends, self._replies, self._result, self._finish = sends, replies, result, finish
         self._parts: list[Handle] = []  # handles this one was joined from
+        self._lock = threading.Lock()
+        self._error: PsrtError | None = None
         self.finished = False
         self.payloads: list[object] = []
 
@@ -88,22 +93,33 @@ class Handle:
         return all([r.test() for r in self._sends]) and all([r.test() for r in self._replies])
 
     def wait(self) -> torch.Tensor | None:
-        if self.finished:
+        """Block until every message of the request is through; raises (every time it is
+        called) what went wrong."""
+        with self._lock:
+            if not self.finished:
+                try:
+                    self._settle()
+                except PsrtError as e:
+                    self._error = e
+                finally:
+                    self.finished = True
+                    for part in self._parts:
+                        part.finished = True
+            if self._error is not None:
+                raise self._error
             return self._result
-        self.finished = True
-        for part in self._parts:
-            part.finished = True
+
+    def _settle(self) -> None:
         for request in self._sends:
             request.wait()
         errors = []
-        for reply in self._replies:
+        for reply in self._replies:  # every reply, even after an error: none is left unreceived
             error, payload = reply.wait()
             errors.append(error) if error is not None else self.payloads.append(payload)
         if errors:
             raise ParameterServerError("; ".join(dict.fromkeys(errors)))
         if self._finish is not None:
             self._finish()
-        return self._result
 
     @staticmethod
     def joined(handles: list[Handle], result: torch.Tensor | None = None) -> Handle:
@@ -193,9 +209,11 @@ class KVStore:
         return Handle.joined(handles)
 
     def _track(self, handle: Handle) -> Handle:
-        if len(self._open) > 256:
-            self._open = [h for h in self._open if not h.finished]
-        self._open.append(handle)
+        """Remember ``handle`` until it is settled, so that close() can finish it."""
+        with self._link.lock:
+            if len(self._open) > 256:  # forget the settled: waited for, or sent with nothing to hear
+                self._open = [h for h in self._open if not (h.finished or (not h._replies and h.done()))]
+            self._open.append(handle)
         return handle
 
     def _key(self, key: str, tensor: torch.Tensor | None, what: str) -> _Key:
@@ -224,6 +242,9 @@ class KVStore:
             raise ArgumentTypeError(f"init of key {key!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in protocol.DTYPES:
             raise InvalidArgumentError(f"init of key {key!r}: dtype {tensor.dtype} is not supported")
+        if self.reduce == "mean" and not tensor.is_floating_point():
+            raise InvalidArgumentError(f"init of key {key!r}: a {tensor.dtype} key cannot be averaged; "
+                                       "create the KVStore with reduce='sum' for integer keys")
         known = self._keys.get(key)
         if known is not None:
             if (known.shape, known.dtype) != (tensor.shape, tensor.dtype):
@@ -312,17 +333,31 @@ class KVStore:
 
     # -- checkpoints and statistics ----------------------------------------------------------------
     def save(self, path: str) -> None:
-        """Every server writes its shards, optimizer state and clocks under ``path``.
-        Collective over the workers: each calls it at the same point of its loop."""
-        self._everywhere(Op.SAVE, document={"path": str(path)}).wait()
+        """Every server writes its shards, optimizer state and clocks (of every store) under
+        ``path``.  Collective over the workers: each calls it at the same point of its loop."""
+        path = str(path)
+        save_id = hvd.broadcast_object(uuid.uuid4().hex if self._link.worker == 0 else None, root_rank=0,
+                                       name=f"psrt.ps.save.{self.store_id}")
+        self._everywhere(Op.SAVE, document={"path": path, "save_id": save_id}).wait()
+        if self._link.worker == 0:  # every server has saved: now it is a checkpoint
+            checkpoint.write_manifest(path, save_id, self._link.num_servers)
+        hvd.barrier()
 
     def load(self, path: str) -> int:
-        """Restore what :meth:`save` wrote (after the same inits and set_optimizer); returns the
-        number of steps the store had taken.  Collective over the workers."""
-        handle = self._everywhere(Op.LOAD, document={"path": str(path)})
+        """Restore what :meth:`save` wrote (every store on the servers; after the same inits and
+        set_optimizer calls); returns the number of steps this store had taken.  Collective
+        over the workers.  Every server's file is checked before any is restored."""
+        path = str(path)
+        manifest = hvd.broadcast_object(checkpoint.read_manifest(path) if self._link.worker == 0 else None,
+                                        root_rank=0, name=f"psrt.ps.load.{self.store_id}")
+        if isinstance(manifest, str):
+            raise ParameterServerError(manifest)
+        document = {"path": path, "save_id": manifest["save_id"]}
+        self._everywhere(Op.LOAD, document={**document, "check": True}).wait()
+        handle = self._everywhere(Op.LOAD, document={**document, "check": False})
         handle.wait()
         steps = [p["steps"][str(self.store_id)] for p in handle.payloads]
-        return min(steps)
+        return min(s for s in steps if s is not None)
 
     def stats(self) -> dict:
         """What the servers counted: per key and chunk the pushes applied and updates made,

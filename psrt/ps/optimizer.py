@@ -140,6 +140,7 @@ class _PsOptimizer:
         """Restore a checkpoint into the servers and the model; returns the steps it had taken."""
         steps = self.store.load(path)
         self._pull_parameters()
+        self._sent_lr = None  # the checkpoint brought its own: send this optimizer's before the next step
         return steps
 
 

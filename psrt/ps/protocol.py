@@ -21,7 +21,6 @@ HEADER_TAG = 1
 HEADER_LEN = 8
 STATUS_LEN = 4
 _FIRST_TAG = 10
-_TAG_SLOTS = 10_000  # MPI guarantees tags up to 32767; each request uses three
 
 
 class Op(enum.IntEnum):
@@ -56,9 +55,11 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype)
 
 
-def request_tag(counter: int) -> int:
-    """The first of the three tags of a worker's ``counter``-th request."""
-    return _FIRST_TAG + 3 * (counter % _TAG_SLOTS)
+def request_tag(counter: int, max_tag: int) -> int:
+    """The first of the three tags of a worker's ``counter``-th request.  Tags wrap after
+    (max_tag - 10) / 3 requests (about 700 million with Open MPI, 10 thousand with the
+    smallest MPI allows): a request must complete before that many later ones."""
+    return _FIRST_TAG + 3 * (counter % ((max_tag - _FIRST_TAG) // 3))
 
 
 def header(op: Op, store: int = 0, chunk: int = 0, tag: int = 0, *args: int) -> torch.Tensor:

@@ -10,10 +10,11 @@ workers it is waiting for, and ends the job after ``PSRT_STALL_SHUTDOWN_TIME``.
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -43,8 +44,8 @@ class _Store:
     consistency: Consistency
     optimizer: OptimizerSpec | None = None
     shards: dict[int, Shard] = field(default_factory=dict)
-    # chunk: (worker, tag, meta) of inits that came before worker 0's
-    init_waiting: dict[int, list[tuple[int, int, ChunkMeta]]] = field(default_factory=dict)
+    # chunk: (worker, tag, meta, since) of inits that came before worker 0's
+    init_waiting: dict[int, list[tuple[int, int, ChunkMeta, float]]] = field(default_factory=dict)
 
 
 class Server:
@@ -60,12 +61,17 @@ class Server:
         self._active = list(range(self.num_workers))  # workers that have not shut down
         self._headers: dict[int, tuple[torch.Tensor, Request]] = {}
         self._inflight: list[tuple[Request, Callable[[], None] | None]] = []
-        self._deferred: dict[int, list[str]] = {}  # worker: errors to give with its next reply
-        self._gathering: dict[Op, dict[int, tuple[int, dict]]] = {Op.SAVE: {}, Op.LOAD: {}}
+        # (worker, store): errors of requests without a reply (pushes, learning rates), given
+        # with the worker's next reply about that store
+        self._deferred: dict[tuple[int, int], list[str]] = {}
+        self._store_of: dict[Shard, int] = {}
+        # save and load requests so far, by worker: (tag, document, since)
+        self._gathering: dict[Op, dict[int, tuple[int, dict, float]]] = {Op.SAVE: {}, Op.LOAD: {}}
         # Shards whose pushes or pulls may have become ready: only these are looked at
         # in a turn of the loop, so a model with many keys costs nothing while idle.
         self._touched: set[Shard] = set()
         self._next_stall_scan = time.monotonic() + _STALL_SCAN_S
+        self._reported: set[object] = set()  # waits already reported as stalls
 
     @property
     def name(self) -> str:
@@ -132,12 +138,14 @@ class Server:
         return True
 
     # -- replies ----------------------------------------------------------------------------
-    def _take_deferred(self, worker: int) -> str | None:
-        errors = self._deferred.pop(worker, None)
+    def _take_deferred(self, worker: int, store_id: int | None) -> str | None:
+        errors = None if store_id is None else self._deferred.pop((worker, store_id), None)
         return "; ".join(errors) if errors else None
 
-    def _ack(self, worker: int, tag: int, payload: object = None) -> None:
-        error = self._take_deferred(worker)
+    def _ack(self, worker: int, tag: int, payload: object = None, store_id: int | None = None) -> None:
+        """Answer a request; with ``store_id``, an earlier push's error about that store
+        is given instead."""
+        error = self._take_deferred(worker, store_id)
         if error is not None:
             return self._ack_error(worker, tag, error)
         body = protocol.encode(payload) if payload is not None else None
@@ -151,7 +159,7 @@ class Server:
         self._send(worker, body, tag + 1)
 
     def _answer_pull(self, worker: int, tag: int, shard: Shard) -> None:
-        error = self._take_deferred(worker)
+        error = self._take_deferred(worker, self._store_of[shard])
         if error is not None:
             return self._refuse_pull(worker, tag, error)
         self._send(worker, _OK, tag)
@@ -168,8 +176,8 @@ class Server:
         self._send(worker, torch.empty(0, dtype=torch.uint8), tag + 1)  # completes the posted data receive
         self._send(worker, body, tag + 2)
 
-    def _defer(self, worker: int, text: str) -> None:
-        self._deferred.setdefault(worker, []).append(text)
+    def _defer(self, worker: int, store_id: int, text: str) -> None:
+        self._deferred.setdefault((worker, store_id), []).append(text)
 
     # -- requests -----------------------------------------------------------------------------
     def _dispatch(self, worker: int, fields: list[int]) -> None:
@@ -178,23 +186,24 @@ class Server:
             op = Op(op)
             handler = self._HANDLERS[op]
         except (ValueError, KeyError):
-            self._defer(worker, f"unknown request code {fields[0]} from worker {worker}")
+            self._abort(f"{self.name}: worker {worker} sent an unknown request {fields}: "
+                        "are all ranks running the same psrt?")
             return
         try:
             handler(self, worker, store_id, chunk_id, tag, args)
         except _REPORTABLE as e:
-            self._fail(op, worker, tag, str(e))
+            self._fail(op, worker, store_id, tag, str(e))
 
-    def _fail(self, op: Op, worker: int, tag: int, text: str) -> None:
+    def _fail(self, op: Op, worker: int, store_id: int, tag: int, text: str) -> None:
         """Report a failed request to the worker that made it."""
         if op == Op.PULL:
             self._refuse_pull(worker, tag, text)
-        elif op in (Op.PUSH, Op.SET_LR, Op.BYE):
-            self._defer(worker, text)
+        elif op in (Op.PUSH, Op.SET_LR):
+            self._defer(worker, store_id, text)
         else:
             self._ack_error(worker, tag, text)
 
-    def _with_meta(self, worker: int, tag: int, length: int, op: Op,
+    def _with_meta(self, worker: int, store_id: int, tag: int, length: int, op: Op,
                    then: Callable[[dict], None]) -> None:
         """Receive the JSON document following a header, then run ``then`` on it (errors
         go back to the worker like those of the header itself)."""
@@ -204,7 +213,7 @@ class Server:
             try:
                 then(protocol.decode(data))
             except _REPORTABLE as e:
-                self._fail(op, worker, tag, str(e))
+                self._fail(op, worker, store_id, tag, str(e))
         self._receive(worker, data, tag, received)
 
     def _store(self, store_id: int) -> _Store:
@@ -237,7 +246,7 @@ class Server:
 
     def _init(self, worker: int, store_id: int, chunk_id: int, tag: int, args: list[int]) -> None:
         numel, dtype_code, has_data, meta_len = args[:4]
-        store = self._store(store_id)
+        self._store(store_id)  # fails at once for a store never created
         data = host_buffer(numel, protocol.DTYPES[dtype_code]) if has_data else None
         pending = [2 if has_data else 1]
         meta_box: list[dict] = []
@@ -246,30 +255,35 @@ class Server:
             pending[0] -= 1
             if pending[0] == 0:
                 try:
-                    self._register(store, worker, chunk_id, tag, meta_box[0], numel, dtype_code, data)
+                    self._register(store_id, worker, chunk_id, tag, meta_box[0], numel, dtype_code, data)
                 except _REPORTABLE as e:
                     self._ack_error(worker, tag, str(e))
-        self._with_meta(worker, tag, meta_len, Op.INIT, lambda doc: (meta_box.append(doc), part_done()))
+        self._with_meta(worker, store_id, tag, meta_len, Op.INIT, lambda doc: (meta_box.append(doc), part_done()))
         if data is not None:
             self._receive(worker, data, tag + 1, part_done)
 
-    def _register(self, store: _Store, worker: int, chunk_id: int, tag: int, doc: dict,
+    def _register(self, store_id: int, worker: int, chunk_id: int, tag: int, doc: dict,
                   numel: int, dtype_code: int, data: torch.Tensor | None) -> None:
         """Worker 0's init (the one with data) creates the chunk; the others' are checked
         against it, waiting for it if they come first."""
+        store = self._store(store_id)
         meta = ChunkMeta(key=doc["key"], shape=tuple(doc["shape"]), dtype=protocol.DTYPES[dtype_code],
                          offset=doc["offset"], numel=numel)
         shard = store.shards.get(chunk_id)
         if shard is None and data is None:
-            store.init_waiting.setdefault(chunk_id, []).append((worker, tag, meta))
+            if 0 in self.departed:
+                raise ParameterServerError(f"worker {worker}'s init of key {meta.key!r} can never complete: "
+                                           "worker 0, whose value it waits for, has shut down")
+            store.init_waiting.setdefault(chunk_id, []).append((worker, tag, meta, time.monotonic()))
             return
         if shard is None:
             shard = store.shards[chunk_id] = Shard(meta, self.num_workers, store.consistency)
+            self._store_of[shard] = store_id
             shard.set_value(data)
             shard.set_optimizer(store.optimizer)
-        for who, their_tag, their_meta in [*store.init_waiting.pop(chunk_id, []), (worker, tag, meta)]:
+        for who, their_tag, their_meta, _ in [*store.init_waiting.pop(chunk_id, []), (worker, tag, meta, 0.0)]:
             if their_meta == shard.meta:
-                self._ack(who, their_tag)
+                self._ack(who, their_tag, store_id=store_id)
             else:
                 self._ack_error(who, their_tag, (
                     f"worker {who} initialised key {their_meta.key!r} as {_describe_meta(their_meta)}, but "
@@ -308,8 +322,8 @@ class Server:
                 store.optimizer = spec
                 for shard in store.shards.values():
                     shard.set_optimizer(spec)
-            self._ack(worker, tag)
-        self._with_meta(worker, tag, args[0], Op.SET_OPTIMIZER, apply)
+            self._ack(worker, tag, store_id=store_id)
+        self._with_meta(worker, store_id, tag, args[0], Op.SET_OPTIMIZER, apply)
 
     def _set_lr(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
         def apply(doc: dict) -> None:
@@ -320,13 +334,13 @@ class Server:
                                             {**store.optimizer.hyperparameters, "lr": doc["lr"]})
             for shard in store.shards.values():
                 shard.set_lr(doc["lr"])
-        self._with_meta(worker, tag, args[0], Op.SET_LR, apply)
+        self._with_meta(worker, store_id, tag, args[0], Op.SET_LR, apply)
 
     def _gather(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int], op: Op) -> None:
         def arrived(doc: dict) -> None:
             self._store(store_id)
-            self._gathering[op][worker] = (tag, {**doc, "store": store_id})
-        self._with_meta(worker, tag, args[0], op, arrived)
+            self._gathering[op][worker] = (tag, doc, time.monotonic())
+        self._with_meta(worker, store_id, tag, args[0], op, arrived)
 
     def _stats(self, worker: int, store_id: int, _chunk: int, tag: int, _args: list[int]) -> None:
         store = self._store(store_id)
@@ -337,13 +351,28 @@ class Server:
                 staleness[lead] = staleness.get(lead, 0) + count
             entry = keys.setdefault(shard.meta.key, {})
             entry[str(chunk_id)] = {"pushes_applied": shard.pushes_applied, "updates": shard.updates}
-        self._ack(worker, tag, {"keys": keys, "staleness": staleness})
+        self._ack(worker, tag, {"keys": keys, "staleness": staleness}, store_id=store_id)
 
     def _bye(self, worker: int, _store: int, _chunk: int, _tag: int, _args: list[int]) -> None:
         self.departed.add(worker)
         self._active = [w for w in range(self.num_workers) if w not in self.departed]
-        self._deferred.pop(worker, None)
+        if worker == 0:
+            self._refuse_waiting_inits()
+        for (who, store_id), errors in list(self._deferred.items()):
+            if who == worker:  # nobody is left to hear them: at least say them here
+                del self._deferred[(who, store_id)]
+                for text in errors:
+                    print(f"psrt: {self.name}: worker {worker} shut down before hearing: {text}",
+                          file=sys.stderr, flush=True)
         self._touch_all()  # the departed no longer hold anyone back, or make steps impossible
+
+    def _refuse_waiting_inits(self) -> None:
+        for store in self.stores.values():
+            for chunk_id, waiting in store.init_waiting.items():
+                for who, tag, meta, _ in waiting:
+                    self._ack_error(who, tag, f"worker {who}'s init of key {meta.key!r} can never complete: "
+                                              "worker 0, whose value it waits for, has shut down")
+            store.init_waiting.clear()
 
     def _touch_all(self) -> None:
         self._touched.update(shard for store in self.stores.values() for shard in store.shards.values())
@@ -366,8 +395,8 @@ class Server:
             for pull in shard.ready_pulls(active):
                 self._answer_pull(pull.worker, pull.tag, shard)
                 progressed = True
-            if self.departed and shard.pulls:
-                self._refuse_impossible_pulls(shard, active)
+            if self.departed and shard.pulls and shard.consistency.mode == Mode.SYNC:
+                self._refuse_impossible_pulls(shard)
         for op in (Op.SAVE, Op.LOAD):
             progressed |= self._run_gathered(op, active)
         return progressed
@@ -386,7 +415,8 @@ class Server:
             shard.pulls = []
             return True
 
-    def _refuse_impossible_pulls(self, shard: Shard, active: list[int]) -> None:
+    def _refuse_impossible_pulls(self, shard: Shard) -> None:
+        """Sync mode: a step that needs a departed worker's push can never complete."""
         for pull in list(shard.pulls):
             gone = [w for w in shard.missing_for(pull, range(self.num_workers)) if w in self.departed]
             if gone:
@@ -405,47 +435,70 @@ class Server:
                for store in self.stores.values() for shard in store.shards.values()):
             return False
         self._gathering[op] = {}
-        documents = {doc["path"] for _, doc in requests.values()}
+        documents = {json.dumps(doc, sort_keys=True) for _, doc, _ in requests.values()}
         try:
             if len(documents) != 1:
-                raise ParameterServerError(f"workers asked to {op.name.lower()} different "
-                                           f"directories: {sorted(documents)}")
-            path = documents.pop()
+                raise ParameterServerError(f"workers asked for different {op.name.lower()}s: {sorted(documents)}")
+            doc = json.loads(documents.pop())
+            where = (doc["path"], self.index, len(self.roles.servers))
             if op == Op.SAVE:
-                checkpoint.save_server(path, self.index, len(self.roles.servers), self.stores)
+                checkpoint.save_server(*where, self.stores, doc["save_id"])
                 reply = {}
             else:
-                reply = checkpoint.load_server(path, self.index, len(self.roles.servers), self.stores)
+                reply = checkpoint.load_server(*where, self.stores, doc["save_id"], restore=not doc["check"])
                 self._touch_all()
         except _REPORTABLE as e:
-            for worker, (tag, _) in requests.items():
+            for worker, (tag, _, _) in requests.items():
                 self._ack_error(worker, tag, f"{op.name.lower()} failed: {e}")
             return True
-        for worker, (tag, _) in requests.items():
+        for worker, (tag, _, _) in requests.items():
             self._ack(worker, tag, reply)
         return True
 
     # -- stalls --------------------------------------------------------------------------------
     def _scan_for_stalls(self) -> None:
+        """Report every request waiting longer than the stall check time (once), and end
+        the job once one waits longer than the shutdown time."""
         now = time.monotonic()
         self._next_stall_scan = now + _STALL_SCAN_S
         check, shutdown = self.config.stall_check_time_s, self.config.stall_shutdown_time_s
+        waiting = set()
+        for key, since, text in self._waits():
+            waiting.add(key)
+            waited = now - since
+            if waited < check or (key in self._reported and not (shutdown and waited >= shutdown)):
+                continue
+            text = text.format(waited=f"{waited:.0f} s")
+            if shutdown and waited >= shutdown:
+                self._abort(f"{self.name}: stalled: {text}")
+            print(f"psrt: {self.name}: stall: {text}", file=sys.stderr, flush=True)
+            self._reported.add(key)
+        self._reported &= waiting
+
+    def _waits(self) -> Iterator[tuple[object, float, str]]:
+        """(identity, since, description with a {waited} field) of every waiting request."""
         active = self._active
         for store in self.stores.values():
             for shard in store.shards.values():
                 for pull in shard.pulls:
-                    waited = now - pull.since
-                    if waited < check or (pull.reported and not (shutdown and waited >= shutdown)):
-                        continue
                     missing = shard.missing_for(pull, active)
                     because = (f"it needs pushes from worker{'s' if len(missing) > 1 else ''} "
                                f"{_names(missing)}" if missing else "its own pushes have not arrived")
-                    text = (f"worker {pull.worker}'s pull of {shard.meta.describe()} has waited "
-                            f"{waited:.0f} s for step {pull.target}: {because}")
-                    if shutdown and waited >= shutdown:
-                        self._abort(f"{self.name}: stalled: {text}")
-                    print(f"psrt: {self.name}: stall: {text}", file=sys.stderr, flush=True)
-                    pull.reported = True
+                    yield (id(pull), pull.since, f"worker {pull.worker}'s pull of {shard.meta.describe()} has "
+                                                 f"waited {{waited}} for step {pull.target}: {because}")
+            for chunk_id, inits in store.init_waiting.items():
+                for who, _, meta, since in inits:
+                    yield (("init", id(store), chunk_id, who), since,
+                           f"worker {who}'s init of key {meta.key!r} has waited {{waited}} for worker 0's")
+        for op, requests in self._gathering.items():
+            if requests:
+                missing = [w for w in active if w not in requests]
+                because = (f"worker{'s' if len(missing) > 1 else ''} {_names(missing)} did not ask "
+                           "(every worker must call it at the same point)" if missing
+                           else "pushes are still being applied")
+                yield ((op, min(t for _, _, t in requests.values())), min(t for _, _, t in requests.values()),
+                       f"{op.name.lower()} asked for by workers {_names(sorted(requests))} has waited "
+                       f"{{waited}}: {because}")
 
     def _report_unfinished_steps(self) -> None:
         for store in self.stores.values():

@@ -45,7 +45,7 @@ class WorkerLink:
         self.closed = False
 
     def next_tag(self) -> int:
-        return protocol.request_tag(next(self._requests))
+        return protocol.request_tag(next(self._requests), self.comm.max_tag)
 
     def server_rank(self, server: int) -> int:
         return self.roles.servers[server]

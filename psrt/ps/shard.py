@@ -22,7 +22,9 @@ so they can be tested with plain tensors:
 With reduce="mean" every gradient is scaled by 1/num_workers: in sync mode
 that is the mean of the step; in the other modes a round of one push per
 worker moves the parameters as far as one sync step, which is what makes
-bounded mode with τ = 0 and SGD compute what sync mode does.
+bounded mode with τ = 0 and SGD compute what sync mode does.  Without an
+optimizer a push is a value, not a gradient: sync mode stores the step's
+mean (or sum), the other modes store each push as it is.
 """
 from __future__ import annotations
 
@@ -186,7 +188,7 @@ class Shard:
         for w in workers:
             while self._head_arrived(w) and self._may_apply(w, active):
                 buffer = self._arrivals[w].popleft().buffer
-                if self.consistency.scale != 1.0:
+                if self.consistency.scale != 1.0 and self.optimizer is not None:  # a gradient, not a value
                     buffer.mul_(self.consistency.scale)
                 self._free.append(self._update(buffer))
                 self.applied[w] += 1

@@ -67,6 +67,13 @@ def test_a_clean_shutdown_loses_no_pushed_update():
     assert line["value"] == pytest.approx([-0.3] * 3), "three steps of SGD(lr=0.1) on a mean gradient of 1"
 
 
+def test_a_save_called_by_one_worker_only_is_reported_as_a_stall_naming_the_other():
+    report = launch("ps_failures.py", 3, FAILURE_ENV, args=("save_alone",), timeout_s=90)
+    assert report.returncode not in (0, None), report.diagnosis()
+    assert report.seconds < 60, f"the stalled job took {report.seconds:.0f} s to end"
+    assert "stall" in report.stderr and "missing ranks [1]" in report.stderr, report.diagnosis()
+
+
 def test_a_worker_that_dies_ends_the_job_naming_its_rank():
     report = launch("ps_failures.py", 3, FAILURE_ENV, args=("worker_dies",), timeout_s=90)
     assert report.returncode == 7, report.diagnosis()
@@ -77,7 +84,7 @@ def test_a_worker_that_dies_ends_the_job_naming_its_rank():
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ps-checkpoint")
-    for phase in ("first", "second"):
+    for phase in ("first", "second", "refused"):
         report = launch("ps_resume.py", 3, {"PSRT_NUM_SERVERS": "1"}, args=(phase, str(directory)))
         assert report.returncode == 0, report.diagnosis()
     load = lambda name: torch.load(directory / name, weights_only=False)  # noqa: E731
@@ -95,6 +102,14 @@ def test_resumed_training_continues_exactly_as_the_uninterrupted_run(resumed):
     _, first, second = resumed
     for name, value in first["final"].items():
         assert torch.equal(second["final"][name], value), f"{name} diverged after resuming"
+
+
+def test_a_checkpoint_of_another_model_or_an_unfinished_save_is_refused(resumed):
+    directory, _, _ = resumed
+    errors = json.loads((directory / "refused.json").read_text())
+    assert errors["no_manifest"] and "manifest.json is missing" in errors["no_manifest"], errors
+    other = errors["other_model"] or ""
+    assert "different model" in other or "holds chunks" in other, errors
 
 
 def test_a_checkpoint_saved_right_after_loading_holds_the_same_optimizer_state(resumed):

@@ -233,9 +233,11 @@ def test_checkpoint_restores_value_momentum_and_clocks(tmp_path):
         push(store.shards[0], 0, 1.0)
         push(store.shards[0], 1, 2.0)
         store.shards[0].apply_ready()
-    checkpoint.save_server(str(tmp_path), 0, 1, {0: store})
+    checkpoint.save_server(str(tmp_path), 0, 1, {0: store}, "id")
     restored = store_with_momentum()
-    assert checkpoint.load_server(str(tmp_path), 0, 1, {0: restored}) == {"steps": {0: 2}}
+    assert checkpoint.load_server(str(tmp_path), 0, 1, {0: restored}, "id", restore=False) == {}
+    assert restored.shards[0].applied == [0, 0], "checking restores nothing"
+    assert checkpoint.load_server(str(tmp_path), 0, 1, {0: restored}, "id") == {"steps": {0: 2}}
     for shard in (store.shards[0], restored.shards[0]):   # one more step on both
         push(shard, 0, 1.0)
         push(shard, 1, 2.0)
@@ -246,10 +248,31 @@ def test_checkpoint_restores_value_momentum_and_clocks(tmp_path):
 
 def test_checkpoint_of_another_layout_or_server_count_is_refused(tmp_path):
     store = store_with_momentum()
-    checkpoint.save_server(str(tmp_path), 0, 1, {0: store})
+    checkpoint.save_server(str(tmp_path), 0, 1, {0: store}, "id")
     with pytest.raises(ParameterServerError, match="another number of servers"):
-        checkpoint.load_server(str(tmp_path), 0, 2, {0: store})
+        checkpoint.load_server(str(tmp_path), 0, 2, {0: store}, "id")
+    with pytest.raises(ParameterServerError, match="another save"):
+        checkpoint.load_server(str(tmp_path), 0, 1, {0: store}, "other id")
     other = store_with_momentum()
     other.shards[0].meta = ChunkMeta(key="v", shape=(4,), dtype=torch.float64, offset=0, numel=4)
     with pytest.raises(ParameterServerError, match="different model"):
-        checkpoint.load_server(str(tmp_path), 0, 1, {0: other})
+        checkpoint.load_server(str(tmp_path), 0, 1, {0: other}, "id")
+    adam = store_with_momentum()
+    adam.optimizer = OptimizerSpec("Adam", {"lr": 0.1})
+    with pytest.raises(ParameterServerError, match="saved with optimizer SGD, this job set Adam"):
+        checkpoint.load_server(str(tmp_path), 0, 1, {0: adam}, "id")
+
+
+def test_a_manifest_says_which_save_finished(tmp_path):
+    assert "manifest.json is missing" in checkpoint.read_manifest(str(tmp_path))
+    checkpoint.write_manifest(str(tmp_path), "abc", 2)
+    assert checkpoint.read_manifest(str(tmp_path))["save_id"] == "abc"
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert "cannot read" in checkpoint.read_manifest(str(tmp_path))
+
+
+def test_async_without_optimizer_stores_each_pushed_value_unscaled():
+    shard = make_shard(Mode.ASYNC, scale=0.5)
+    push(shard, 0, 8.0)
+    shard.apply_ready()
+    assert torch.equal(shard.value, torch.full((4,), 8.0, dtype=torch.float64))

@@ -201,10 +201,13 @@ def check_workers_create_a_store_with_different_modes(key: str) -> None:
 
 def check_a_failing_server_update_is_reported_to_the_worker(key: str) -> None:
     kv = ps.KVStore("sync")
-    kv.init(key, torch.zeros(5, dtype=torch.int64))
-    kv.set_optimizer("SGD", lr=0.5, momentum=0.9)  # cannot update an integer tensor
-    expect_raises(ParameterServerError, lambda: kv.push_pull(key, torch.ones(5, dtype=torch.int64)),
+    kv.init(key, torch.zeros(5))
+    kv.set_optimizer("SparseAdam", lr=0.5)  # builds, then fails on the first dense gradient
+    expect_raises(ParameterServerError, lambda: kv.push_pull(key, torch.ones(5)),
                   f"updating key {key!r}", "server-side failure")
+    expect_raises(ParameterServerError, lambda: kv.pull(key), "SparseAdam", "the chunk stays failed")
+    expect_raises(InvalidArgumentError, lambda: kv.init(key + "/int", torch.zeros(2, dtype=torch.int64)),
+                  "reduce='sum'", "integer key in a mean store")
     other = ps.KVStore("sync")  # the server lives on
     other.init(key, torch.zeros(2))
     assert torch.equal(other.push_pull(key, torch.ones(2)), torch.ones(2))

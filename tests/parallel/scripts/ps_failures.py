@@ -9,6 +9,8 @@
 * ``worker_dies``: worker 1's process exits in the middle of training.
 * ``flush``: worker 1 starts three sync pushes and shuts down without waiting
   for them; worker 0's pull must still see all three steps applied.
+* ``save_alone``: only worker 0 calls ``save`` (a collective of the workers); the
+  stall is reported naming worker 1, then the job ends.
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ def main(mode: str) -> None:
     kv = ps.KVStore("sync")
     kv.init("weights", torch.zeros(1000))
     kv.set_optimizer("SGD", lr=0.1)
+    if mode == "save_alone":
+        if hvd.rank() == 0:
+            kv.save("/tmp/psrt-never-saved")
+        time.sleep(600)
     if mode == "flush":
         for _ in range(3):
             kv.push_async("weights", torch.ones(1000))

@@ -5,10 +5,13 @@ parameters there and after STEPS more steps to DIR/first.pt (worker 0).
 ``second`` is a new job on a freshly (and differently) initialised model: it
 loads DIR/ckpt, writes the parameters it got, trains the same STEPS more
 steps, saves again to DIR/again, and writes everything to DIR/second.pt.  The
-test compares the two files and the two checkpoints.
+test compares the two files and the two checkpoints.  ``refused`` (a third job)
+tries to load a directory without a finished save, and DIR/ckpt into a different
+model, and writes the errors to DIR/refused.json.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -34,8 +37,31 @@ def snapshot(model) -> dict:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def refusals(directory: str) -> dict:
+    """The errors of two loads that must fail, before anything is restored."""
+    errors = {}
+    other = torch.nn.Linear(6, 5)  # not the checkpoint's model
+    optimizer = ps.DistributedOptimizer(torch.optim.Adam(other.parameters(), lr=0.01),
+                                        other.named_parameters(), mode="sync")
+    for case, path in (("no_manifest", os.path.join(directory, "empty")),
+                       ("other_model", os.path.join(directory, "ckpt"))):
+        try:
+            optimizer.load(path)
+            errors[case] = None
+        except ps.ParameterServerError as e:
+            errors[case] = str(e)
+    return errors
+
+
 def main(phase: str, directory: str) -> None:
     hvd.init()
+    if phase == "refused":
+        errors = refusals(directory)
+        if hvd.rank() == 0:
+            with open(os.path.join(directory, "refused.json"), "w") as f:
+                json.dump(errors, f)
+        hvd.shutdown()
+        return
     model = Mlp("resume" if phase == "first" else "a different start")
     optimizer = ps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                         model.named_parameters(), mode="sync")
