@@ -6,7 +6,6 @@ on one device).
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 import psrt.torch as hvd  # noqa: E402
+from _gpu_jobs import psrun  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "nccl_check.py"
 
@@ -54,7 +54,6 @@ def test_cuda_async_allreduce_completes_on_the_stream():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_ranks_on_two_gpus_match_the_cpu_reference():
-    done = subprocess.run([sys.executable, "-m", "launcher.cli", "-np", "2", sys.executable,
-                           str(SCRIPT)], capture_output=True, text=True, timeout=300)
+    done = psrun("-np", "2", sys.executable, str(SCRIPT))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("nccl check ok") == 2, done.stdout

@@ -5,7 +5,6 @@ cleanly where no GPU is present; one GPU is enough (the server never touches it)
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,12 +14,12 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from _gpu_jobs import psrun  # noqa: E402
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ps_cuda_check.py"
 
 
 def test_cuda_tensors_push_pull_and_train_like_the_cpu_reference():
-    done = subprocess.run([sys.executable, "-m", "launcher.cli", "-np", "2", "--num-servers", "1",
-                           sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
+    done = psrun("-np", "2", "--num-servers", "1", sys.executable, str(SCRIPT))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ps cuda check ok" in done.stdout, done.stdout + done.stderr
