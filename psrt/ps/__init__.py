@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from psrt import runtime
 from psrt.errors import ParameterServerError
-from psrt.ps.client import Handle, KVStore
+from psrt.ps.client import KVStore
+from psrt.ps.handles import Handle
 from psrt.ps.optimizer import DistributedOptimizer
 
 __all__ = ["DistributedOptimizer", "Handle", "KVStore", "ParameterServerError", "num_servers", "num_workers",

@@ -20,7 +20,7 @@ import torch
 from psrt.errors import ParameterServerError
 
 if TYPE_CHECKING:
-    from psrt.ps.server import _Store
+    from psrt.ps.store import Store
 
 FORMAT = "psrt-ps-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -52,7 +52,7 @@ def read_manifest(path: str) -> dict | str:
     return manifest
 
 
-def save_server(path: str, index: int, num_servers: int, stores: dict[int, _Store], save_id: str) -> None:
+def save_server(path: str, index: int, num_servers: int, stores: dict[int, Store], save_id: str) -> None:
     os.makedirs(path, exist_ok=True)
     document = {"format": FORMAT, "num_servers": num_servers, "save_id": save_id, "stores": {
         store_id: {"settings": list(store.settings),
@@ -65,7 +65,7 @@ def save_server(path: str, index: int, num_servers: int, stores: dict[int, _Stor
     os.replace(target + ".tmp", target)  # a crash mid-save leaves the previous checkpoint
 
 
-def load_server(path: str, index: int, num_servers: int, stores: dict[int, _Store], save_id: str,
+def load_server(path: str, index: int, num_servers: int, stores: dict[int, Store], save_id: str,
                 restore: bool = True) -> dict:
     """Check this server's file of save ``save_id`` in ``path`` against ``stores`` and, with
     ``restore``, restore every chunk from it; returns {"steps": {store: steps or None}}."""
@@ -93,7 +93,7 @@ def load_server(path: str, index: int, num_servers: int, stores: dict[int, _Stor
                       for store_id, store in stores.items()}}
 
 
-def _check_layout(document: dict, stores: dict[int, _Store], target: str) -> None:
+def _check_layout(document: dict, stores: dict[int, Store], target: str) -> None:
     for store_id, store in stores.items():
         saved = document["stores"].get(store_id)
         if saved is None:

@@ -12,20 +12,18 @@ from ``wait()`` (for a push, from the worker's next request with a reply).
 from __future__ import annotations
 
 import sys
-import threading
 import uuid
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 import psrt.torch as hvd
 from psrt import runtime
-from psrt.comm.base import Request
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError, PsrtError
 from psrt.ps import checkpoint, protocol
 from psrt.ps.placement import Chunk, Placement
-from psrt.ps.protocol import HEADER_TAG, STATUS_LEN, Mode, Op, Status
+from psrt.ps.protocol import HEADER_TAG, STATUS_LEN, Mode, Op
+from psrt.ps.handles import Handle, Reply
 from psrt.ps.service import WorkerLink
 from psrt.ps.shard import OptimizerSpec
 
@@ -40,94 +38,6 @@ def link() -> WorkerLink:
         raise InvalidArgumentError("no parameter servers in this job: launch with "
                                    "`psrun --num-servers S ...` (or set PSRT_NUM_SERVERS=S)")
     return ps
-
-
-class _Reply:
-    """A server's answer to one request: a status, then a payload or an error text."""
-
-    def __init__(self, link: WorkerLink, server: int, tag: int, status: torch.Tensor,
-                 status_request: Request, data_request: Request | None) -> None:
-        self._link, self._server, self._tag = link, server, tag
-        self._status, self._status_request, self._data_request = status, status_request, data_request
-        self._outcome: tuple[str | None, object] | None = None
-
-    def test(self) -> bool:
-        return self._status_request.test() and (self._data_request is None or self._data_request.test())
-
-    def wait(self) -> tuple[str | None, object]:
-        """(error text or None, decoded JSON payload or None)."""
-        if self._outcome is None:
-            self._outcome = self._receive()
-        return self._outcome
-
-    def _receive(self) -> tuple[str | None, object]:
-        self._status_request.wait()
-        code, length = int(self._status[0]), int(self._status[1])
-        if self._data_request is not None:
-            self._data_request.wait()
-        if code == Status.OK and (self._data_request is not None or length == 0):
-            return None, None
-        body = torch.empty(length, dtype=torch.uint8)
-        text_tag = self._tag + (2 if self._data_request is not None else 1)
-        self._link.comm.recv(body, self._link.server_rank(self._server), text_tag)
-        if code != Status.OK:
-            return protocol.decode_text(body), None
-        return None, protocol.decode(body)
-
-
-class Handle:
-    """An asynchronous KVStore request; :meth:`wait` returns the pulled tensor (None for
-    a push) and raises what any server reported."""
-
-    def __init__(self, sends: list[Request], replies: list[_Reply], result: torch.Tensor | None = None,
-                 finish: Callable[[], None] | None = None) -> None:
-        self._sends, self._replies, self._result, self._finish = sends, replies, result, finish
-        self._parts: list[Handle] = []  # handles this one was joined from
-        self._lock = threading.Lock()
-        self._error: PsrtError | None = None
-        self.finished = False
-        self.payloads: list[object] = []
-
-    def done(self) -> bool:
-        """Whether :meth:`wait` would return without blocking."""
-        return all([r.test() for r in self._sends]) and all([r.test() for r in self._replies])
-
-    def wait(self) -> torch.Tensor | None:
-        """Block until every message of the request is through; raises (every time it is
-        called) what went wrong."""
-        with self._lock:
-            if not self.finished:
-                try:
-                    self._settle()
-                except PsrtError as e:
-                    self._error = e
-                finally:
-                    self.finished = True
-                    for part in self._parts:
-                        part.finished = True
-            if self._error is not None:
-                raise self._error
-            return self._result
-
-    def _settle(self) -> None:
-        for request in self._sends:
-            request.wait()
-        errors = []
-        for reply in self._replies:  # every reply, even after an error: none is left unreceived
-            error, payload = reply.wait()
-            errors.append(error) if error is not None else self.payloads.append(payload)
-        if errors:
-            raise ParameterServerError("; ".join(dict.fromkeys(errors)))
-        if self._finish is not None:
-            self._finish()
-
-    @staticmethod
-    def joined(handles: list[Handle], result: torch.Tensor | None = None) -> Handle:
-        finishes = [h._finish for h in handles if h._finish is not None]
-        joined = Handle([r for h in handles for r in h._sends], [r for h in handles for r in h._replies],
-                        result, (lambda: [f() for f in finishes]) if finishes else None)
-        joined._parts = [part for h in handles for part in (h, *h._parts)]
-        return joined
 
 
 @dataclass(frozen=True)
@@ -186,7 +96,7 @@ class KVStore:
             replies = []
             if reply:
                 status = torch.empty(STATUS_LEN, dtype=torch.int64)
-                replies.append(_Reply(link, server, tag, status, link.comm.irecv(status, rank, tag), None))
+                replies.append(Reply(link, server, tag, status, link.comm.irecv(status, rank, tag), None))
             sends = [link.comm.isend(protocol.header(op, self.store_id, chunk, tag, *args), rank, HEADER_TAG)]
             if body is not None:  # metadata, or a push's data
                 sends.append(link.comm.isend(body, rank, tag))
@@ -293,7 +203,7 @@ class KVStore:
                 status = torch.empty(STATUS_LEN, dtype=torch.int64)
                 status_request = link.comm.irecv(status, rank, tag)
                 data_request = link.comm.irecv(flat[chunk.offset:chunk.offset + chunk.numel], rank, tag + 1)
-                replies.append(_Reply(link, chunk.server, tag, status, status_request, data_request))
+                replies.append(Reply(link, chunk.server, tag, status, status_request, data_request))
                 sends.append(link.comm.isend(protocol.header(Op.PULL, self.store_id, chunk.chunk_id, tag),
                                              rank, HEADER_TAG))
         finish = None if direct else (lambda: out.copy_(target))

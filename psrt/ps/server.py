@@ -13,8 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -22,10 +21,11 @@ from psrt.comm.base import Communicator, Request
 from psrt.comm.buffers import host_buffer
 from psrt.config import Config
 from psrt.errors import InvalidArgumentError, ParameterServerError
-from psrt.ps import checkpoint, protocol
+from psrt.ps import checkpoint, protocol, stalls
 from psrt.ps.protocol import HEADER_LEN, Mode, Op, Status
 from psrt.ps.roles import Roles
-from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard
+from psrt.ps.shard import ChunkMeta, OptimizerSpec, Shard
+from psrt.ps.store import InitAnswer, Store
 
 _SPIN_S = 5e-5
 _LONGEST_NAP_S = 2e-4
@@ -36,18 +36,6 @@ _REPORTABLE = (InvalidArgumentError, ParameterServerError, RuntimeError, TypeErr
                KeyError, OSError)
 
 
-@dataclass
-class _Store:
-    """One KVStore's shards on this server and the settings its workers created it with."""
-
-    settings: tuple[int, int, int]  # mode, max staleness, reduce (0 mean, 1 sum)
-    consistency: Consistency
-    optimizer: OptimizerSpec | None = None
-    shards: dict[int, Shard] = field(default_factory=dict)
-    # chunk: (worker, tag, meta, since) of inits that came before worker 0's
-    init_waiting: dict[int, list[tuple[int, int, ChunkMeta, float]]] = field(default_factory=dict)
-
-
 class Server:
     """Serves the workers of ``roles`` over ``comm`` until all of them have shut down."""
 
@@ -56,7 +44,7 @@ class Server:
         self.comm, self.roles, self.config, self._abort = comm, roles, config, abort
         self.index = roles.server_index(comm.rank)
         self.num_workers = len(roles.workers)
-        self.stores: dict[int, _Store] = {}
+        self.stores: dict[int, Store] = {}
         self.departed: set[int] = set()
         self._active = list(range(self.num_workers))  # workers that have not shut down
         self._headers: dict[int, tuple[torch.Tensor, Request]] = {}
@@ -71,7 +59,7 @@ class Server:
         # in a turn of the loop, so a model with many keys costs nothing while idle.
         self._touched: set[Shard] = set()
         self._next_stall_scan = time.monotonic() + _STALL_SCAN_S
-        self._reported: set[object] = set()  # waits already reported as stalls
+        self._stalls = stalls.StallWatch(config.stall_check_time_s, config.stall_shutdown_time_s)
 
     @property
     def name(self) -> str:
@@ -216,79 +204,56 @@ class Server:
                 self._fail(op, worker, store_id, tag, str(e))
         self._receive(worker, data, tag, received)
 
-    def _store(self, store_id: int) -> _Store:
+    def _store(self, store_id: int) -> Store:
         store = self.stores.get(store_id)
         if store is None:
             raise ParameterServerError(f"KVStore {store_id} was never created on this server")
         return store
 
     def _shard(self, store_id: int, chunk_id: int, worker: int) -> Shard:
-        shard = self._store(store_id).shards.get(chunk_id)
-        if shard is None:
-            raise ParameterServerError(f"chunk {chunk_id} of KVStore {store_id} was never "
-                                       f"initialised (worker {worker} used it before init)")
-        if shard.failed is not None:
-            raise ParameterServerError(shard.failed)
-        return shard
+        return self._store(store_id).shard(store_id, chunk_id, worker)
 
     def _configure(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
         settings = (args[0], args[1], args[2])
         store = self.stores.get(store_id)
         if store is None:
-            scale = 1.0 / self.num_workers if settings[2] == 0 else 1.0
-            store = _Store(settings, Consistency(Mode(settings[0]), settings[1], scale))
-            self.stores[store_id] = store
-        elif store.settings != settings:
-            raise ParameterServerError(
-                f"worker {worker} created KVStore {store_id} with {_describe_settings(settings)}, "
-                f"an earlier worker with {_describe_settings(store.settings)}")
+            self.stores[store_id] = Store.create(settings, self.num_workers)
+        else:
+            store.check_settings(worker, store_id, settings)
         self._ack(worker, tag)
 
     def _init(self, worker: int, store_id: int, chunk_id: int, tag: int, args: list[int]) -> None:
         numel, dtype_code, has_data, meta_len = args[:4]
-        self._store(store_id)  # fails at once for a store never created
+        store = self._store(store_id)  # fails at once for a store never created
         data = host_buffer(numel, protocol.DTYPES[dtype_code]) if has_data else None
         pending = [2 if has_data else 1]
-        meta_box: list[dict] = []
+        documents: list[dict] = []
 
         def part_done() -> None:
             pending[0] -= 1
-            if pending[0] == 0:
-                try:
-                    self._register(store_id, worker, chunk_id, tag, meta_box[0], numel, dtype_code, data)
-                except _REPORTABLE as e:
-                    self._ack_error(worker, tag, str(e))
-        self._with_meta(worker, store_id, tag, meta_len, Op.INIT, lambda doc: (meta_box.append(doc), part_done()))
+            if pending[0]:
+                return
+            doc = documents[0]
+            meta = ChunkMeta(key=doc["key"], shape=tuple(doc["shape"]), dtype=protocol.DTYPES[dtype_code],
+                             offset=doc["offset"], numel=numel)
+            try:
+                created, answers = store.register(worker, chunk_id, tag, meta, data, self.num_workers,
+                                                  worker_0_gone=0 in self.departed)
+            except _REPORTABLE as e:
+                return self._ack_error(worker, tag, str(e))
+            if created is not None:
+                self._store_of[created] = store_id
+            self._answer_inits(store_id, answers)
+        self._with_meta(worker, store_id, tag, meta_len, Op.INIT, lambda doc: (documents.append(doc), part_done()))
         if data is not None:
             self._receive(worker, data, tag + 1, part_done)
 
-    def _register(self, store_id: int, worker: int, chunk_id: int, tag: int, doc: dict,
-                  numel: int, dtype_code: int, data: torch.Tensor | None) -> None:
-        """Worker 0's init (the one with data) creates the chunk; the others' are checked
-        against it, waiting for it if they come first."""
-        store = self._store(store_id)
-        meta = ChunkMeta(key=doc["key"], shape=tuple(doc["shape"]), dtype=protocol.DTYPES[dtype_code],
-                         offset=doc["offset"], numel=numel)
-        shard = store.shards.get(chunk_id)
-        if shard is None and data is None:
-            if 0 in self.departed:
-                raise ParameterServerError(f"worker {worker}'s init of key {meta.key!r} can never complete: "
-                                           "worker 0, whose value it waits for, has shut down")
-            store.init_waiting.setdefault(chunk_id, []).append((worker, tag, meta, time.monotonic()))
-            return
-        if shard is None:
-            shard = store.shards[chunk_id] = Shard(meta, self.num_workers, store.consistency)
-            self._store_of[shard] = store_id
-            shard.set_value(data)
-            shard.set_optimizer(store.optimizer)
-        for who, their_tag, their_meta, _ in [*store.init_waiting.pop(chunk_id, []), (worker, tag, meta, 0.0)]:
-            if their_meta == shard.meta:
-                self._ack(who, their_tag, store_id=store_id)
+    def _answer_inits(self, store_id: int, answers: list[InitAnswer]) -> None:
+        for who, tag, error in answers:
+            if error is None:
+                self._ack(who, tag, store_id=store_id)
             else:
-                self._ack_error(who, their_tag, (
-                    f"worker {who} initialised key {their_meta.key!r} as {_describe_meta(their_meta)}, but "
-                    f"chunk {chunk_id} holds key {shard.meta.key!r} as {_describe_meta(shard.meta)} "
-                    "(every worker must init the same keys, with the same shapes, in the same order)"))
+                self._ack_error(who, tag, error)
 
     def _push(self, worker: int, store_id: int, chunk_id: int, tag: int, args: list[int]) -> None:
         numel, dtype_code = args[:2]
@@ -315,26 +280,13 @@ class Server:
 
     def _set_optimizer(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
         def apply(doc: dict) -> None:
-            store = self._store(store_id)
-            spec = OptimizerSpec(doc["name"], doc["hyperparameters"])
-            spec.build(torch.nn.Parameter(torch.zeros(1)))  # fails here, with the reason, if invalid
-            if spec != store.optimizer:
-                store.optimizer = spec
-                for shard in store.shards.values():
-                    shard.set_optimizer(spec)
+            self._store(store_id).set_optimizer(OptimizerSpec(doc["name"], doc["hyperparameters"]))
             self._ack(worker, tag, store_id=store_id)
         self._with_meta(worker, store_id, tag, args[0], Op.SET_OPTIMIZER, apply)
 
     def _set_lr(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
-        def apply(doc: dict) -> None:
-            store = self._store(store_id)
-            if store.optimizer is None:
-                raise ParameterServerError("set_learning_rate() before set_optimizer()")
-            store.optimizer = OptimizerSpec(store.optimizer.name,
-                                            {**store.optimizer.hyperparameters, "lr": doc["lr"]})
-            for shard in store.shards.values():
-                shard.set_lr(doc["lr"])
-        self._with_meta(worker, store_id, tag, args[0], Op.SET_LR, apply)
+        self._with_meta(worker, store_id, tag, args[0], Op.SET_LR,
+                        lambda doc: self._store(store_id).set_lr(doc["lr"]))
 
     def _gather(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int], op: Op) -> None:
         def arrived(doc: dict) -> None:
@@ -343,21 +295,14 @@ class Server:
         self._with_meta(worker, store_id, tag, args[0], op, arrived)
 
     def _stats(self, worker: int, store_id: int, _chunk: int, tag: int, _args: list[int]) -> None:
-        store = self._store(store_id)
-        staleness: dict[int, int] = {}
-        keys: dict[str, dict] = {}
-        for chunk_id, shard in sorted(store.shards.items()):
-            for lead, count in shard.staleness.items():
-                staleness[lead] = staleness.get(lead, 0) + count
-            entry = keys.setdefault(shard.meta.key, {})
-            entry[str(chunk_id)] = {"pushes_applied": shard.pushes_applied, "updates": shard.updates}
-        self._ack(worker, tag, {"keys": keys, "staleness": staleness}, store_id=store_id)
+        self._ack(worker, tag, self._store(store_id).stats(), store_id=store_id)
 
     def _bye(self, worker: int, _store: int, _chunk: int, _tag: int, _args: list[int]) -> None:
         self.departed.add(worker)
         self._active = [w for w in range(self.num_workers) if w not in self.departed]
         if worker == 0:
-            self._refuse_waiting_inits()
+            for store_id, store in self.stores.items():
+                self._answer_inits(store_id, store.refuse_waiting_inits())
         for (who, store_id), errors in list(self._deferred.items()):
             if who == worker:  # nobody is left to hear them: at least say them here
                 del self._deferred[(who, store_id)]
@@ -365,14 +310,6 @@ class Server:
                     print(f"psrt: {self.name}: worker {worker} shut down before hearing: {text}",
                           file=sys.stderr, flush=True)
         self._touch_all()  # the departed no longer hold anyone back, or make steps impossible
-
-    def _refuse_waiting_inits(self) -> None:
-        for store in self.stores.values():
-            for chunk_id, waiting in store.init_waiting.items():
-                for who, tag, meta, _ in waiting:
-                    self._ack_error(who, tag, f"worker {who}'s init of key {meta.key!r} can never complete: "
-                                              "worker 0, whose value it waits for, has shut down")
-            store.init_waiting.clear()
 
     def _touch_all(self) -> None:
         self._touched.update(shard for store in self.stores.values() for shard in store.shards.values())
@@ -423,7 +360,7 @@ class Server:
                 shard.pulls.remove(pull)
                 self._refuse_pull(pull.worker, pull.tag,
                                   f"step {pull.target} of {shard.meta.describe()} can never complete: "
-                                  f"worker{'s' if len(gone) > 1 else ''} {_names(gone)} shut down "
+                                  f"worker{'s' if len(gone) > 1 else ''} {stalls.names(gone)} shut down "
                                   "without pushing it")
 
     def _run_gathered(self, op: Op, active: list[int]) -> bool:
@@ -457,48 +394,12 @@ class Server:
 
     # -- stalls --------------------------------------------------------------------------------
     def _scan_for_stalls(self) -> None:
-        """Report every request waiting longer than the stall check time (once), and end
-        the job once one waits longer than the shutdown time."""
-        now = time.monotonic()
-        self._next_stall_scan = now + _STALL_SCAN_S
-        check, shutdown = self.config.stall_check_time_s, self.config.stall_shutdown_time_s
-        waiting = set()
-        for key, since, text in self._waits():
-            waiting.add(key)
-            waited = now - since
-            if waited < check or (key in self._reported and not (shutdown and waited >= shutdown)):
-                continue
-            text = text.format(waited=f"{waited:.0f} s")
-            if shutdown and waited >= shutdown:
-                self._abort(f"{self.name}: stalled: {text}")
+        self._next_stall_scan = time.monotonic() + _STALL_SCAN_S
+        reports, fatal = self._stalls.scan(stalls.waits(self.stores, self._gathering, self._active))
+        for text in reports:
             print(f"psrt: {self.name}: stall: {text}", file=sys.stderr, flush=True)
-            self._reported.add(key)
-        self._reported &= waiting
-
-    def _waits(self) -> Iterator[tuple[object, float, str]]:
-        """(identity, since, description with a {waited} field) of every waiting request."""
-        active = self._active
-        for store in self.stores.values():
-            for shard in store.shards.values():
-                for pull in shard.pulls:
-                    missing = shard.missing_for(pull, active)
-                    because = (f"it needs pushes from worker{'s' if len(missing) > 1 else ''} "
-                               f"{_names(missing)}" if missing else "its own pushes have not arrived")
-                    yield (id(pull), pull.since, f"worker {pull.worker}'s pull of {shard.meta.describe()} has "
-                                                 f"waited {{waited}} for step {pull.target}: {because}")
-            for chunk_id, inits in store.init_waiting.items():
-                for who, _, meta, since in inits:
-                    yield (("init", id(store), chunk_id, who), since,
-                           f"worker {who}'s init of key {meta.key!r} has waited {{waited}} for worker 0's")
-        for op, requests in self._gathering.items():
-            if requests:
-                missing = [w for w in active if w not in requests]
-                because = (f"worker{'s' if len(missing) > 1 else ''} {_names(missing)} did not ask "
-                           "(every worker must call it at the same point)" if missing
-                           else "pushes are still being applied")
-                yield ((op, min(t for _, _, t in requests.values())), min(t for _, _, t in requests.values()),
-                       f"{op.name.lower()} asked for by workers {_names(sorted(requests))} has waited "
-                       f"{{waited}}: {because}")
+        if fatal is not None:
+            self._abort(f"{self.name}: stalled: {fatal}")
 
     def _report_unfinished_steps(self) -> None:
         for store in self.stores.values():
@@ -508,17 +409,3 @@ class Server:
                           f"{[w for w in range(self.num_workers) if shard.received[w] > shard.applied[w]]} "
                           "were never applied: the other workers shut down without pushing that step",
                           file=sys.stderr, flush=True)
-
-
-def _names(workers) -> str:
-    return ", ".join(map(str, workers))
-
-
-def _describe_meta(meta: ChunkMeta) -> str:
-    return f"shape {list(meta.shape)} {meta.dtype} (elements {meta.offset}..{meta.offset + meta.numel})"
-
-
-def _describe_settings(settings: tuple[int, int, int]) -> str:
-    mode, staleness, reduce = settings
-    bound = f", max_staleness={staleness}" if Mode(mode) == Mode.BOUNDED else ""
-    return f"mode={Mode(mode).name.lower()!r}{bound}, reduce={'mean' if reduce == 0 else 'sum'!r}"

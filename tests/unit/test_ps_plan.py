@@ -14,7 +14,7 @@ from psrt.ps.client import optimizer_spec
 from psrt.ps.placement import Placement
 from psrt.ps.protocol import Mode
 from psrt.ps.roles import assign_roles
-from psrt.ps.server import _Store
+from psrt.ps.store import Store
 from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard
 
 MiB = 1 << 20
@@ -219,8 +219,8 @@ def test_optimizer_spec_accepts_classes_and_names_and_checks_options():
         optimizer_spec("SGD", {"lr": 0.1, "momentum": -1.0})
 
 
-def store_with_momentum(scale: float = 1.0) -> _Store:
-    store = _Store((int(Mode.SYNC), 0, 0), Consistency(Mode.SYNC, 0, scale),
+def store_with_momentum(scale: float = 1.0) -> Store:
+    store = Store((int(Mode.SYNC), 0, 0), Consistency(Mode.SYNC, 0, scale),
                    optimizer=OptimizerSpec("SGD", {"lr": 0.1, "momentum": 0.9}))
     store.shards[0] = make_shard(Mode.SYNC)
     store.shards[0].set_optimizer(store.optimizer)

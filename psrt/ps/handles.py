@@ -1,0 +1,107 @@
+"""Requests in flight between a worker and the servers: a server's reply to one request,
+and the handle a KVStore call returns for them.
+
+A reply is a status (four int64), then a payload or an error text; a handle
+waits for every message of its request and re-raises, on every ``wait()``,
+what any server reported.  Handles may be waited for from several threads.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+from psrt.comm.base import Request
+from psrt.errors import ParameterServerError, PsrtError
+from psrt.ps import protocol
+from psrt.ps.protocol import Status
+from psrt.ps.service import WorkerLink
+
+
+class Reply:
+    """A server's answer to one request: a status, then a payload or an error text."""
+
+    def __init__(self, link: WorkerLink, server: int, tag: int, status: torch.Tensor,
+                 status_request: Request, data_request: Request | None) -> None:
+        self._link, self._server, self._tag = link, server, tag
+        self._status, self._status_request, self._data_request = status, status_request, data_request
+        self._outcome: tuple[str | None, object] | None = None
+
+    def test(self) -> bool:
+        return self._status_request.test() and (self._data_request is None or self._data_request.test())
+
+    def wait(self) -> tuple[str | None, object]:
+        """(error text or None, decoded JSON payload or None)."""
+        if self._outcome is None:
+            self._outcome = self._receive()
+        return self._outcome
+
+    def _receive(self) -> tuple[str | None, object]:
+        self._status_request.wait()
+        code, length = int(self._status[0]), int(self._status[1])
+        if self._data_request is not None:
+            self._data_request.wait()
+        if code == Status.OK and (self._data_request is not None or length == 0):
+            return None, None
+        body = torch.empty(length, dtype=torch.uint8)
+        text_tag = self._tag + (2 if self._data_request is not None else 1)
+        self._link.comm.recv(body, self._link.server_rank(self._server), text_tag)
+        if code != Status.OK:
+            return protocol.decode_text(body), None
+        return None, protocol.decode(body)
+
+
+class Handle:
+    """An asynchronous KVStore request; :meth:`wait` returns the pulled tensor (None for
+    a push) and raises what any server reported."""
+
+    def __init__(self, sends: list[Request], replies: list[Reply], result: torch.Tensor | None = None,
+                 finish: Callable[[], None] | None = None) -> None:
+        self._sends, self._replies, self._result, self._finish = sends, replies, result, finish
+        self._parts: list[Handle] = []  # handles this one was joined from
+        self._lock = threading.Lock()
+        self._error: PsrtError | None = None
+        self.finished = False
+        self.payloads: list[object] = []
+
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return without blocking."""
+        return all([r.test() for r in self._sends]) and all([r.test() for r in self._replies])
+
+    def wait(self) -> torch.Tensor | None:
+        """Block until every message of the request is through; raises (every time it is
+        called) what went wrong."""
+        with self._lock:
+            if not self.finished:
+                try:
+                    self._settle()
+                except PsrtError as e:
+                    self._error = e
+                finally:
+                    self.finished = True
+                    for part in self._parts:
+                        part.finished = True
+            if self._error is not None:
+                raise self._error
+            return self._result
+
+    def _settle(self) -> None:
+        for request in self._sends:
+            request.wait()
+        errors = []
+        for reply in self._replies:  # every reply, even after an error: none is left unreceived
+            error, payload = reply.wait()
+            errors.append(error) if error is not None else self.payloads.append(payload)
+        if errors:
+            raise ParameterServerError("; ".join(dict.fromkeys(errors)))
+        if self._finish is not None:
+            self._finish()
+
+    @staticmethod
+    def joined(handles: list[Handle], result: torch.Tensor | None = None) -> Handle:
+        finishes = [h._finish for h in handles if h._finish is not None]
+        joined = Handle([r for h in handles for r in h._sends], [r for h in handles for r in h._replies],
+                        result, (lambda: [f() for f in finishes]) if finishes else None)
+        joined._parts = [part for h in handles for part in (h, *h._parts)]
+        return joined
