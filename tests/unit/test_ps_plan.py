@@ -12,10 +12,11 @@ from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServer
 from psrt.ps import checkpoint
 from psrt.ps.client import optimizer_spec
 from psrt.ps.placement import Placement
-from psrt.ps.protocol import Mode
+from psrt.ps.protocol import Mode, Op
 from psrt.ps.roles import assign_roles
 from psrt.ps.store import Store
 from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard
+from psrt.ps.stalls import StallWatch, waits
 
 MiB = 1 << 20
 
@@ -276,3 +277,53 @@ def test_async_without_optimizer_stores_each_pushed_value_unscaled():
     push(shard, 0, 8.0)
     shard.apply_ready()
     assert torch.equal(shard.value, torch.full((4,), 8.0, dtype=torch.float64))
+
+
+# -- store rules and stall reports -----------------------------------------------------------------
+def meta_of(shape) -> ChunkMeta:
+    return ChunkMeta(key="w", shape=tuple(shape), dtype=torch.float32, offset=0, numel=4)
+
+
+def test_worker_0s_init_defines_a_chunk_and_earlier_inits_wait_for_it():
+    store = Store.create((int(Mode.SYNC), 0, 0), num_workers=3)
+    assert store.register(1, 0, 10, meta_of((4,)), None, 3, worker_0_gone=False) == (None, [])
+    assert store.register(2, 0, 13, meta_of((2, 2)), None, 3, worker_0_gone=False) == (None, [])
+    created, answers = store.register(0, 0, 16, meta_of((4,)), torch.zeros(4), 3, worker_0_gone=False)
+    assert created is store.shards[0]
+    assert [(who, error is None) for who, _, error in answers] == [(1, True), (2, False), (0, True)]
+    assert "[2, 2]" in answers[1][2] and "[4]" in answers[1][2]
+
+
+def test_an_init_waiting_for_a_departed_worker_0_fails():
+    store = Store.create((int(Mode.SYNC), 0, 0), num_workers=2)
+    store.register(1, 0, 10, meta_of((4,)), None, 2, worker_0_gone=False)
+    assert [who for who, _, _ in store.refuse_waiting_inits()] == [1]
+    with pytest.raises(ParameterServerError, match="worker 0, whose value it waits for, has shut down"):
+        store.register(1, 1, 13, meta_of((4,)), None, 2, worker_0_gone=True)
+
+
+def test_stores_created_with_other_settings_are_refused():
+    store = Store.create((int(Mode.BOUNDED), 2, 0), num_workers=2)
+    with pytest.raises(ParameterServerError, match="mode='async'.*mode='bounded', max_staleness=2"):
+        store.check_settings(1, 0, (int(Mode.ASYNC), 0, 0))
+
+
+def test_a_stall_is_reported_once_then_ends_the_job_after_the_shutdown_time():
+    watch = StallWatch(check_s=1.0, shutdown_s=5.0)
+    waits = [("pull", 100.0, "pull has waited {waited}")]
+    assert watch.scan(waits, now=100.5) == ([], None)
+    assert watch.scan(waits, now=102.0) == (["pull has waited 2 s"], None)
+    assert watch.scan(waits, now=103.0) == ([], None)
+    assert watch.scan(waits, now=106.0) == (["pull has waited 6 s"], "pull has waited 6 s")
+    assert watch.scan([], now=107.0) == ([], None)
+
+
+def test_stall_descriptions_name_the_missing_workers():
+    store = Store.create((int(Mode.SYNC), 0, 0), num_workers=2)
+    store.register(0, 0, 10, meta_of((4,)), torch.zeros(4), 2, worker_0_gone=False)
+    push(store.shards[0], 0, 1.0)
+    store.shards[0].add_pull(0, tag=13)
+    gathering = {Op.SAVE: {0: (16, {"path": "x"}, 50.0)}, Op.LOAD: {}}
+    texts = [text for _, _, text in waits({0: store}, gathering, [0, 1])]
+    assert "needs pushes from worker 1" in texts[0]
+    assert texts[1].startswith("save asked for by workers 0") and "worker 1 did not ask" in texts[1]
