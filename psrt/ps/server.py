@@ -30,8 +30,8 @@ from psrt.ps.store import InitAnswer, Store
 _SPIN_S = 5e-5
 _LONGEST_NAP_S = 2e-4
 _STALL_SCAN_S = 1.0
-# What a request can fail with and be answered: bad input, a failing optimizer, a bad path.
 _OK = protocol.status(Status.OK)  # a send buffer every reply of a pull may share
+# What a request can fail with and be answered: bad input, a failing optimizer, a bad path.
 _REPORTABLE = (InvalidArgumentError, ParameterServerError, RuntimeError, TypeError, ValueError,
                KeyError, OSError)
 
