@@ -4,9 +4,11 @@ The loop never blocks on one worker.  It keeps one header receive posted per
 worker, starts the receives and sends each request needs, and in every turn
 applies the pushes and answers the pulls that the consistency mode allows.
 An error in one request is answered to the worker that sent it (at once for
-requests with a reply, with its next reply for a push), never swallowed.
-A pull that waits longer than ``PSRT_STALL_CHECK_TIME`` is reported with the
-workers it is waiting for, and ends the job after ``PSRT_STALL_SHUTDOWN_TIME``.
+requests with a reply; for a push, with the worker's next reply about the same
+store, or printed here if the worker has left), never swallowed.  A request
+held back longer than ``PSRT_STALL_CHECK_TIME`` is reported with the workers it
+is waiting for, and ends the job after ``PSRT_STALL_SHUTDOWN_TIME`` (see
+:mod:`psrt.ps.stalls`).
 """
 from __future__ import annotations
 
