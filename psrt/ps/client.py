@@ -89,25 +89,30 @@ class KVStore:
     # -- requests ---------------------------------------------------------------------------
     def _request(self, server: int, op: Op, chunk: int = 0, args: list[int] | tuple = (),
                  body: torch.Tensor | None = None, data: torch.Tensor | None = None,
-                 reply: bool = True) -> Handle:
-        link, rank = self._link, self._link.server_rank(self._server_check(server))
+                 reply: bool = True, receive_into: torch.Tensor | None = None) -> Handle:
+        """Send one request: a header, then ``body`` (metadata, or a push's data) and ``data``;
+        with ``reply``, post the receive of the server's status first, and with
+        ``receive_into`` the receive of the tensor data it answers with (a pull)."""
+        self._ensure_open()
+        link, rank = self._link, self._link.server_rank(server)
         with link.lock:
             tag = link.next_tag()
             replies = []
             if reply:
                 status = torch.empty(STATUS_LEN, dtype=torch.int64)
-                replies.append(Reply(link, server, tag, status, link.comm.irecv(status, rank, tag), None))
+                status_request = link.comm.irecv(status, rank, tag)
+                data_request = None if receive_into is None else link.comm.irecv(receive_into, rank, tag + 1)
+                replies.append(Reply(link, server, tag, status, status_request, data_request))
             sends = [link.comm.isend(protocol.header(op, self.store_id, chunk, tag, *args), rank, HEADER_TAG)]
-            if body is not None:  # metadata, or a push's data
+            if body is not None:
                 sends.append(link.comm.isend(body, rank, tag))
             if data is not None:
                 sends.append(link.comm.isend(data, rank, tag + 1))
         return self._track(Handle(sends, replies))
 
-    def _server_check(self, server: int) -> int:
+    def _ensure_open(self) -> None:
         if self._link.closed:
             raise PsrtError("psrt was shut down on this worker: the KVStore is closed")
-        return server
 
     def _everywhere(self, op: Op, args: list[int] | tuple = (), document: object = None,
                     reply: bool = True) -> Handle:
@@ -194,20 +199,9 @@ class KVStore:
         direct = out.device.type == "cpu" and out.is_contiguous()
         target = out if direct else torch.empty(info.shape, dtype=info.dtype)
         flat = target.view(-1)
-        link = self._link
-        replies, sends = [], []
-        with link.lock:
-            for chunk in info.chunks:
-                rank = link.server_rank(self._server_check(chunk.server))
-                tag = link.next_tag()
-                status = torch.empty(STATUS_LEN, dtype=torch.int64)
-                status_request = link.comm.irecv(status, rank, tag)
-                data_request = link.comm.irecv(flat[chunk.offset:chunk.offset + chunk.numel], rank, tag + 1)
-                replies.append(Reply(link, chunk.server, tag, status, status_request, data_request))
-                sends.append(link.comm.isend(protocol.header(Op.PULL, self.store_id, chunk.chunk_id, tag),
-                                             rank, HEADER_TAG))
-        finish = None if direct else (lambda: out.copy_(target))
-        return self._track(Handle(sends, replies, out, finish))
+        handles = [self._request(c.server, Op.PULL, c.chunk_id, receive_into=flat[c.offset:c.offset + c.numel])
+                   for c in info.chunks]
+        return Handle.joined(handles, out, None if direct else (lambda: out.copy_(target)))
 
     def push_pull_async(self, key: str, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Handle:
         """Push ``tensor``, then pull the value that includes it (into ``out``)."""

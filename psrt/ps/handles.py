@@ -99,8 +99,10 @@ class Handle:
             self._finish()
 
     @staticmethod
-    def joined(handles: list[Handle], result: torch.Tensor | None = None) -> Handle:
-        finishes = [h._finish for h in handles if h._finish is not None]
+    def joined(handles: list[Handle], result: torch.Tensor | None = None,
+               finish: Callable[[], None] | None = None) -> Handle:
+        """One handle for all of ``handles``; ``finish`` runs after theirs, once all succeeded."""
+        finishes = [h._finish for h in handles if h._finish is not None] + ([finish] if finish else [])
         joined = Handle([r for h in handles for r in h._sends], [r for h in handles for r in h._replies],
                         result, (lambda: [f() for f in finishes]) if finishes else None)
         joined._parts = [part for h in handles for part in (h, *h._parts)]
