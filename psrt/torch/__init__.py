@@ -12,7 +12,7 @@ from psrt.topology import ProcessSet
 from psrt.torch.allreduce import (allreduce_, allreduce_async, allreduce_async_,
                                   grouped_allreduce_, grouped_allreduce_async,
                                   grouped_allreduce_async_)
-from psrt.torch.collectives import (allgather_async, alltoall_async, barrier, broadcast_,
+from psrt.torch.collectives import (allgather_async, allgather_into_async, alltoall_async, barrier, broadcast_,
                                     broadcast_async, broadcast_async_, reducescatter_async)
 # The out-of-place collectives are differentiable, as in Horovod.
 from psrt.torch.autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
@@ -32,7 +32,7 @@ from psrt.torch.sync_batch_norm import SyncBatchNorm
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
     "Min", "ProcessSet", "Product", "ReduceOp", "Sum", "SyncBatchNorm", "add_process_set",
-    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allgather", "allgather_async", "allgather_into_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size",

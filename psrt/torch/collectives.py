@@ -74,6 +74,32 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     return _allgather(tensor, name, process_set, False)
 
 
+def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None = None,
+                         process_set: ProcessSet = global_process_set) -> int:
+    """Start gathering every rank's equally sized ``tensor`` into ``output``, in rank order,
+    without allocating (``torch.distributed.all_gather_into_tensor``; psrt's addition).
+
+    ``output`` must be contiguous, of ``tensor``'s dtype and device, with set-size times its
+    elements, and must not overlap ``tensor``.  ``synchronize`` returns ``output``.
+    """
+    tensor, ranks = _prepare(tensor, name, process_set)
+    output = check_tensor(output, "output")
+    if not output.is_contiguous() or output.dtype != tensor.dtype or output.device != tensor.device \
+            or output.numel() != tensor.numel() * len(ranks):
+        raise InvalidArgumentError(
+            f"allgather_into: output must be a contiguous {tensor.dtype} tensor on {tensor.device} with "
+            f"{len(ranks)} x {tensor.numel()} elements, got {output.dtype} on {output.device} with "
+            f"{output.numel()}{'' if output.is_contiguous() else ' (not contiguous)'}")
+    send = _common.contiguous_buffer(tensor).reshape(-1)
+
+    def execute(host: Communicator, data: Communicator) -> torch.Tensor:
+        data.allgatherv(send, output.view(-1), [send.numel()] * len(ranks)).wait()
+        return output
+
+    work = _work("allgather_into", tensor, name, process_set, ranks, {"numel": send.numel()}, execute)
+    return _common.submit(work, False)
+
+
 # -- broadcast -------------------------------------------------------------------
 def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
     tensor, ranks = _prepare(tensor, name, process_set)

@@ -1,0 +1,42 @@
+"""``psrt``: utilities that run in one process, outside any job.
+
+    psrt zero-to-full CKPT_DIR OUT.pt   # a sharded ZeRO checkpoint as one ordinary file
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from psrt.errors import PsrtError
+
+
+def _zero_to_full(args: argparse.Namespace) -> None:
+    from psrt.zero.checkpoint import consolidate
+    full = consolidate(args.checkpoint)
+    torch.save(full, args.output)
+    print(f"psrt: wrote {len(full['model'])} model entries and the optimizer state of "
+          f"{len(full['optimizer']['state'])} parameters ({full['world_size']} shards, stage "
+          f"{full['stage']}) to {args.output}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="psrt", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    zero = commands.add_parser("zero-to-full", help="consolidate a sharded ZeRO checkpoint into one file "
+                               "holding {'model': state_dict, 'optimizer': optimizer state_dict, ...}")
+    zero.add_argument("checkpoint", metavar="CKPT_DIR")
+    zero.add_argument("output", metavar="OUT.pt")
+    zero.set_defaults(run=_zero_to_full)
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (PsrtError, OSError) as exc:
+        print(f"psrt: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""One flat group on this rank: the buffer its parameters view, this rank's shard, the master
+copy the optimizer updates, and the gradient shard.
+
+The parameters of a group become views of one flat buffer in the compute dtype
+(``full``).  This rank's shard is a view of it (stages 0-2) or a tensor of its
+own while ``full`` is released between uses (stage 3: its storage is resized to
+zero, so the parameter views stay valid and autograd's saved references see
+the values again once they are gathered back).  The master copy is the shard
+itself unless a compute dtype is set, in which case it keeps the parameters'
+own dtype (fp32 master weights).  Communication goes through ``psrt.zero.comm``.
+"""
+from __future__ import annotations
+
+import torch
+
+from psrt.topology import ProcessSet
+from psrt.zero import comm
+from psrt.zero.partition import FlatGroup
+
+
+class ShardedGroup:
+    """A flat group's tensors on this rank; ``shard`` is this rank's index among ``num_shards``."""
+
+    def __init__(self, name: str, flat: FlatGroup, params: list[torch.nn.Parameter], shard: int,
+                 num_shards: int, process_set: ProcessSet, compute_dtype: torch.dtype | None,
+                 gathered_on_demand: bool) -> None:
+        self.name, self.flat, self.params = name, flat, params
+        self.num_shards, self.process_set = num_shards, process_set
+        self.gathered_on_demand = gathered_on_demand
+        padded = flat.shard_numel * num_shards
+        start, stop = shard * flat.shard_numel, (shard + 1) * flat.shard_numel
+        with torch.no_grad():
+            values = torch.zeros(padded, dtype=params[0].dtype)
+            for param, offset in zip(params, flat.offsets):
+                values[offset:offset + param.numel()] = param.reshape(-1)
+        self.compute_dtype = compute_dtype or values.dtype
+        self.full = values.to(self.compute_dtype)
+        # Stage 3 keeps its shard apart from ``full``, whose storage comes and goes.
+        self.shard = self.full[start:stop].clone() if gathered_on_demand else self.full[start:stop]
+        self.master = values[start:stop].clone() if self.compute_dtype != values.dtype else self.shard
+        for param, offset in zip(params, flat.offsets):
+            param.data = self.full[offset:offset + param.numel()].view(param.shape)
+        self.grad: torch.Tensor | None = None  # this rank's reduced gradient shard, compute dtype
+        self._gather: int | None = None        # handle of an all-gather in flight
+        if gathered_on_demand:
+            self.release()
+
+    # -- gradients ------------------------------------------------------------------
+    def start_reduction(self) -> int:
+        """Start averaging this rank's gradients of the group over the set; returns a handle.
+
+        Parameters without a gradient count as zeros.  The parameters' ``.grad`` are dropped:
+        from here on the group's gradient lives in its shard only.
+        """
+        flat = torch.zeros(self.full.numel(), dtype=self.compute_dtype)
+        for param, offset in zip(self.params, self.flat.offsets):
+            if param.grad is not None:
+                flat[offset:offset + param.numel()] = param.grad.reshape(-1)
+                param.grad = None
+        return comm.reduce_gradients(flat, f"{self.name}.grad", self.num_shards, self.process_set)
+
+    def finish_reduction(self, handle: int) -> None:
+        """Add the reduced shard to the gradient accumulated in this step (if any)."""
+        reduced = comm.wait(handle)
+        if self.grad is None:
+            self.grad = reduced
+        else:
+            self.grad.add_(reduced)
+
+    # -- parameters -----------------------------------------------------------------
+    def publish_local(self) -> None:
+        """Copy the master into the compute shard, where they are separate tensors."""
+        if self.master is not self.shard:
+            with torch.no_grad():
+                self.shard.copy_(self.master)
+
+    def publish(self) -> int | None:
+        """After the optimizer step: update the compute shard and, where every rank keeps the
+        whole group (stages 1 and 2), start gathering the shards; returns the handle."""
+        self.publish_local()
+        if self.gathered_on_demand or self.num_shards == 1:
+            return None
+        return comm.gather(self.shard.clone(), self.full, f"{self.name}.param", self.process_set)
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def start_gather(self) -> None:
+        """Allocate ``full`` and start gathering every shard into it (stage 3); idempotent."""
+        if self.is_gathered:
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self._gather = comm.gather(self.shard, self.full, f"{self.name}.param", self.process_set)
+
+    def finish_gather(self) -> None:
+        if self._gather is not None:
+            handle, self._gather = self._gather, None
+            comm.wait(handle)
+
+    def release(self) -> None:
+        """Free ``full`` (stage 3); the parameters keep their shapes but hold no memory."""
+        self.finish_gather()
+        self.full.untyped_storage().resize_(0)
+
+    def gathered_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes()

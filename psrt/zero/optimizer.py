@@ -1,0 +1,227 @@
+"""``ZeroOptimizer``: data parallelism that shards optimizer state (stage 1), gradients (stage 2)
+and parameters (stage 3) over the data-parallel ranks, as DeepSpeed's ZeRO does.
+
+Every rank builds the same model, with the same initial values (checked when it
+is wrapped), and trains it on its own batch:
+
+    opt = psrt.zero.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3)
+    loss = loss_fn(model(x), y)   # stage 3: parameters are gathered per module as it runs
+    loss.backward()               # stages 2, 3: gradients reduce-scattered during backward
+    opt.step()                    # the shard's update, then parameters gathered (stages 1, 2)
+    opt.zero_grad()
+
+Gradients are averaged over the set, as in ``hvd.DistributedOptimizer``.  Several
+``backward()`` calls before ``step()`` accumulate gradients; stages 2 and 3 reduce after
+each one, so only the gradient shard is kept between them.  ``step()`` consumes the
+gradients.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import torch
+
+from psrt.runtime import global_process_set
+from psrt.topology import ProcessSet
+from psrt.zero import comm
+from psrt.zero.flat import ShardedGroup
+from psrt.zero.precision import LossScaler
+from psrt.zero.setup import plan_layout
+from psrt.zero.stage3 import ParameterGatherer, Unit
+
+#: Elements per gradient reduce-scatter bucket (stages 0-2) and per all-gather of updated or
+#: prefetched parameters, as DeepSpeed counts them.  Five million elements (20 MB in fp32)
+#: is close to DDP's 25 MB buckets.
+REDUCE_BUCKET_SIZE = 5_000_000
+ALLGATHER_BUCKET_SIZE = 5_000_000
+
+_instances = itertools.count()
+
+
+class ZeroOptimizer:
+    """Wrap ``model``'s trainable parameters and an optimizer of ``optimizer_class`` built on this
+    rank's shards (``optimizer_kwargs`` go to it: ``lr``, ``momentum``, ``betas``, ...).
+
+    ``stage`` 0 is plain data parallelism through the same code (every rank keeps everything).
+    ``compute_dtype`` (``torch.bfloat16`` or ``torch.float16``) casts the model's parameters
+    for forward and backward, and keeps master weights and optimizer state in the parameters'
+    own dtype on the owning shard; float16 uses dynamic loss scaling (:meth:`scale_loss`)
+    unless ``loss_scale`` fixes it.  ``overlap`` starts each bucket's reduce-scatter during
+    backward (stages 2 and 3).  Every rank of ``process_set`` must wrap the same model, in the
+    same order relative to other ZeRO optimizers.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer_class: type, *, stage: int = 2,
+                 process_set: ProcessSet = global_process_set, compute_dtype: torch.dtype | None = None,
+                 loss_scale: float | str | None = None, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,
+                 allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE, overlap: bool = True,
+                 **optimizer_kwargs) -> None:
+        layout = plan_layout(model, optimizer_class, stage=stage, process_set=process_set,
+                             compute_dtype=compute_dtype, reduce_bucket_size=reduce_bucket_size,
+                             allgather_bucket_size=allgather_bucket_size, overlap=overlap)
+        self.model, self.stage, self.process_set = model, stage, process_set
+        self.partition, self.param_names = layout.partition, layout.names
+        self.overlap, self.allgather_bucket_size = overlap, allgather_bucket_size
+        name = f"zero{next(_instances)}"
+        self.groups = [ShardedGroup(f"{name}.{index}", flat, [layout.params[i] for i in flat.params],
+                                    layout.shard, self.partition.num_shards, process_set, compute_dtype,
+                                    gathered_on_demand=stage == 3)
+                       for index, flat in enumerate(self.partition.groups)]
+        self.optimizer = optimizer_class([group.master for group in self.groups], **optimizer_kwargs)
+        self.loss_scaler = LossScaler.create(loss_scale, compute_dtype, process_set)
+        self._group_of = {id(param): group for group in self.groups for param in group.params}
+        self._ready = {id(group): 0 for group in self.groups}
+        self._in_flight: dict[int, tuple[ShardedGroup, int]] = {}
+        self._end_of_backward_queued = False
+        self._prepared = False
+        self._hooks = [param.register_post_accumulate_grad_hook(self._gradient_ready)
+                       for group in self.groups for param in group.params] if stage >= 2 else []
+        self.gatherer = ParameterGatherer(
+            [Unit(module, [self.groups[g] for g in groups]) for module, groups in layout.units],
+            allgather_bucket_size * self.groups[0].full.element_size()) if stage == 3 else None
+
+    # -- torch.optim.Optimizer's surface --------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient: the parameters' and the shards'.  ``set_to_none`` is accepted for
+        torch's signature; ZeRO always frees them."""
+        if self._in_flight:
+            raise RuntimeError("zero_grad() called while gradients are being reduced (inside backward)")
+        for group in self.groups:
+            group.grad = None
+            group.master.grad = None
+            for param in group.params:
+                param.grad = None
+        self._prepared = False
+
+    def step(self, closure=None):
+        """Reduce gradients if not done yet, update this rank's shard, and make the updated
+        parameters available (gathered now in stages 1 and 2, on use in stage 3).
+
+        With loss scaling, a step whose gradients overflowed on any rank is skipped (the scale is
+        reduced) and returns None.
+        """
+        loss = closure() if closure is not None else None
+        if not self._prepare_master_gradients():
+            self.zero_grad()
+            return None
+        self.optimizer.step()
+        handles = [(group, group.publish()) for group in self.groups]
+        for group, handle in handles:
+            if handle is not None:
+                comm.wait(handle)
+        self.loss_scaler.update()
+        self.zero_grad()
+        return loss
+
+    # -- ZeRO-specific -------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish reducing this step's gradients into the shards (``step()`` does it otherwise).
+
+        Stages 0 and 1 reduce here; stages 2 and 3 already did during backward.
+        """
+        if self.stage <= 1 and any(param.grad is not None for group in self.groups for param in group.params):
+            handles = [(group, group.start_reduction()) for group in self.groups]
+            for group, handle in handles:
+                group.finish_reduction(handle)
+        self._wait_reductions()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (1 without float16): call backward on this."""
+        return self.loss_scaler.scale(loss)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their norm over every shard, as
+        ``torch.nn.utils.clip_grad_norm_`` on the whole model; returns the total norm.
+
+        Each rank's partial statistic is combined over the set before any scaling, so every
+        shard is scaled by the same coefficient.  Call it after backward, before ``step()``.
+        """
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+        self._prepare_master_gradients()
+        grads = [group.master.grad for group in self.groups if group.master.grad is not None]
+        if norm_type == float("inf"):
+            partial = max((g.abs().max() for g in grads), default=torch.tensor(0.0)).double()
+        else:
+            partial = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.tensor(0.0).double())
+        total = comm.total_norm(partial.reshape(1), norm_type, self.partition.num_shards > 1,
+                                self.process_set)[0]
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
+    def save(self, directory: str, extra: dict | None = None) -> None:
+        """Save a sharded checkpoint (collective over the set); see :mod:`psrt.zero.checkpoint`."""
+        from psrt.zero.checkpoint import save
+        save(self, directory, extra)
+
+    def load(self, directory: str) -> dict | None:
+        """Load a sharded checkpoint written by any number of ranks; returns its ``extra``."""
+        from psrt.zero.checkpoint import load
+        return load(self, directory)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds now in parameters, gradients and optimizer state (fp32 masters
+        included when they are separate), read from the tensors' storages, each counted once."""
+        from psrt.zero.memory import report
+        return report(self)
+
+    def _gradient_ready(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate hook (stages 2 and 3): reduce a group once its last gradient is in."""
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        group = self._group_of[id(param)]
+        self._ready[id(group)] += 1
+        if self.overlap and self._ready[id(group)] == len(group.params):
+            self._start(group)
+
+    def _start(self, group: ShardedGroup) -> None:
+        self._in_flight[id(group)] = (group, group.start_reduction())
+        if self.gatherer is not None:
+            group.release()
+
+    def _end_of_backward(self) -> None:
+        """Every group is reduced exactly once per backward, with zeros for parameters that got
+        no gradient, so that every rank runs the same collectives."""
+        self._end_of_backward_queued = False
+        for group in self.groups:
+            if id(group) not in self._in_flight:
+                self._start(group)
+            self._ready[id(group)] = 0
+        self._wait_reductions()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+
+    def _wait_reductions(self) -> None:
+        in_flight, self._in_flight = self._in_flight, {}
+        for group, handle in in_flight.values():
+            group.finish_reduction(handle)
+
+    def _prepare_master_gradients(self) -> bool:
+        """Reduce, hand the shard gradients to the master copies and unscale them, once per step;
+        False if the loss scaler found an overflow (the step must be skipped)."""
+        if self._prepared:
+            return True
+        self.synchronize()
+        for group in self.groups:
+            if group.grad is not None:
+                group.master.grad = group.grad if group.master is group.shard else group.grad.to(group.master.dtype)
+        masters = [group.master.grad for group in self.groups if group.master.grad is not None]
+        if not self.loss_scaler.unscale_(masters):
+            warnings.warn(f"ZeRO: gradients overflowed; step skipped, loss scale lowered to "
+                          f"{self.loss_scaler.value:g}")
+            return False
+        self._prepared = True
+        return True
