@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -170,6 +172,20 @@ class ZeroOptimizer:
         """Load a sharded checkpoint written by any number of ranks; returns its ``extra``."""
         from psrt.zero.checkpoint import load
         return load(self, directory)
+
+    @contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Within the block, every parameter of the model holds its full value (stage 3 gathers
+        them all, then frees them on exit; other stages always hold them).  Collective."""
+        if self.gatherer is None:
+            yield
+            return
+        for index in range(len(self.gatherer.units)):
+            self.gatherer.gather(index)
+        try:
+            yield
+        finally:
+            self.gatherer.release_all()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now in parameters, gradients and optimizer state (fp32 masters

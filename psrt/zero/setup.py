@@ -52,13 +52,13 @@ def plan_layout(model: torch.nn.Module, optimizer_class: type, *, stage: int, pr
                                        "only floating-point parameters can be trained")
     names, params = [name for name, _ in named], [param for _, param in named]
     infos = [ParamInfo(name, tuple(param.shape), dtype_name(param.dtype)) for name, param in named]
-    _check_same_on_every_rank(infos, params, process_set)
     units: list[tuple[torch.nn.Module, list[list[int]]]] = []
     if stage == 3:
         units = _units(model, params, names)
         groups = [group for _, module_groups in units for group in module_groups]
     else:
         groups = _buckets(params, reduce_bucket_size, compute_dtype)
+    _check_same_on_every_rank(infos, params, process_set)
     num_shards = 1 if stage == 0 else process_set.size()
     partition = Partition.build(infos, groups, num_shards)
     unit_groups, next_group = [], 0
@@ -134,10 +134,12 @@ def _check_same_on_every_rank(infos: list[ParamInfo], params: list[torch.nn.Para
         if len(theirs) != len(reference):
             raise InvalidArgumentError(f"ZeRO: rank {set_rank} of the process set has {len(theirs)} trainable "
                                        f"parameters, rank 0 has {len(reference)}: every rank must wrap the same model")
-        for (info0, digest0), (info, digest) in zip(reference, theirs):
+        for (info0, _), (info, _) in zip(reference, theirs):
             if info != info0:
                 raise InvalidArgumentError(f"ZeRO: parameter {info.name!r} on rank {set_rank} of the process set "
                                            f"is {info}, on rank 0 {info0}: every rank must wrap the same model")
+    for set_rank, theirs in enumerate(every[1:], start=1):
+        for (info, digest0), (_, digest) in zip(reference, theirs):
             if digest != digest0:
                 raise InvalidArgumentError(
                     f"ZeRO: parameter {info.name!r} has different values on rank {set_rank} and rank 0 of "

@@ -1,0 +1,256 @@
+"""ZeRO stages 0-3 against a single process on the concatenated batch and against allreduce DP,
+in one job (``psrun -np N python zero_check.py``); rank 0 prints one JSON line per check.
+
+Every rank trains its own single-process reference from the same seeds.  Float64 throughout
+except the mixed-precision checks.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+import psrt.torch as hvd
+from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.zero import ZeroOptimizer, expected_bytes
+
+import _harness
+from _training_common import expect_raises
+from _zero_common import (ZNet, assert_model_matches, assert_shards_match, batch, loss_of, mine,
+                          reference_step, shard_slices)
+
+STEPS = 3
+TIGHT = {"rtol": 1e-10, "atol": 1e-12}
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+}
+BUCKET = 200  # elements: stages 0-2 get groups of 215, 477 and 45 elements
+
+
+def check_matches_references(key: str, stage: int, optimizer: str, accumulation: int) -> None:
+    cls, kwargs = OPTIMIZERS[optimizer]
+    model, reference, dp_model = ZNet(key), ZNet(key), ZNet(key)
+    zero = ZeroOptimizer(model, cls, stage=stage, reduce_bucket_size=BUCKET, **kwargs)
+    reference_optimizer = cls(reference.parameters(), **kwargs)
+    dp = hvd.DistributedOptimizer(cls(dp_model.parameters(), **kwargs), dp_model.named_parameters(),
+                                  backward_passes_per_step=accumulation)
+    for step in range(STEPS):
+        reference_optimizer.zero_grad()
+        for micro in range(accumulation):
+            x, y = batch(key, step, micro)
+            with torch.no_grad():
+                want = loss_of(reference, mine(x), mine(y), accumulation)
+            got = loss_of(model, mine(x), mine(y), accumulation)
+            torch.testing.assert_close(got.detach(), want, **TIGHT, msg=lambda m: f"step {step} loss: {m}")
+            got.backward()
+            loss_of(reference, x, y, accumulation).backward()
+            loss_of(dp_model, mine(x), mine(y), accumulation).backward()
+        zero.synchronize()
+        assert_shards_match(zero, reference, reference_optimizer, f"step {step} before the update", **TIGHT)
+        reference_optimizer.step()
+        zero.step()
+        zero.zero_grad()
+        dp.step()
+        dp.zero_grad()
+    assert_shards_match(zero, reference, reference_optimizer, f"after {STEPS} steps", **TIGHT)
+    assert_model_matches(zero, reference, "vs single process", **TIGHT)
+    assert_model_matches(zero, dp_model, "vs allreduce DP", **TIGHT)
+
+
+def check_clipping_matches_torch(key: str, norm_type: float) -> None:
+    for stage in (0, 1, 2, 3):
+        model, reference = ZNet(key), ZNet(key)
+        zero = ZeroOptimizer(model, torch.optim.SGD, stage=stage, reduce_bucket_size=BUCKET, lr=0.1)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        x, y = batch(key, 0, 0)
+        loss_of(model, mine(x), mine(y), 1).backward()
+        loss_of(reference, x, y, 1).backward()
+        max_norm = 0.05
+        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
+        got = zero.clip_grad_norm_(max_norm, norm_type)
+        assert want > max_norm, f"the test must clip: norm {float(want)} <= {max_norm}"
+        torch.testing.assert_close(got, want.to(got.dtype), **TIGHT, msg=lambda m: f"stage {stage} norm: {m}")
+        assert_shards_match(zero, reference, reference_optimizer, f"stage {stage} clipped", **TIGHT)
+        reference_optimizer.step()
+        zero.step()
+        assert_model_matches(zero, reference, f"stage {stage} after a clipped step", **TIGHT)
+
+
+def wide_net(dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(63, 63) for _ in range(6)]).to(dtype)
+
+
+def check_memory_follows_the_formulas(key: str) -> None:
+    """bf16 compute with Adam: 2 bytes of parameters, 2 of gradients and 12 of optimizer state per
+    element (fp32 masters, exp_avg, exp_avg_sq), sharded as the stage says."""
+    world = hvd.size()
+    for stage in (0, 1, 2, 3):
+        model = wide_net()
+        numel = sum(p.numel() for p in model.parameters())
+        zero = ZeroOptimizer(model, torch.optim.Adam, stage=stage, compute_dtype=torch.bfloat16,
+                             reduce_bucket_size=3000, lr=1e-3)
+        x = torch.randn(4, 63, generator=torch.Generator().manual_seed(hvd.rank())).to(torch.bfloat16)
+        for step in range(2):
+            model(x).float().pow(2).mean().backward()
+            if step == 0:
+                zero.step()
+        measured = zero.memory_report()
+        zero.step()
+        expected = expected_bytes(stage, numel, world, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+        # Padding: at most world - 1 elements per group; Adam's step counters: 4 bytes per group.
+        slack = len(zero.groups) * (world * 16 + 4)
+        for what in ("params", "grads", "optimizer"):
+            assert abs(measured[what] - expected[what]) <= slack, \
+                f"stage {stage} {what}: measured {measured[what]} bytes, formula {expected[what]:.0f} (+/- {slack})"
+
+
+def check_stage3_gathers_only_what_runs(key: str) -> None:
+    """With a prefetch budget of one element, at most the running layer and the next are gathered."""
+    model = wide_net(torch.float64)
+    layer_bytes = (63 * 63 + 63) * 8
+    zero = ZeroOptimizer(model, torch.optim.SGD, stage=3, allgather_bucket_size=1, lr=0.1)
+    x = torch.randn(4, 63, dtype=torch.float64)
+    for _ in range(2):
+        model(x).pow(2).mean().backward()
+        zero.step()
+    peak, shards = zero.gatherer.peak_gathered_bytes, zero.memory_report()["params"]
+    padded_layer = -(-(63 * 63 + 63) // hvd.size()) * hvd.size() * 8
+    assert peak <= 2 * padded_layer, f"peak gathered {peak} bytes > two layers ({2 * padded_layer})"
+    assert peak >= layer_bytes, f"peak gathered {peak} bytes < one layer: nothing was measured"
+    assert shards <= 6 * padded_layer // hvd.size(), f"{shards} bytes of shards held after the step"
+
+
+def check_bf16_tracks_the_fp32_reference(key: str) -> None:
+    """bf16 compute with fp32 masters stays within bf16's precision of fp32 training."""
+    failures = []
+    for stage in (1, 2, 3):
+        model, reference = ZNet(key, torch.float32), ZNet(key, torch.float32)
+        zero = ZeroOptimizer(model, torch.optim.SGD, stage=stage, compute_dtype=torch.bfloat16, lr=0.1, momentum=0.9)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters()), "model not cast to bf16"
+        assert all(g.master.dtype == torch.float32 for g in zero.groups), "masters are not fp32"
+        for step in range(STEPS):
+            x, y = batch(key, step, 0, torch.float32)
+            loss_of(model, mine(x).bfloat16(), mine(y).bfloat16(), 1).float().backward()
+            zero.step()
+            reference_step(reference, reference_optimizer, key, step, 1, torch.float32)
+        got, want = [], []
+        for g, shard_part, param, param_part in shard_slices(zero):
+            got.append(zero.groups[g].master[shard_part])
+            want.append(list(reference.parameters())[param].detach().reshape(-1)[param_part])
+        got, want = torch.cat(got), torch.cat(want)
+        error = float((got - want).norm() / want.norm())
+        failures.append(None if error < 1e-2 else f"stage {stage}: masters off by {error:.2%} (relative norm)")
+    assert not any(failures), [f for f in failures if f]
+
+
+def check_fp16_overflow_skips_the_step_everywhere(key: str) -> None:
+    model = ZNet(key, torch.float32)
+    zero = ZeroOptimizer(model, torch.optim.SGD, stage=1, compute_dtype=torch.float16, lr=0.1)
+    assert zero.loss_scaler.dynamic and zero.loss_scaler.value == 2.0 ** 16, "float16 scales dynamically from 2^16"
+    zero.loss_scaler.value = scale = 128.0  # low enough that only the planted inf overflows
+    before = [g.master.clone() for g in zero.groups]
+    x, y = batch(key, 0, 0, torch.float16)
+    zero.scale_loss(loss_of(model, mine(x), mine(y), 1).float()).backward()
+    if hvd.rank() == hvd.size() - 1:
+        next(model.parameters()).grad[0, 0] = float("inf")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert zero.step() is None, "the overflowing step was not skipped"
+    assert any("overflowed" in str(w.message) for w in caught), "no warning about the skipped step"
+    assert zero.loss_scaler.value == scale / 2, f"loss scale {zero.loss_scaler.value}, expected {scale / 2}"
+    assert all(torch.equal(g.master, b) for g, b in zip(zero.groups, before)), "a skipped step changed the masters"
+    zero.scale_loss(loss_of(model, mine(x), mine(y), 1).float()).backward()
+    zero.step()
+    assert any(not torch.equal(g.master, b) for g, b in zip(zero.groups, before)), "the next step did not update"
+
+
+def check_bad_arguments_raise_before_communicating(key: str) -> None:
+    model = ZNet(key)
+    for stage in (4, -1, True, "2"):
+        expect_raises(InvalidArgumentError, lambda s=stage: ZeroOptimizer(model, torch.optim.SGD, stage=s, lr=0.1),
+                      "ZeRO stage must be 0, 1, 2 or 3", f"stage {stage!r}")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    expect_raises(ArgumentTypeError, lambda: ZeroOptimizer(model, sgd, stage=1), "optimizer_class", "instance")
+    expect_raises(ArgumentTypeError, lambda: ZeroOptimizer("model", torch.optim.SGD, lr=0.1), "nn.Module", "model")
+    expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(model, torch.optim.SGD, compute_dtype=torch.int8),
+                  "compute_dtype", "compute dtype")
+    expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(model, torch.optim.SGD, reduce_bucket_size=0),
+                  "reduce_bucket_size", "bucket size")
+    expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(torch.nn.ReLU(), torch.optim.SGD, lr=0.1),
+                  "no trainable parameters", "empty model")
+
+
+def check_parameters_that_differ_across_ranks_are_refused(key: str) -> None:
+    model = ZNet(key)
+    if hvd.rank() == 1:
+        with torch.no_grad():
+            model.middle.bias[7] += 1e-9
+    expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(model, torch.optim.SGD, stage=2, lr=0.1),
+                  "'middle.bias' has different values on rank 1 and rank 0", "perturbed rank 1")
+    if hvd.rank() == 1:
+        model = ZNet(key + "/other-shape")
+        model.last = torch.nn.Linear(53, 4).double()
+    expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(model, torch.optim.SGD, stage=2, lr=0.1),
+                  "'last.weight' on rank 1", "other shape on rank 1")
+
+
+def check_tied_parameters_are_refused_in_stage_3(key: str) -> None:
+    model = ZNet(key)
+    torch.manual_seed(0)
+    model.tied = torch.nn.Linear(9, 53).double()
+    model.tied.weight = model.middle.weight
+    expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.1),
+                  "registered in both module 'middle' and 'tied'", "tied weight")
+
+
+def check_two_process_sets_train_independently(key: str) -> None:
+    """Ranks {0, 1} and {2, 3} each run ZeRO-2 over their own set, on their own data."""
+    pairs = [hvd.add_process_set([0, 1]), hvd.add_process_set([2, 3])]
+    mine_set = pairs[hvd.rank() // 2]
+    set_key = f"{key}/{hvd.rank() // 2}"
+    model, reference = ZNet(set_key), ZNet(set_key)
+    zero = ZeroOptimizer(model, torch.optim.Adam, stage=2, process_set=mine_set, reduce_bucket_size=BUCKET, lr=0.01)
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for step in range(STEPS):
+        x = torch.randn(6, 5, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        rows = slice(3 * mine_set.rank(), 3 * mine_set.rank() + 3)
+        model(x[rows]).pow(2).mean().backward()
+        zero.step()
+        reference_optimizer.zero_grad()
+        reference(x).pow(2).mean().backward()
+        reference_optimizer.step()
+    assert_model_matches(zero, reference, f"set {hvd.rank() // 2}", **TIGHT)
+    hvd.barrier()
+    for process_set in pairs:
+        hvd.remove_process_set(process_set)
+
+
+def main() -> None:
+    hvd.init()
+    checks = _harness.Checks()
+    for stage in (0, 1, 2, 3):
+        for optimizer in OPTIMIZERS:
+            for accumulation in (1, 3):
+                checks.add(f"match/stage{stage}/{optimizer}/accumulate{accumulation}", check_matches_references,
+                           stage, optimizer, accumulation)
+    checks.add("clip/norm_2", check_clipping_matches_torch, 2.0)
+    checks.add("clip/norm_inf", check_clipping_matches_torch, float("inf"))
+    checks.add("memory/follows_the_formulas", check_memory_follows_the_formulas)
+    checks.add("memory/stage3_gathers_only_what_runs", check_stage3_gathers_only_what_runs)
+    checks.add("precision/bf16_tracks_the_fp32_reference", check_bf16_tracks_the_fp32_reference)
+    checks.add("precision/fp16_overflow_skips_the_step_everywhere", check_fp16_overflow_skips_the_step_everywhere)
+    checks.add("errors/bad_arguments", check_bad_arguments_raise_before_communicating)
+    checks.add("errors/parameters_differ_across_ranks", check_parameters_that_differ_across_ranks_are_refused)
+    checks.add("errors/tied_parameters_in_stage_3", check_tied_parameters_are_refused_in_stage_3)
+    if hvd.size() == 4:
+        checks.add("process_sets/two_sets_train_independently", check_two_process_sets_train_independently)
+    _harness.run(checks)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

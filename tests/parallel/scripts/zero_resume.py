@@ -1,0 +1,122 @@
+"""Sharded ZeRO checkpoints across jobs of different sizes.
+
+``zero_resume.py save DIR`` (4 ranks): trains each stage for SAVED_STEPS steps, saves into
+DIR/stage<S>, and checks that the consolidated checkpoint equals the live model and the
+single-process reference; a checkpoint of another model or stage, or an incomplete one, is
+refused.  ``zero_resume.py load DIR`` (2 ranks): loads each into a differently initialised
+model and continues; the result equals the reference trained without interruption.
+The global batch is the same whatever the rank count.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import psrt.torch as hvd
+from psrt.errors import InvalidArgumentError
+from psrt.zero import ZeroOptimizer, consolidate
+
+import _harness
+from _training_common import expect_raises, randn
+from _zero_common import ZNet, assert_model_matches, assert_shards_match
+
+KEY = "zero-resume"
+SAVED_STEPS, MORE_STEPS = 2, 2
+GLOBAL_ROWS = 12
+TIGHT = {"rtol": 1e-10, "atol": 1e-12}
+ADAM = {"lr": 0.01, "weight_decay": 0.01}
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return randn(KEY, (GLOBAL_ROWS, 5), "x", step), randn(KEY, (GLOBAL_ROWS, 3), "y", step)
+
+
+def rows() -> slice:
+    per_rank = GLOBAL_ROWS // hvd.size()
+    return slice(hvd.rank() * per_rank, (hvd.rank() + 1) * per_rank)
+
+
+def train(model, optimizer, steps: range, distributed: bool) -> None:
+    for step in steps:
+        x, y = global_batch(step)
+        if distributed:
+            x, y = x[rows()], y[rows()]
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
+def reference(steps: int):
+    model = ZNet(KEY)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
+    train(model, optimizer, range(steps), distributed=False)
+    return model, optimizer
+
+
+def check_save_consolidates_to_the_live_model(name: str, directory: str, stage: int) -> None:
+    model = ZNet(KEY)
+    zero = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, reduce_bucket_size=200, **ADAM)
+    train(model, zero, range(SAVED_STEPS), distributed=True)
+    zero.save(directory, extra={"step": SAVED_STEPS})
+    full = consolidate(directory)
+    assert full["extra"] == {"step": SAVED_STEPS} and full["world_size"] == hvd.size(), full["extra"]
+    with zero.gathered_parameters():
+        for param_name, param in model.named_parameters():
+            assert torch.equal(full["model"][param_name], param.detach()), f"consolidated {param_name} != live"
+    ref_model, ref_optimizer = reference(SAVED_STEPS)
+    for param_name, param in ref_model.named_parameters():
+        torch.testing.assert_close(full["model"][param_name], param.detach(), **TIGHT)
+    plain = torch.optim.AdamW(ZNet(KEY).parameters(), **ADAM)
+    plain.load_state_dict(full["optimizer"])  # an ordinary optimizer state_dict
+    for index, param in enumerate(ref_model.parameters()):
+        for key, value in ref_optimizer.state[param].items():
+            torch.testing.assert_close(full["optimizer"]["state"][index][key], value, **TIGHT)
+
+
+def check_load_continues_like_the_reference(name: str, directory: str, stage: int) -> None:
+    model = ZNet(KEY + "/fresh")  # different values, same layout
+    zero = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, reduce_bucket_size=300, **ADAM)
+    extra = zero.load(directory)
+    assert extra == {"step": SAVED_STEPS}, extra
+    train(model, zero, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS), distributed=True)
+    ref_model, ref_optimizer = reference(SAVED_STEPS + MORE_STEPS)
+    assert_shards_match(zero, ref_model, ref_optimizer, f"stage {stage} resumed", **TIGHT)
+    assert_model_matches(zero, ref_model, f"stage {stage} resumed", **TIGHT)
+
+
+def check_mismatched_checkpoints_are_refused(name: str, root: str) -> None:
+    torch.manual_seed(0)
+    other_model = torch.nn.Sequential(torch.nn.Linear(5, 9, bias=False), torch.nn.Linear(9, 54)).double()
+    zero = ZeroOptimizer(other_model, torch.optim.AdamW, stage=2, **ADAM)
+    expect_raises(InvalidArgumentError, lambda: zero.load(os.path.join(root, "stage2")),
+                  "is of a different model: trainable parameter 0 is 'first.weight'", "other model")
+    zero = ZeroOptimizer(ZNet(KEY), torch.optim.AdamW, stage=3, **ADAM)
+    expect_raises(InvalidArgumentError, lambda: zero.load(os.path.join(root, "stage2")),
+                  "was written by stage 2, this optimizer is stage 3", "other stage")
+    zero = ZeroOptimizer(ZNet(KEY), torch.optim.SGD, stage=2, lr=0.1)
+    expect_raises(InvalidArgumentError, lambda: zero.load(os.path.join(root, "stage2")),
+                  "holds torch.optim.adamw.AdamW state", "other optimizer")
+    expect_raises(InvalidArgumentError, lambda: zero.load(os.path.join(root, "missing")),
+                  "zero_meta.json is missing", "no checkpoint")
+
+
+def main() -> None:
+    action, root = sys.argv[1], sys.argv[2]
+    hvd.init()
+    checks = _harness.Checks()
+    for stage in (1, 2, 3):
+        directory = os.path.join(root, f"stage{stage}")
+        if action == "save":
+            checks.add(f"save/stage{stage}", check_save_consolidates_to_the_live_model, directory, stage)
+        else:
+            checks.add(f"load/stage{stage}", check_load_continues_like_the_reference, directory, stage)
+    if action == "save":
+        checks.add("load/refuses_mismatched_checkpoints", check_mismatched_checkpoints_are_refused, root)
+    _harness.run(checks)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

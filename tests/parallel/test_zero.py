@@ -1,0 +1,82 @@
+"""ZeRO stages 0-3: every stage x optimizer x accumulation against one process and allreduce DP
+at 2 and 4 ranks, clipping, memory, mixed precision, bad input, and sharded checkpoints
+saved at 4 ranks, consolidated, and resumed at 2.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, SCRIPTS, launch
+
+pytestmark = pytest.mark.parallel
+
+MATCH = [f"match/stage{stage}/{optimizer}/accumulate{accumulation}" for stage in (0, 1, 2, 3)
+         for optimizer in ("sgd", "sgd_momentum", "adam") for accumulation in (1, 3)]
+OTHER = ["clip/norm_2", "clip/norm_inf", "memory/follows_the_formulas", "memory/stage3_gathers_only_what_runs",
+         "precision/bf16_tracks_the_fp32_reference", "precision/fp16_overflow_skips_the_step_everywhere",
+         "errors/bad_arguments", "errors/parameters_differ_across_ranks", "errors/tied_parameters_in_stage_3"]
+FOUR_RANKS_ONLY = ["process_sets/two_sets_train_independently"]
+
+
+def _expected(np: int) -> list[str]:
+    return MATCH + OTHER + (FOUR_RANKS_ONLY if np == 4 else [])
+
+
+@pytest.mark.parametrize("check", MATCH + OTHER)
+@pytest.mark.parametrize("np", [2, 4])
+def test_zero_check_passes_on_every_rank(parallel_jobs, np, check):
+    parallel_jobs.get("zero_check.py", np).assert_ok(check)
+
+
+def test_zero_over_two_process_sets_at_once(parallel_jobs):
+    parallel_jobs.get("zero_check.py", 4).assert_ok(FOUR_RANKS_ONLY[0])
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_zero_job_reports_every_check(parallel_jobs, np):
+    parallel_jobs.get("zero_check.py", np).assert_complete(_expected(np))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Sharded checkpoints of stages 1-3 saved by a 4-rank job, and that job's report."""
+    root = tmp_path_factory.mktemp("zero-checkpoints")
+    return root, launch("zero_resume.py", 4, args=("save", str(root)))
+
+
+def test_checkpoint_saved_at_4_ranks_consolidates_to_the_live_model_and_the_reference(checkpoints):
+    root, report = checkpoints
+    report.assert_complete(["save/stage1", "save/stage2", "save/stage3", "load/refuses_mismatched_checkpoints"])
+
+
+def test_checkpoint_loaded_at_2_ranks_continues_like_the_uninterrupted_reference(checkpoints):
+    root, _ = checkpoints
+    launch("zero_resume.py", 2, args=("load", str(root))).assert_complete(["load/stage1", "load/stage2",
+                                                                           "load/stage3"])
+
+
+def test_zero_to_full_writes_an_ordinary_state_dict(checkpoints, tmp_path):
+    root, _ = checkpoints
+    out = tmp_path / "full.pt"
+    done = subprocess.run([sys.executable, "-m", "psrt.cli", "zero-to-full", str(root / "stage3"), str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "4 shards, stage 3" in done.stdout, done.stdout
+    full = torch.load(out, weights_only=False)
+    sys.path.insert(0, str(SCRIPTS))
+    from _zero_common import ZNet
+    model = ZNet("any")
+    model.load_state_dict(full["model"])  # strict: every entry, right shapes
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.load_state_dict(full["optimizer"])
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01 and len(optimizer.state) == 5
+
+
+def test_zero_to_full_names_a_directory_that_is_not_a_checkpoint(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "psrt.cli", "zero-to-full", str(tmp_path), str(tmp_path / "x.pt")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "zero_meta.json is missing" in done.stderr, done.stderr
