@@ -52,11 +52,12 @@ class ShardedGroup:
         Parameters without a gradient count as zeros.  The parameters' ``.grad`` are dropped:
         from here on the group's gradient lives in its shard only.
         """
-        flat = torch.zeros(self.full.numel(), dtype=self.compute_dtype)
-        for param, offset in zip(self.params, self.flat.offsets):
-            if param.grad is not None:
-                flat[offset:offset + param.numel()] = param.grad.reshape(-1)
-                param.grad = None
+        pieces = [param.grad.reshape(-1) if param.grad is not None
+                  else torch.zeros(param.numel(), dtype=self.compute_dtype) for param in self.params]
+        pieces.append(torch.zeros(self.full.numel() - self.flat.numel, dtype=self.compute_dtype))
+        flat = torch.cat(pieces)  # one pass over the gradients, no zeroing pass before it
+        for param in self.params:
+            param.grad = None
         return comm.reduce_gradients(flat, f"{self.name}.grad", self.num_shards, self.process_set)
 
     def finish_reduction(self, handle: int) -> None:

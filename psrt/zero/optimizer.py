@@ -32,11 +32,14 @@ from psrt.zero.precision import LossScaler
 from psrt.zero.setup import plan_layout
 from psrt.zero.stage3 import ParameterGatherer, Unit
 
-#: Elements per gradient reduce-scatter bucket (stages 0-2) and per all-gather of updated or
-#: prefetched parameters, as DeepSpeed counts them.  Five million elements (20 MB in fp32)
-#: is close to DDP's 25 MB buckets.
+#: Elements per gradient bucket: one reduce-scatter in stages 1-2 (and one all-gather of the
+#: updated shards after the step), one allreduce in stage 0.  Five million elements (20 MB in
+#: fp32) is close to DDP's 25 MB buckets; DeepSpeed counts bucket sizes in elements too.
 REDUCE_BUCKET_SIZE = 5_000_000
-ALLGATHER_BUCKET_SIZE = 5_000_000
+#: Stage 3: elements of parameters gathered ahead of the running module (always at least the
+#: next module), in forward and backward order: DeepSpeed's prefetch bucket.  One million
+#: elements keeps about one layer of a 1024-wide MLP in flight.
+ALLGATHER_BUCKET_SIZE = 1_000_000
 
 _instances = itertools.count()
 
@@ -50,7 +53,8 @@ class ZeroOptimizer:
     for forward and backward, and keeps master weights and optimizer state in the parameters'
     own dtype on the owning shard; float16 uses dynamic loss scaling (:meth:`scale_loss`)
     unless ``loss_scale`` fixes it.  ``overlap`` starts each bucket's reduce-scatter during
-    backward (stages 2 and 3).  Every rank of ``process_set`` must wrap the same model, in the
+    backward (stages 2 and 3).  ``reduce_bucket_size`` and ``allgather_bucket_size`` are in
+    elements (:data:`REDUCE_BUCKET_SIZE`, :data:`ALLGATHER_BUCKET_SIZE`).  Every rank of ``process_set`` must wrap the same model, in the
     same order relative to other ZeRO optimizers.
     """
 
@@ -81,7 +85,7 @@ class ZeroOptimizer:
                        for group in self.groups for param in group.params] if stage >= 2 else []
         self.gatherer = ParameterGatherer(
             [Unit(module, [self.groups[g] for g in groups]) for module, groups in layout.units],
-            allgather_bucket_size * self.groups[0].full.element_size()) if stage == 3 else None
+            allgather_bucket_size) if stage == 3 else None
 
     # -- torch.optim.Optimizer's surface --------------------------------------------------
     @property

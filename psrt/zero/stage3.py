@@ -23,16 +23,16 @@ class Unit:
     module: torch.nn.Module
     groups: list[ShardedGroup]
 
-    def bytes(self) -> int:
-        return sum(group.full.numel() * group.full.element_size() for group in self.groups)
+    def numel(self) -> int:
+        return sum(group.full.numel() for group in self.groups)
 
 
 class ParameterGatherer:
     """Gathers and frees units around their forward and backward; records the peak of gathered
     parameter bytes, measured from the buffers' storages."""
 
-    def __init__(self, units: list[Unit], prefetch_bytes: int) -> None:
-        self.units, self.prefetch_bytes = units, prefetch_bytes
+    def __init__(self, units: list[Unit], prefetch_elements: int) -> None:
+        self.units, self.prefetch_elements = units, prefetch_elements
         self.order: list[int] = []          # forward order, recorded during the first forward
         self._recording = True
         self.peak_gathered_bytes = 0
@@ -74,10 +74,10 @@ class ParameterGatherer:
         """Units after (step=1) or before (step=-1) ``index`` in forward order, up to the budget."""
         if index not in self.order:
             return []
-        position, chosen, budget = self.order.index(index) + step, [], self.prefetch_bytes
+        position, chosen, budget = self.order.index(index) + step, [], self.prefetch_elements
         while 0 <= position < len(self.order) and budget > 0:
             chosen.append(self.order[position])
-            budget -= self.units[self.order[position]].bytes()
+            budget -= self.units[self.order[position]].numel()
             position += step
         return chosen
 

@@ -1,0 +1,141 @@
+"""ZeRO benchmark: per-rank bytes of parameters, gradients and optimizer state, and step time,
+for plain data parallelism and ZeRO stages 0-3, against ZeRO's formulas, in one job.
+
+Run under a launcher (``make bench-zero`` runs 2 and 4 ranks)::
+
+    psrun -np 2 python benchmarks/zero.py
+    psrun -np 4 python benchmarks/zero.py --compute-dtype bfloat16
+
+Model: an MLP of ``--layers`` square ``--width`` linear layers (default 6 x 1024: 6.3 M
+parameters, 6 units for stage 3), Adam, batch 32 rows per rank, one torch thread per rank.
+Modes:
+
+  dp      ``hvd.DistributedOptimizer`` (allreduce buckets, the baseline);
+  stage0  ``ZeroOptimizer(stage=0)``: the same data parallelism through ZeRO's code;
+  stage1  optimizer state sharded; gradients reduce-scattered and parameters all-gathered
+          around the step;
+  stage2  gradients sharded too, reduce-scattered during backward;
+  stage3  parameters sharded too, gathered per layer around its forward and backward.
+
+Bytes are read from the tensors each mode holds after a backward (so gradients exist) in
+the second step (so optimizer state exists), every storage counted once; ``formula`` is
+ZeRO's (parameters P, gradients G, optimizer K bytes per element: 4/4/8 for fp32 Adam,
+2/2/12 for bf16 compute with fp32 masters).  ``peak gathered`` is stage 3's largest
+amount of gathered parameters at any time.
+
+Step time: the modes take turns; each round gives every mode 2 untimed steps and then a
+window of ``--steps`` steps timed after a barrier, taking the slowest rank.  The figure is
+the median over ``--rounds`` rounds, and ``vs dp`` divides it by dp's.  Rank 0 prints a
+table and one JSON line.  Nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import psrt.torch as hvd
+from psrt.zero import ZeroOptimizer, expected_bytes
+from psrt.zero.memory import storage_bytes
+
+MODES = ("dp", "stage0", "stage1", "stage2", "stage3")
+ROWS = 32
+
+
+def build(mode: str, args, dtype: torch.dtype | None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    if mode == "dp":
+        if dtype is not None:
+            model.to(dtype)
+        optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4),
+                                             model.named_parameters())
+    else:
+        optimizer = ZeroOptimizer(model, torch.optim.Adam, stage=int(mode[-1]), compute_dtype=dtype, lr=1e-4)
+    return model, optimizer
+
+
+def dp_bytes(model, optimizer) -> dict[str, int]:
+    seen: set[int] = set()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": storage_bytes(model.parameters(), seen),
+            "grads": storage_bytes((p.grad for p in model.parameters()), seen),
+            "optimizer": storage_bytes(state, seen)}
+
+
+def step(model, optimizer, x, measure: bool = False) -> dict | None:
+    model(x).float().pow(2).mean().backward()
+    held = None
+    if measure:
+        held = optimizer.memory_report() if isinstance(optimizer, ZeroOptimizer) else dp_bytes(model, optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+    return held
+
+
+def slowest(seconds: float) -> float:
+    return float(hvd.allreduce(torch.tensor([seconds]), op=hvd.Max, name="bench.zero.time"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per window")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="dp is always included")
+    parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    dtype = None if args.compute_dtype == "float32" else torch.bfloat16
+    modes = ["dp"] + [mode for mode in args.modes if mode != "dp"]
+    setups = {mode: build(mode, args, dtype) for mode in modes}
+    x = torch.randn(ROWS, args.width, generator=torch.Generator().manual_seed(hvd.rank()))
+    x = x.to(dtype) if dtype is not None else x
+    held = {}
+    for mode, (model, optimizer) in setups.items():
+        step(model, optimizer, x)
+        held[mode] = step(model, optimizer, x, measure=True)
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(args.rounds):
+        for mode, (model, optimizer) in setups.items():
+            for _ in range(2):
+                step(model, optimizer, x)
+            hvd.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(model, optimizer, x)
+            times[mode].append(slowest((time.perf_counter() - start) / args.steps))
+    if hvd.rank() != 0:
+        return
+    numel = sum(p.numel() for p in setups["dp"][0].parameters())
+    per_element = (4, 4, 8) if dtype is None else (2, 2, 12)
+    median = {mode: statistics.median(times[mode]) for mode in modes}
+    peak = setups["stage3"][1].gatherer.peak_gathered_bytes if "stage3" in setups else 0
+    print(f"{hvd.size()} ranks, {numel / 1e6:.2f} M parameters, Adam, {args.compute_dtype} compute; "
+          f"MB per rank measured (formula); step time median of {args.rounds} rounds")
+    print("| mode | params | grads | optimizer | total | step ms | vs dp |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    rows = {}
+    for mode in modes:
+        stage = 0 if mode == "dp" else int(mode[-1])
+        want = expected_bytes(stage, numel, hvd.size(), param_bytes=per_element[0], grad_bytes=per_element[1],
+                              optimizer_bytes=per_element[2])
+        got = held[mode]
+        cells = [f"{got[k] / 1e6:.1f} ({want[k] / 1e6:.1f})" for k in ("params", "grads", "optimizer")]
+        total = sum(got.values())
+        print(f"| {mode} | {' | '.join(cells)} | {total / 1e6:.1f} ({sum(want.values()) / 1e6:.1f}) | "
+              f"{median[mode] * 1e3:.1f} | {median[mode] / median['dp']:.2f} |")
+        rows[mode] = {"bytes": got, "formula": want, "step_s": median[mode], "vs_dp": median[mode] / median["dp"]}
+    print(f"stage 3 peak gathered parameters: {peak / 1e6:.1f} MB (largest layer "
+          f"{(args.width * args.width + args.width) * per_element[0] / 1e6:.1f} MB)")
+    print(json.dumps({"benchmark": "zero", "ranks": hvd.size(), "params": numel, "compute": args.compute_dtype,
+                      "modes": rows, "stage3_peak_gathered_bytes": peak}))
+
+
+if __name__ == "__main__":
+    main()
