@@ -20,7 +20,7 @@ Modes:
 Bytes are read from the tensors each mode holds after a backward (so gradients exist) in
 the second step (so optimizer state exists), every storage counted once; ``formula`` is
 ZeRO's (parameters P, gradients G, optimizer K bytes per element: 4/4/8 for fp32 Adam,
-2/2/12 for bf16 compute with fp32 masters).  ``peak gathered`` is stage 3's largest
+2/2/12 for bf16 compute with fp32 masters; dp in bf16 is pure bf16, 2/2/4).  ``peak gathered`` is stage 3's largest
 amount of gathered parameters at any time.
 
 Step time: the modes take turns; each round gives every mode 2 untimed steps and then a
@@ -114,6 +114,7 @@ def main() -> None:
         return
     numel = sum(p.numel() for p in setups["dp"][0].parameters())
     per_element = (4, 4, 8) if dtype is None else (2, 2, 12)
+    element = 4 if dtype is None else 2
     median = {mode: statistics.median(times[mode]) for mode in modes}
     peak = setups["stage3"][1].gatherer.peak_gathered_bytes if "stage3" in setups else 0
     print(f"{hvd.size()} ranks, {numel / 1e6:.2f} M parameters, Adam, {args.compute_dtype} compute; "
@@ -123,8 +124,9 @@ def main() -> None:
     rows = {}
     for mode in modes:
         stage = 0 if mode == "dp" else int(mode[-1])
-        want = expected_bytes(stage, numel, hvd.size(), param_bytes=per_element[0], grad_bytes=per_element[1],
-                              optimizer_bytes=per_element[2])
+        # dp keeps Adam's two moments in the model's dtype and has no master copy.
+        p, g, k = (element, element, 2 * element) if mode == "dp" else per_element
+        want = expected_bytes(stage, numel, hvd.size(), param_bytes=p, grad_bytes=g, optimizer_bytes=k)
         got = held[mode]
         cells = [f"{got[k] / 1e6:.1f} ({want[k] / 1e6:.1f})" for k in ("params", "grads", "optimizer")]
         total = sum(got.values())
