@@ -2,14 +2,15 @@
 #   make demo   - create .venv, install psrt, train examples/train_digits.py on 2 ranks
 #   make test   - create .venv, install psrt, run the whole test suite
 # (make demo-collectives runs examples/collectives_demo.py, every collective once;
-#  make demo-ps trains examples/train_digits_ps.py with 1 parameter server and 2 workers)
+#  make demo-ps trains examples/train_digits_ps.py with 1 parameter server and 2 workers;
+#  make demo-zero trains examples/train_digits_zero.py with ZeRO stages 1, 2 and 3)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
 
-.PHONY: demo demo-collectives demo-ps test bench bench-train bench-ps clean
+.PHONY: demo demo-collectives demo-ps demo-zero test bench bench-train bench-ps bench-zero clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,9 @@ demo-collectives: $(STAMP)
 demo-ps: $(STAMP)
 	$(VENV)/bin/psrun -np 3 --num-servers 1 $(PY) examples/train_digits_ps.py
 
+demo-zero: $(STAMP)
+	$(VENV)/bin/psrun -np $(NP) $(PY) examples/train_digits_zero.py
+
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
@@ -38,6 +42,10 @@ bench-train: $(STAMP)
 
 bench-ps: $(STAMP)
 	$(VENV)/bin/psrun -np 3 --num-servers 1 $(PY) benchmarks/ps.py
+
+bench-zero: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/zero.py
+	$(VENV)/bin/psrun -np 4 $(PY) benchmarks/zero.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -35,7 +35,7 @@ from psrt.zero.stage3 import ParameterGatherer, Unit
 #: Elements per gradient bucket: one reduce-scatter in stages 1-2 (and one all-gather of the
 #: updated shards after the step), one allreduce in stage 0.  Five million elements (20 MB in
 #: fp32) is close to DDP's 25 MB buckets; DeepSpeed counts bucket sizes in elements too.
-REDUCE_BUCKET_SIZE = 5_000_000
+REDUCE_BUCKET_SIZE = 1_000_000
 #: Stage 3: elements of parameters gathered ahead of the running module (always at least the
 #: next module), in forward and backward order: DeepSpeed's prefetch bucket.  One million
 #: elements keeps about one layer of a 1024-wide MLP in flight.

@@ -3,7 +3,8 @@ example on 2 ranks to at least 95% test accuracy, ``make demo-collectives``
 runs every collective, each rank reporting what it got, and ``make demo-ps``
 trains the digits model against a parameter server (1 server, 2 workers) in
 sync, async and bounded mode, each to at least 90%, and the whole job (server
-included) exits cleanly."""
+included) exits cleanly; ``make demo-zero`` trains it with ZeRO stages 1-3 to at least
+95%, and the model consolidated from each stage's checkpoint scores the same."""
 from __future__ import annotations
 
 import os
@@ -77,3 +78,23 @@ def test_make_demo_ps_trains_digits_to_90_percent(ps_demo, mode):
     found = re.findall(rf"^mode {mode}: test accuracy (\d+\.\d+)$", ps_demo.stdout, flags=re.MULTILINE)
     assert len(found) == 1, f"expected one accuracy line for {mode} (worker 0 only):\n{ps_demo.stdout}"
     assert float(found[0]) >= 0.9, ps_demo.stdout
+
+
+@pytest.fixture(scope="module")
+def zero_demo() -> subprocess.CompletedProcess:
+    return make("demo-zero")
+
+
+@pytest.mark.parallel
+def test_make_demo_zero_exits_cleanly(zero_demo):
+    assert zero_demo.returncode == 0, zero_demo.stdout + zero_demo.stderr[-3000:]
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_make_demo_zero_trains_digits_to_95_percent_and_its_checkpoint_agrees(zero_demo, stage):
+    found = re.findall(rf"^stage {stage}: test accuracy (\d+\.\d+) \(consolidated copy (\d+\.\d+)\)",
+                       zero_demo.stdout, flags=re.MULTILINE)
+    assert len(found) == 1, f"expected one accuracy line for stage {stage} (rank 0 only):\n{zero_demo.stdout}"
+    sharded, consolidated = map(float, found[0])
+    assert sharded >= 0.95 and consolidated == sharded, zero_demo.stdout
