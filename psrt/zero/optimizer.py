@@ -54,8 +54,9 @@ class ZeroOptimizer:
     own dtype on the owning shard; float16 uses dynamic loss scaling (:meth:`scale_loss`)
     unless ``loss_scale`` fixes it.  ``overlap`` starts each bucket's reduce-scatter during
     backward (stages 2 and 3).  ``reduce_bucket_size`` and ``allgather_bucket_size`` are in
-    elements (:data:`REDUCE_BUCKET_SIZE`, :data:`ALLGATHER_BUCKET_SIZE`).  Every rank of ``process_set`` must wrap the same model, in the
-    same order relative to other ZeRO optimizers.
+    elements (:data:`REDUCE_BUCKET_SIZE`, :data:`ALLGATHER_BUCKET_SIZE`).  Every rank of
+    ``process_set`` must wrap the same model, in the same order relative to other ZeRO
+    optimizers.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer_class: type, *, stage: int = 2,
