@@ -99,7 +99,7 @@ def consolidate(directory: str) -> dict:
     meta = read_meta(directory)
     partition = _partition(meta)
     shards = [_read_shard(directory, r, meta["save_id"]) for r in range(meta["num_shards"])]
-    model = torch.load(os.path.join(directory, EXTRAS), weights_only=True)
+    model = torch.load(os.path.join(directory, EXTRAS), map_location="cpu", weights_only=True)
     per_param_state: dict[int, dict] = {}
     per_element: set[str] = set()
     for g, flat in enumerate(partition.groups):
@@ -165,7 +165,7 @@ def _read_shard(directory: str, set_rank: int, save_id: str) -> dict:
     path = shard_file(directory, set_rank)
     if not os.path.exists(path):
         raise InvalidArgumentError(f"ZeRO checkpoint {directory!r} lacks {os.path.basename(path)}")
-    shard = torch.load(path, weights_only=False)
+    shard = torch.load(path, map_location="cpu", weights_only=False)
     if shard["save_id"] != save_id:
         raise InvalidArgumentError(f"{path} belongs to another save than {META} (save id {shard['save_id']} "
                                    f"!= {save_id}); the directory mixes two checkpoints")
@@ -206,7 +206,8 @@ def _restore(zero, full: dict) -> None:
             flat = partition.groups[g]
             group.master.zero_()
             first = state[flat.params[0]]
-            restored = {key: torch.zeros(flat.shard_numel, dtype=value.dtype) if key in per_element
+            restored = {key: torch.zeros(flat.shard_numel, dtype=value.dtype, device=group.master.device)
+                        if key in per_element
                         else (value.clone() if isinstance(value, torch.Tensor) else value)
                         for key, value in first.items()}
             for piece in partition.pieces(g, shard):

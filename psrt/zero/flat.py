@@ -30,7 +30,7 @@ class ShardedGroup:
         padded = flat.shard_numel * num_shards
         start, stop = shard * flat.shard_numel, (shard + 1) * flat.shard_numel
         with torch.no_grad():
-            values = torch.zeros(padded, dtype=params[0].dtype)
+            values = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
             for param, offset in zip(params, flat.offsets):
                 values[offset:offset + param.numel()] = param.reshape(-1)
         self.compute_dtype = compute_dtype or values.dtype
@@ -52,13 +52,16 @@ class ShardedGroup:
         Parameters without a gradient count as zeros.  The parameters' ``.grad`` are dropped:
         from here on the group's gradient lives in its shard only.
         """
-        pieces = [param.grad.reshape(-1) if param.grad is not None
-                  else torch.zeros(param.numel(), dtype=self.compute_dtype) for param in self.params]
-        pieces.append(torch.zeros(self.full.numel() - self.flat.numel, dtype=self.compute_dtype))
+        pieces = [param.grad.reshape(-1) if param.grad is not None else self._zeros(param.numel())
+                  for param in self.params]
+        pieces.append(self._zeros(self.full.numel() - self.flat.numel))
         flat = torch.cat(pieces)  # one pass over the gradients, no zeroing pass before it
         for param in self.params:
             param.grad = None
         return comm.reduce_gradients(flat, f"{self.name}.grad", self.num_shards, self.process_set)
+
+    def _zeros(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=self.compute_dtype, device=self.full.device)
 
     def finish_reduction(self, handle: int) -> None:
         """Add the reduced shard to the gradient accumulated in this step (if any)."""
