@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PsrtError, OSError) as exc:
         print(f"psrt: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a truncated or corrupt file: say so without a traceback
+        print(f"psrt: error: cannot read the checkpoint: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -90,6 +90,8 @@ def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str |
             f"allgather_into: output must be a contiguous {tensor.dtype} tensor on {tensor.device} with "
             f"{len(ranks)} x {tensor.numel()} elements, got {output.dtype} on {output.device} with "
             f"{output.numel()}{'' if output.is_contiguous() else ' (not contiguous)'}")
+    if output.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        raise InvalidArgumentError("allgather_into: output and tensor share memory; gather from a copy")
     send = _common.contiguous_buffer(tensor).reshape(-1)
 
     def execute(host: Communicator, data: Communicator) -> torch.Tensor:

@@ -15,30 +15,29 @@ import torch
 
 from psrt.topology import ProcessSet
 from psrt.zero import comm
-from psrt.zero.partition import FlatGroup
+from psrt.zero.partition import Partition
 
 
 class ShardedGroup:
     """A flat group's tensors on this rank; ``shard`` is this rank's index among ``num_shards``."""
 
-    def __init__(self, name: str, flat: FlatGroup, params: list[torch.nn.Parameter], shard: int,
-                 num_shards: int, process_set: ProcessSet, compute_dtype: torch.dtype | None,
+    def __init__(self, name: str, partition: Partition, index: int, params: list[torch.nn.Parameter],
+                 shard: int, process_set: ProcessSet, compute_dtype: torch.dtype | None,
                  gathered_on_demand: bool) -> None:
-        self.name, self.flat, self.params = name, flat, params
-        self.num_shards, self.process_set = num_shards, process_set
+        self.name, self.flat, self.params = name, partition.groups[index], params
+        self.num_shards, self.process_set = partition.num_shards, process_set
         self.gathered_on_demand = gathered_on_demand
-        padded = flat.shard_numel * num_shards
-        start, stop = shard * flat.shard_numel, (shard + 1) * flat.shard_numel
+        start, stop = partition.shard_range(index, shard)
         with torch.no_grad():
-            values = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-            for param, offset in zip(params, flat.offsets):
+            values = torch.zeros(partition.padded_numel(index), dtype=params[0].dtype, device=params[0].device)
+            for param, offset in zip(params, self.flat.offsets):
                 values[offset:offset + param.numel()] = param.reshape(-1)
         self.compute_dtype = compute_dtype or values.dtype
         self.full = values.to(self.compute_dtype)
         # Stage 3 keeps its shard apart from ``full``, whose storage comes and goes.
         self.shard = self.full[start:stop].clone() if gathered_on_demand else self.full[start:stop]
         self.master = values[start:stop].clone() if self.compute_dtype != values.dtype else self.shard
-        for param, offset in zip(params, flat.offsets):
+        for param, offset in zip(params, self.flat.offsets):
             param.data = self.full[offset:offset + param.numel()].view(param.shape)
         self.grad: torch.Tensor | None = None  # this rank's reduced gradient shard, compute dtype
         self._gather: int | None = None        # handle of an all-gather in flight

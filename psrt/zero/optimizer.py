@@ -24,6 +24,7 @@ from typing import Iterator
 
 import torch
 
+from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.zero import comm
@@ -33,15 +34,19 @@ from psrt.zero.setup import plan_layout
 from psrt.zero.stage3 import ParameterGatherer, Unit
 
 #: Elements per gradient bucket: one reduce-scatter in stages 1-2 (and one all-gather of the
-#: updated shards after the step), one allreduce in stage 0.  Five million elements (20 MB in
-#: fp32) is close to DDP's 25 MB buckets; DeepSpeed counts bucket sizes in elements too.
+#: updated shards after the step), one allreduce in stage 0; DeepSpeed counts bucket sizes in
+#: elements too.  One million elements (4 MB in fp32): each bucket is also one tensor for the
+#: optimizer, and on CPU torch's Adam runs at half speed on 5M-element tensors
+#: (benchmarks/RESULTS.md).
 REDUCE_BUCKET_SIZE = 1_000_000
-#: Stage 3: elements of parameters gathered ahead of the running module (always at least the
-#: next module), in forward and backward order: DeepSpeed's prefetch bucket.  One million
+#: Stage 3: elements of parameters gathered ahead of the running module, in forward and
+#: backward order: DeepSpeed's prefetch bucket.  Modules are added until the budget is spent,
+#: so at least the next module is prefetched and the last one may overshoot the budget.  One million
 #: elements keeps about one layer of a 1024-wide MLP in flight.
 ALLGATHER_BUCKET_SIZE = 1_000_000
 
-_instances = itertools.count()
+#: Per process set: ZeRO optimizers wrapped so far, which names their collectives.
+_instances: dict[int, itertools.count] = {}
 
 
 class ZeroOptimizer:
@@ -56,7 +61,7 @@ class ZeroOptimizer:
     backward (stages 2 and 3).  ``reduce_bucket_size`` and ``allgather_bucket_size`` are in
     elements (:data:`REDUCE_BUCKET_SIZE`, :data:`ALLGATHER_BUCKET_SIZE`).  Every rank of
     ``process_set`` must wrap the same model, in the same order relative to other ZeRO
-    optimizers.
+    optimizers over that set, and run backward through it before each step.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer_class: type, *, stage: int = 2,
@@ -64,29 +69,37 @@ class ZeroOptimizer:
                  loss_scale: float | str | None = None, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,
                  allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE, overlap: bool = True,
                  **optimizer_kwargs) -> None:
-        layout = plan_layout(model, optimizer_class, stage=stage, process_set=process_set,
+        self.loss_scaler = LossScaler.create(loss_scale, compute_dtype, process_set)
+        layout = plan_layout(model, optimizer_class, optimizer_kwargs, stage=stage, process_set=process_set,
                              compute_dtype=compute_dtype, reduce_bucket_size=reduce_bucket_size,
                              allgather_bucket_size=allgather_bucket_size, overlap=overlap)
         self.model, self.stage, self.process_set = model, stage, process_set
-        self.partition, self.param_names = layout.partition, layout.names
-        self.overlap, self.allgather_bucket_size = overlap, allgather_bucket_size
-        name = f"zero{next(_instances)}"
-        self.groups = [ShardedGroup(f"{name}.{index}", flat, [layout.params[i] for i in flat.params],
-                                    layout.shard, self.partition.num_shards, process_set, compute_dtype,
-                                    gathered_on_demand=stage == 3)
+        self.partition, self.param_names, self.shard_index = layout.partition, layout.names, layout.shard
+        self.overlap = overlap
+        counter = _instances.setdefault(process_set.process_set_id, itertools.count())
+        name = f"zero.set{process_set.process_set_id}.{next(counter)}"
+        self.groups = [ShardedGroup(f"{name}.{index}", self.partition, index, [layout.params[i] for i in flat.params],
+                                    layout.shard, process_set, compute_dtype, gathered_on_demand=stage == 3)
                        for index, flat in enumerate(self.partition.groups)]
         self.optimizer = optimizer_class([group.master for group in self.groups], **optimizer_kwargs)
-        self.loss_scaler = LossScaler.create(loss_scale, compute_dtype, process_set)
         self._group_of = {id(param): group for group in self.groups for param in group.params}
         self._ready = {id(group): 0 for group in self.groups}
         self._in_flight: dict[int, tuple[ShardedGroup, int]] = {}
         self._end_of_backward_queued = False
-        self._prepared = False
-        self._hooks = [param.register_post_accumulate_grad_hook(self._gradient_ready)
-                       for group in self.groups for param in group.params] if stage >= 2 else []
-        self.gatherer = ParameterGatherer(
-            [Unit(module, [self.groups[g] for g in groups]) for module, groups in layout.units],
-            allgather_bucket_size) if stage == 3 else None
+        self._reduced = False             # stages 0-1: this step's gradients are reduced
+        self._step_ok: bool | None = None  # master gradients prepared: False if they overflowed
+        if stage >= 2:
+            for group in self.groups:
+                for param in group.params:
+                    param.register_post_accumulate_grad_hook(self._gradient_ready)
+        self.gatherer = None
+        self._state_dict_allowed = stage < 3
+        if stage == 3:
+            self.gatherer = ParameterGatherer(
+                [Unit(module, [self.groups[g] for g in groups]) for module, groups in layout.units],
+                allgather_bucket_size)
+            for module, _ in layout.units:
+                module.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
 
     # -- torch.optim.Optimizer's surface --------------------------------------------------
     @property
@@ -99,43 +112,46 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: the parameters' and the shards'.  ``set_to_none`` is accepted for
-        torch's signature; ZeRO always frees them."""
-        if self._in_flight:
-            raise RuntimeError("zero_grad() called while gradients are being reduced (inside backward)")
+        torch's signature; ZeRO always frees them.  Also clears what a backward that raised left
+        behind, so the next step starts clean."""
+        self._wait_reductions()
+        self._ready = dict.fromkeys(self._ready, 0)
+        self._end_of_backward_queued = False
         for group in self.groups:
             group.grad = None
             group.master.grad = None
             for param in group.params:
                 param.grad = None
-        self._prepared = False
+        self._reduced, self._step_ok = False, None
 
     def step(self, closure=None):
         """Reduce gradients if not done yet, update this rank's shard, and make the updated
         parameters available (gathered now in stages 1 and 2, on use in stage 3).
 
-        With loss scaling, a step whose gradients overflowed on any rank is skipped (the scale is
-        reduced) and returns None.
+        With dynamic loss scaling, a step whose gradients overflowed on any rank is skipped
+        everywhere (the scale is lowered) and returns None.
         """
         loss = closure() if closure is not None else None
-        if not self._prepare_master_gradients():
-            self.zero_grad()
-            return None
-        self.optimizer.step()
-        handles = [(group, group.publish()) for group in self.groups]
-        for group, handle in handles:
-            if handle is not None:
-                comm.wait(handle)
-        self.loss_scaler.update()
+        taken = self._prepare_master_gradients()
+        if taken:
+            self.optimizer.step()
+            handles = [(group, group.publish()) for group in self.groups]
+            for group, handle in handles:
+                if handle is not None:
+                    comm.wait(handle)
+        self.loss_scaler.finish_step(taken)
         self.zero_grad()
-        return loss
+        return loss if taken else None
 
     # -- ZeRO-specific -------------------------------------------------------------------
     def synchronize(self) -> None:
         """Finish reducing this step's gradients into the shards (``step()`` does it otherwise).
 
-        Stages 0 and 1 reduce here; stages 2 and 3 already did during backward.
+        Stages 0 and 1 reduce here, once per step, every group on every rank (parameters
+        without a gradient count as zeros); stages 2 and 3 already did during backward.
         """
-        if self.stage <= 1 and any(param.grad is not None for group in self.groups for param in group.params):
+        if self.stage <= 1 and not self._reduced:
+            self._reduced = True
             handles = [(group, group.start_reduction()) for group in self.groups]
             for group, handle in handles:
                 group.finish_reduction(handle)
@@ -151,11 +167,13 @@ class ZeroOptimizer:
 
         Each rank's partial statistic is combined over the set before any scaling, so every
         shard is scaled by the same coefficient.  Call it after backward, before ``step()``.
+        Gradients that overflowed (float16) are left alone: ``step()`` will skip them.
         """
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
-        self._prepare_master_gradients()
+        if not self._prepare_master_gradients():
+            return torch.tensor(float("inf"))
         grads = [group.master.grad for group in self.groups if group.master.grad is not None]
         if norm_type == float("inf"):
             partial = max((g.abs().max() for g in grads), default=torch.tensor(0.0)).double()
@@ -180,17 +198,33 @@ class ZeroOptimizer:
 
     @contextmanager
     def gathered_parameters(self) -> Iterator[None]:
-        """Within the block, every parameter of the model holds its full value (stage 3 gathers
-        them all, then frees them on exit; other stages always hold them).  Collective."""
+        """Within the block, every parameter of the model holds its full value in the compute
+        dtype, for reading: stage 3 gathers them all (collective; do not run forward inside the
+        block, which frees them again) and frees them on exit; other stages always hold them.
+        ``model.state_dict()`` works inside the block.  For fp32 masters use :meth:`save` and
+        :func:`psrt.zero.consolidate`."""
         if self.gatherer is None:
             yield
             return
         for index in range(len(self.gatherer.units)):
             self.gatherer.gather(index)
+        self._state_dict_allowed = True
         try:
             yield
         finally:
+            self._state_dict_allowed = False
             self.gatherer.release_all()
+
+    def unsharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` entries that ZeRO does not manage: buffers and frozen
+        parameters (the same on every rank)."""
+        managed = set(self.param_names)
+        allowed, self._state_dict_allowed = self._state_dict_allowed, True
+        try:  # the sharded entries are dropped unread, so stage 3 need not gather them
+            entries = self.model.state_dict()
+        finally:
+            self._state_dict_allowed = allowed
+        return {name: tensor for name, tensor in entries.items() if name not in managed}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now in parameters, gradients and optimizer state (fp32 masters
@@ -198,20 +232,27 @@ class ZeroOptimizer:
         from psrt.zero.memory import report
         return report(self)
 
+    def _refuse_sharded_state_dict(self, module, prefix, keep_vars) -> None:
+        """Stage 3 state_dict pre-hook: outside a forward/backward the parameters hold no values."""
+        if not self._state_dict_allowed:
+            raise InvalidArgumentError(
+                "ZeRO stage 3: the model's parameters are sharded and hold no values outside their module's "
+                "forward and backward; call state_dict() inside `with opt.gathered_parameters():`, or save "
+                "with opt.save() and consolidate (psrt zero-to-full)")
+
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
-        """Post-accumulate hook (stages 2 and 3): reduce a group once its last gradient is in."""
+        """Post-accumulate hook (stages 2 and 3): once a group's last gradient is in, reduce it
+        (with ``overlap``) and, in stage 3, free its parameters."""
         if not self._end_of_backward_queued:
             self._end_of_backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         group = self._group_of[id(param)]
         self._ready[id(group)] += 1
-        if self.overlap and self._ready[id(group)] == len(group.params):
-            self._start(group)
-
-    def _start(self, group: ShardedGroup) -> None:
-        self._in_flight[id(group)] = (group, group.start_reduction())
-        if self.gatherer is not None:
-            group.release()
+        if self._ready[id(group)] == len(group.params):
+            if self.overlap:
+                self._in_flight[id(group)] = (group, group.start_reduction())
+            if self.gatherer is not None:
+                group.release()
 
     def _end_of_backward(self) -> None:
         """Every group is reduced exactly once per backward, with zeros for parameters that got
@@ -219,7 +260,7 @@ class ZeroOptimizer:
         self._end_of_backward_queued = False
         for group in self.groups:
             if id(group) not in self._in_flight:
-                self._start(group)
+                self._in_flight[id(group)] = (group, group.start_reduction())
             self._ready[id(group)] = 0
         self._wait_reductions()
         if self.gatherer is not None:
@@ -232,17 +273,16 @@ class ZeroOptimizer:
 
     def _prepare_master_gradients(self) -> bool:
         """Reduce, hand the shard gradients to the master copies and unscale them, once per step;
-        False if the loss scaler found an overflow (the step must be skipped)."""
-        if self._prepared:
-            return True
+        False if the loss scaler found an overflow on some rank (the step must be skipped)."""
+        if self._step_ok is not None:
+            return self._step_ok
         self.synchronize()
         for group in self.groups:
             if group.grad is not None:
                 group.master.grad = group.grad if group.master is group.shard else group.grad.to(group.master.dtype)
         masters = [group.master.grad for group in self.groups if group.master.grad is not None]
-        if not self.loss_scaler.unscale_(masters):
+        self._step_ok = self.loss_scaler.unscale_(masters)
+        if not self._step_ok:
             warnings.warn(f"ZeRO: gradients overflowed; step skipped, loss scale lowered to "
                           f"{self.loss_scaler.value:g}")
-            return False
-        self._prepared = True
-        return True
+        return self._step_ok

@@ -98,19 +98,9 @@ class Partition:
                 pieces.append(Piece(param, first - offset, last - offset, first - start))
         return pieces
 
-    def group_of(self, param: int) -> tuple[int, int]:
-        """(group index, flat offset) of a parameter."""
-        for index, flat in enumerate(self.groups):
-            if param in flat.params:
-                return index, flat.offsets[flat.params.index(param)]
-        raise KeyError(param)
-
     def shard_numel(self) -> int:
         """Elements each shard holds over all groups (padding included)."""
         return sum(flat.shard_numel for flat in self.groups)
-
-    def total_numel(self) -> int:
-        return sum(info.numel for info in self.params)
 
 
 def expected_bytes(stage: int, num_params: int, world: int, *, param_bytes: int, grad_bytes: int,

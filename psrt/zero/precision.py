@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from psrt.errors import InvalidArgumentError
 from psrt.topology import ProcessSet
 from psrt.zero import comm
 
@@ -19,6 +20,7 @@ class LossScaler:
                  growth_interval: int = 2000) -> None:
         self.value, self.dynamic, self.process_set = float(value), dynamic, process_set
         self.growth_interval, self._good_steps = growth_interval, 0
+        self._applied = False  # scale() was called since the last step: gradients carry the scale
 
     @classmethod
     def create(cls, loss_scale: float | str | None, compute_dtype: torch.dtype | None,
@@ -29,29 +31,31 @@ class LossScaler:
         if loss_scale == "dynamic":
             return cls(2.0 ** 16, True, process_set)
         if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale > 0:
-            raise ValueError(f"loss_scale must be None, 'dynamic' or a positive number, got {loss_scale!r}")
+            raise InvalidArgumentError(f"loss_scale must be None, 'dynamic' or a positive number, got {loss_scale!r}")
         return cls(loss_scale, False, process_set)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        self._applied = True
         return loss * self.value if self.value != 1.0 else loss
 
     def unscale_(self, grads: list[torch.Tensor]) -> bool:
-        """Divide ``grads`` by the scale; False (and a lower scale) if a dynamic scaler found an
-        overflow on any rank."""
+        """Divide ``grads`` by the scale if :meth:`scale` was used for them; False (and a lower
+        scale) if a dynamic scaler found an inf or NaN on any rank."""
         if self.dynamic:
             overflow = any(not torch.isfinite(grad).all() for grad in grads)
             if comm.any_rank(overflow, "zero.overflow", self.process_set):
                 self.value /= 2.0
                 self._good_steps = 0
                 return False
-        if self.value != 1.0:
+        if self._applied and self.value != 1.0:
             for grad in grads:
                 grad.div_(self.value)
         return True
 
-    def update(self) -> None:
-        """After a step that was taken: grow the scale after enough good steps in a row."""
-        if self.dynamic:
+    def finish_step(self, taken: bool) -> None:
+        """After a step (taken or skipped): grow the scale after enough good steps in a row."""
+        self._applied = False
+        if self.dynamic and taken:
             self._good_steps += 1
             if self._good_steps == self.growth_interval:
                 self.value *= 2.0

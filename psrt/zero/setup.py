@@ -38,10 +38,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def plan_layout(model: torch.nn.Module, optimizer_class: type, *, stage: int, process_set: ProcessSet,
-                compute_dtype: torch.dtype | None, reduce_bucket_size: int, allgather_bucket_size: int,
-                overlap: bool) -> Layout:
-    _check_arguments(model, optimizer_class, stage, compute_dtype, reduce_bucket_size,
+def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs: dict, *, stage: int,
+                process_set: ProcessSet, compute_dtype: torch.dtype | None, reduce_bucket_size: int,
+                allgather_bucket_size: int, overlap: bool) -> Layout:
+    """Check the arguments, then (one collective) that every rank wraps the same model; nothing
+    is changed yet, so an error leaves the model as it was."""
+    _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dtype, reduce_bucket_size,
                      allgather_bucket_size, overlap)
     named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
     if not named:
@@ -57,7 +59,7 @@ def plan_layout(model: torch.nn.Module, optimizer_class: type, *, stage: int, pr
         units = _units(model, params, names)
         groups = [group for _, module_groups in units for group in module_groups]
     else:
-        groups = _buckets(params, reduce_bucket_size, compute_dtype)
+        groups = _buckets(params, reduce_bucket_size)
     _check_same_on_every_rank(infos, params, process_set)
     num_shards = 1 if stage == 0 else process_set.size()
     partition = Partition.build(infos, groups, num_shards)
@@ -68,7 +70,7 @@ def plan_layout(model: torch.nn.Module, optimizer_class: type, *, stage: int, pr
     return Layout(params, names, partition, 0 if stage == 0 else process_set.rank(), unit_groups)
 
 
-def _check_arguments(model, optimizer_class, stage, compute_dtype, reduce_bucket_size,
+def _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dtype, reduce_bucket_size,
                      allgather_bucket_size, overlap) -> None:
     if isinstance(stage, bool) or stage not in STAGES:
         raise InvalidArgumentError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -86,10 +88,14 @@ def _check_arguments(model, optimizer_class, stage, compute_dtype, reduce_bucket
             raise InvalidArgumentError(f"{what} must be a positive int (elements), got {value!r}")
     if not isinstance(overlap, bool):
         raise ArgumentTypeError(f"overlap must be a bool, got {overlap!r}")
+    try:  # the optimizer's own argument checks, on a stand-in parameter
+        optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{optimizer_class.__name__}(params, **{optimizer_kwargs!r}) is refused: "
+                                   f"{exc}") from exc
 
 
-def _buckets(params: list[torch.nn.Parameter], bucket_elements: int,
-             compute_dtype: torch.dtype | None) -> list[list[int]]:
+def _buckets(params: list[torch.nn.Parameter], bucket_elements: int) -> list[list[int]]:
     """Gradient buckets in the order backward produces them (reverse registration), as
     DistributedOptimizer plans them; each bucket's parameters in registration order."""
     last = len(params) - 1

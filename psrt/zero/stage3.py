@@ -36,12 +36,10 @@ class ParameterGatherer:
         self.order: list[int] = []          # forward order, recorded during the first forward
         self._recording = True
         self.peak_gathered_bytes = 0
-        self._handles = []
         for index, unit in enumerate(units):
-            self._handles.append(unit.module.register_forward_pre_hook(
-                lambda module, args, index=index: self._before_forward(index)))
-            self._handles.append(unit.module.register_forward_hook(
-                lambda module, args, output, index=index: self._after_forward(index, output)))
+            unit.module.register_forward_pre_hook(lambda module, args, index=index: self._before_forward(index))
+            unit.module.register_forward_hook(
+                lambda module, args, output, index=index: self._after_forward(index, output))
 
     def gather(self, index: int) -> None:
         for group in self.units[index].groups:
@@ -100,7 +98,3 @@ class ParameterGatherer:
     def _before_backward(self, index: int) -> None:
         self.gather(index)
         self.prefetch(self._next(index, -1))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()

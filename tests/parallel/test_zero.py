@@ -17,6 +17,7 @@ pytestmark = pytest.mark.parallel
 MATCH = [f"match/stage{stage}/{optimizer}/accumulate{accumulation}" for stage in (0, 1, 2, 3)
          for optimizer in ("sgd", "sgd_momentum", "adam") for accumulation in (1, 3)]
 OTHER = ["clip/norm_2", "clip/norm_inf", "memory/follows_the_formulas", "memory/stage3_gathers_only_what_runs",
+         "recovery/a_backward_that_raised_leaves_no_trace",
          "precision/bf16_tracks_the_fp32_reference", "precision/fp16_overflow_skips_the_step_everywhere",
          "errors/bad_arguments", "errors/parameters_differ_across_ranks", "errors/tied_parameters_in_stage_3"]
 FOUR_RANKS_ONLY = ["process_sets/two_sets_train_independently"]
@@ -50,7 +51,8 @@ def checkpoints(tmp_path_factory):
 
 def test_checkpoint_saved_at_4_ranks_consolidates_to_the_live_model_and_the_reference(checkpoints):
     root, report = checkpoints
-    report.assert_complete(["save/stage1", "save/stage2", "save/stage3", "load/refuses_mismatched_checkpoints"])
+    report.assert_complete(["save/stage1", "save/stage2", "save/stage3", "load/refuses_mismatched_checkpoints",
+                            "load/two_ranks_save_four_load", "load/fp16_loss_scale_survives_a_resume"])
 
 
 def test_checkpoint_loaded_at_2_ranks_continues_like_the_uninterrupted_reference(checkpoints):

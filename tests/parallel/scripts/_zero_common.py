@@ -59,16 +59,16 @@ def reference_step(model, optimizer, key: str, step: int, accumulation: int, dty
 
 def shard_slices(zero: ZeroOptimizer):
     """(group tensor index, shard slice, parameter index, parameter slice) for this rank's shards."""
-    shard = zero.process_set.rank() if zero.partition.num_shards > 1 else 0
     for g in range(len(zero.groups)):
-        for piece in zero.partition.pieces(g, shard):
+        for piece in zero.partition.pieces(g, zero.shard_index):
             yield g, slice(piece.shard_offset, piece.shard_offset + piece.stop - piece.start), \
                 piece.param, slice(piece.start, piece.stop)
 
 
 def assert_shards_match(zero: ZeroOptimizer, reference: torch.nn.Module, reference_optimizer, what: str,
                         rtol: float, atol: float) -> None:
-    """Each shard's gradient (if present) and optimizer state against the matching slice of the reference."""
+    """Each shard's master values, reduced gradient (if present) and optimizer state against the
+    matching slice of the reference."""
     ref_params = list(reference.parameters())
     for g, shard_part, param, param_part in shard_slices(zero):
         name = zero.param_names[param]
@@ -76,9 +76,10 @@ def assert_shards_match(zero: ZeroOptimizer, reference: torch.nn.Module, referen
         want_param = ref_params[param].detach().reshape(-1)[param_part]
         torch.testing.assert_close(master.detach()[shard_part], want_param.to(master.dtype), rtol=rtol, atol=atol,
                                    msg=lambda m: f"{what}: master of {name}: {m}")
-        if master.grad is not None:
+        reduced = zero.groups[g].grad  # this rank's averaged gradient shard, once reduced
+        if reduced is not None:
             want = ref_params[param].grad.reshape(-1)[param_part]
-            torch.testing.assert_close(master.grad[shard_part], want, rtol=rtol, atol=atol,
+            torch.testing.assert_close(reduced[shard_part], want.to(reduced.dtype), rtol=rtol, atol=atol,
                                        msg=lambda m: f"{what}: gradient of {name}: {m}")
         state = zero.optimizer.state.get(master, {})
         for key, value in reference_optimizer.state.get(ref_params[param], {}).items():

@@ -108,19 +108,46 @@ def check_memory_follows_the_formulas(key: str) -> None:
 
 
 def check_stage3_gathers_only_what_runs(key: str) -> None:
-    """With a prefetch budget of one element, at most the running layer and the next are gathered."""
-    model = wide_net(torch.float64)
-    layer_bytes = (63 * 63 + 63) * 8
-    zero = ZeroOptimizer(model, torch.optim.SGD, stage=3, allgather_bucket_size=1, lr=0.1)
-    x = torch.randn(4, 63, dtype=torch.float64)
-    for _ in range(2):
-        model(x).pow(2).mean().backward()
+    """With a prefetch budget of one element, at most the running layer and the next are gathered,
+    whether or not reductions overlap backward; outside forward and backward nothing is."""
+    for overlap in (True, False):
+        model = wide_net(torch.float64)
+        layer_bytes = (63 * 63 + 63) * 8
+        zero = ZeroOptimizer(model, torch.optim.SGD, stage=3, allgather_bucket_size=1, overlap=overlap, lr=0.1)
+        x = torch.randn(4, 63, dtype=torch.float64)
+        for _ in range(2):
+            model(x).pow(2).mean().backward()
+            zero.step()
+        peak, shards = zero.gatherer.peak_gathered_bytes, zero.memory_report()["params"]
+        padded_layer = -(-(63 * 63 + 63) // hvd.size()) * hvd.size() * 8
+        assert peak <= 2 * padded_layer, f"overlap={overlap}: peak gathered {peak} bytes > two layers"
+        assert peak >= layer_bytes, f"overlap={overlap}: peak gathered {peak} bytes < one layer: nothing measured"
+        assert shards <= 6 * padded_layer // hvd.size(), f"overlap={overlap}: {shards} bytes held after the step"
+        expect_raises(InvalidArgumentError, model.state_dict, "parameters are sharded", "state_dict outside")
+        with zero.gathered_parameters():
+            assert len(model.state_dict()) == 12, "state_dict inside gathered_parameters()"
+
+
+def check_a_backward_that_raised_leaves_no_trace(key: str) -> None:
+    """A backward that fails halfway (after the last layer's gradients, before the first's), then
+    zero_grad() and a normal step: the same as the reference's normal step."""
+    for stage in (1, 2, 3):
+        model, reference = ZNet(key), ZNet(key)
+        zero = ZeroOptimizer(model, torch.optim.SGD, stage=stage, reduce_bucket_size=BUCKET, lr=0.1)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        x, y = batch(key, 0, 0)
+        hidden = torch.tanh(model.middle(torch.tanh(model.first(mine(x)))))
+        hidden.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("planted failure")))
+        try:
+            torch.nn.functional.mse_loss(model.last(hidden), mine(y)).backward()
+            raise AssertionError("the planted failure did not fire")
+        except RuntimeError as exc:
+            assert "planted failure" in str(exc), exc
+        zero.zero_grad()
+        loss_of(model, mine(x), mine(y), 1).backward()
         zero.step()
-    peak, shards = zero.gatherer.peak_gathered_bytes, zero.memory_report()["params"]
-    padded_layer = -(-(63 * 63 + 63) // hvd.size()) * hvd.size() * 8
-    assert peak <= 2 * padded_layer, f"peak gathered {peak} bytes > two layers ({2 * padded_layer})"
-    assert peak >= layer_bytes, f"peak gathered {peak} bytes < one layer: nothing was measured"
-    assert shards <= 6 * padded_layer // hvd.size(), f"{shards} bytes of shards held after the step"
+        reference_step(reference, reference_optimizer, key, 0, 1)
+        assert_model_matches(zero, reference, f"stage {stage} after a failed backward", **TIGHT)
 
 
 def check_bf16_tracks_the_fp32_reference(key: str) -> None:
@@ -169,6 +196,10 @@ def check_fp16_overflow_skips_the_step_everywhere(key: str) -> None:
 
 
 def check_bad_arguments_raise_before_communicating(key: str) -> None:
+    """Rank 0 alone: an argument error that came after a collective would hang it (the others
+    never join), and the watchdog would report the hang."""
+    if hvd.rank() != 0:
+        return
     model = ZNet(key)
     for stage in (4, -1, True, "2"):
         expect_raises(InvalidArgumentError, lambda s=stage: ZeroOptimizer(model, torch.optim.SGD, stage=s, lr=0.1),
@@ -182,6 +213,14 @@ def check_bad_arguments_raise_before_communicating(key: str) -> None:
                   "reduce_bucket_size", "bucket size")
     expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(torch.nn.ReLU(), torch.optim.SGD, lr=0.1),
                   "no trainable parameters", "empty model")
+    expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(model, torch.optim.SGD, lr=-1.0),
+                  "Invalid learning rate", "negative learning rate")
+    expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(model, torch.optim.Adam, lr=0.1, momentum=0.9),
+                  "unexpected keyword argument 'momentum'", "unknown hyperparameter")
+    expect_raises(InvalidArgumentError, lambda: ZeroOptimizer(model, torch.optim.SGD, lr=0.1, loss_scale=-2),
+                  "loss_scale must be", "negative loss scale")
+    assert all(p.dtype == torch.float64 and p.untyped_storage().nbytes() > 0 for p in model.parameters()), \
+        "a refused wrap changed the model"
 
 
 def check_parameters_that_differ_across_ranks_are_refused(key: str) -> None:
@@ -241,6 +280,7 @@ def main() -> None:
     checks.add("clip/norm_inf", check_clipping_matches_torch, float("inf"))
     checks.add("memory/follows_the_formulas", check_memory_follows_the_formulas)
     checks.add("memory/stage3_gathers_only_what_runs", check_stage3_gathers_only_what_runs)
+    checks.add("recovery/a_backward_that_raised_leaves_no_trace", check_a_backward_that_raised_leaves_no_trace)
     checks.add("precision/bf16_tracks_the_fp32_reference", check_bf16_tracks_the_fp32_reference)
     checks.add("precision/fp16_overflow_skips_the_step_everywhere", check_fp16_overflow_skips_the_step_everywhere)
     checks.add("errors/bad_arguments", check_bad_arguments_raise_before_communicating)

@@ -3,13 +3,15 @@
 ``zero_resume.py save DIR`` (4 ranks): trains each stage for SAVED_STEPS steps, saves into
 DIR/stage<S>, and checks that the consolidated checkpoint equals the live model and the
 single-process reference; a checkpoint of another model or stage, or an incomplete one, is
-refused.  ``zero_resume.py load DIR`` (2 ranks): loads each into a differently initialised
+refused; ranks 0-1 save over their own process set and all four load (2 -> 4); the fp16
+loss scale comes back.  ``zero_resume.py load DIR`` (2 ranks): loads each into a differently initialised
 model and continues; the result equals the reference trained without interruption.
 The global batch is the same whatever the rank count.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import torch
@@ -17,6 +19,7 @@ import torch
 import psrt.torch as hvd
 from psrt.errors import InvalidArgumentError
 from psrt.zero import ZeroOptimizer, consolidate
+from psrt.zero.checkpoint import shard_file
 
 import _harness
 from _training_common import expect_raises, randn
@@ -33,16 +36,16 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return randn(KEY, (GLOBAL_ROWS, 5), "x", step), randn(KEY, (GLOBAL_ROWS, 3), "y", step)
 
 
-def rows() -> slice:
-    per_rank = GLOBAL_ROWS // hvd.size()
-    return slice(hvd.rank() * per_rank, (hvd.rank() + 1) * per_rank)
+def rows(process_set) -> slice:
+    per_rank = GLOBAL_ROWS // process_set.size()
+    return slice(process_set.rank() * per_rank, (process_set.rank() + 1) * per_rank)
 
 
-def train(model, optimizer, steps: range, distributed: bool) -> None:
+def train(model, optimizer, steps: range, distributed: bool, process_set=hvd.global_process_set) -> None:
     for step in steps:
         x, y = global_batch(step)
         if distributed:
-            x, y = x[rows()], y[rows()]
+            x, y = x[rows(process_set)], y[rows(process_set)]
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
@@ -86,6 +89,37 @@ def check_load_continues_like_the_reference(name: str, directory: str, stage: in
     assert_model_matches(zero, ref_model, f"stage {stage} resumed", **TIGHT)
 
 
+def check_two_ranks_save_and_four_load(name: str, root: str) -> None:
+    """N < M: ranks 0 and 1 train and save over their own process set; all four ranks load."""
+    pair = hvd.add_process_set([0, 1])
+    directory = os.path.join(root, "pair")
+    if hvd.rank() < 2:
+        model = ZNet(KEY)
+        zero = ZeroOptimizer(model, torch.optim.AdamW, stage=2, process_set=pair, reduce_bucket_size=200, **ADAM)
+        train(model, zero, range(SAVED_STEPS), distributed=True, process_set=pair)
+        zero.save(directory, extra={"step": SAVED_STEPS})
+    hvd.barrier()
+    hvd.remove_process_set(pair)
+    model = ZNet(KEY + "/fresh")
+    zero = ZeroOptimizer(model, torch.optim.AdamW, stage=2, reduce_bucket_size=100, **ADAM)
+    assert zero.load(directory) == {"step": SAVED_STEPS}
+    train(model, zero, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS), distributed=True)
+    ref_model, ref_optimizer = reference(SAVED_STEPS + MORE_STEPS)
+    assert_shards_match(zero, ref_model, ref_optimizer, "2 -> 4 ranks", **TIGHT)
+    assert_model_matches(zero, ref_model, "2 -> 4 ranks", **TIGHT)
+
+
+def check_fp16_loss_scale_survives_a_resume(name: str, root: str) -> None:
+    model = ZNet(KEY, torch.float32)
+    zero = ZeroOptimizer(model, torch.optim.SGD, stage=1, compute_dtype=torch.float16, lr=0.1)
+    zero.loss_scaler.value, zero.loss_scaler._good_steps = 512.0, 17
+    zero.save(os.path.join(root, "fp16"))
+    again = ZeroOptimizer(ZNet(KEY, torch.float32), torch.optim.SGD, stage=1, compute_dtype=torch.float16, lr=0.1)
+    again.load(os.path.join(root, "fp16"))
+    assert (again.loss_scaler.value, again.loss_scaler._good_steps) == (512.0, 17), again.loss_scaler.state_dict()
+    assert all(p.dtype == torch.float16 for p in again.model.parameters()), "loaded model not in float16"
+
+
 def check_mismatched_checkpoints_are_refused(name: str, root: str) -> None:
     torch.manual_seed(0)
     other_model = torch.nn.Sequential(torch.nn.Linear(5, 9, bias=False), torch.nn.Linear(9, 54)).double()
@@ -100,6 +134,14 @@ def check_mismatched_checkpoints_are_refused(name: str, root: str) -> None:
                   "holds torch.optim.adamw.AdamW state", "other optimizer")
     expect_raises(InvalidArgumentError, lambda: zero.load(os.path.join(root, "missing")),
                   "zero_meta.json is missing", "no checkpoint")
+    zero = ZeroOptimizer(ZNet(KEY), torch.optim.AdamW, stage=2, **ADAM)
+    for again in ("again-a", "again-b"):
+        zero.save(os.path.join(root, again))
+    if hvd.rank() == 0:  # a directory with one shard from the other save
+        shutil.copy(shard_file(os.path.join(root, "again-b"), 1), shard_file(os.path.join(root, "again-a"), 1))
+    hvd.barrier()
+    expect_raises(InvalidArgumentError, lambda: zero.load(os.path.join(root, "again-a")),
+                  "belongs to another save", "mixed saves")
 
 
 def main() -> None:
@@ -114,6 +156,8 @@ def main() -> None:
             checks.add(f"load/stage{stage}", check_load_continues_like_the_reference, directory, stage)
     if action == "save":
         checks.add("load/refuses_mismatched_checkpoints", check_mismatched_checkpoints_are_refused, root)
+        checks.add("load/two_ranks_save_four_load", check_two_ranks_save_and_four_load, root)
+        checks.add("load/fp16_loss_scale_survives_a_resume", check_fp16_loss_scale_survives_a_resume, root)
     _harness.run(checks)
     hvd.shutdown()
 
