@@ -54,6 +54,15 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
     return hvd.allreduce(torch.tensor(total / steps), name="train_loss").item()
 
 
+def train_epochs(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                 steps: int, args: argparse.Namespace, description: str) -> None:
+    """``args.epochs`` epochs, with a progress bar showing the loss on rank 0."""
+    with tqdm(range(args.epochs), desc=description, unit="epoch", disable=hvd.rank() != 0) as epochs:
+        for _ in epochs:
+            loss = train_epoch(model, optimizer, x, y, steps, args.batch_size)
+            epochs.set_postfix(loss=f"{loss:.4f}")
+
+
 @torch.no_grad()
 def test_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Accuracy over the whole test set: each rank scores its shard, the counts are summed."""
@@ -96,11 +105,7 @@ def main() -> None:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
-    with tqdm(range(args.epochs), desc=f"training on {hvd.size()} rank(s)", unit="epoch",
-              disable=hvd.rank() != 0) as epochs:
-        for _ in epochs:
-            loss = train_epoch(model, optimizer, x_mine, y_mine, steps, args.batch_size)
-            epochs.set_postfix(loss=f"{loss:.4f}")
+    train_epochs(model, optimizer, x_mine, y_mine, steps, args, f"training on {hvd.size()} rank(s)")
 
     accuracy = test_accuracy(model, x_test, y_test)
     if hvd.rank() == 0:

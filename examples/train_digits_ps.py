@@ -17,12 +17,11 @@ import argparse
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 import psrt.ps
 import psrt.torch as hvd
 # The data, the model and an epoch's loop are the allreduce example's: only the optimizer differs.
-from train_digits import load_data, make_model, train_epoch
+from train_digits import load_data, make_model, train_epochs
 
 MODES = ("sync", "async", "bounded")
 
@@ -57,11 +56,7 @@ def train(mode: str, args: argparse.Namespace, data: tuple[torch.Tensor, ...]) -
     optimizer = psrt.ps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), mode=mode,
                                              max_staleness=args.max_staleness if mode == "bounded" else None)
 
-    with tqdm(range(args.epochs), desc=f"{mode}: training on {hvd.size()} worker(s)", unit="epoch",
-              disable=hvd.rank() != 0) as epochs:
-        for _ in epochs:
-            loss = train_epoch(model, optimizer, x_mine, y_mine, steps, args.batch_size)
-            epochs.set_postfix(loss=f"{loss:.4f}")
+    train_epochs(model, optimizer, x_mine, y_mine, steps, args, f"{mode}: training on {hvd.size()} worker(s)")
     return test_accuracy(model, x_test, y_test)
 
 

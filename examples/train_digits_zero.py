@@ -15,11 +15,10 @@ import argparse
 import tempfile
 
 import torch
-from tqdm import tqdm
 
 import psrt.torch as hvd
 from psrt.zero import ZeroOptimizer, consolidate
-from train_digits import load_data, make_model, test_accuracy, train_epoch
+from train_digits import load_data, make_model, test_accuracy, train_epochs
 
 
 def train(stage: int, args: argparse.Namespace, data: tuple[torch.Tensor, ...], directory: str) -> str:
@@ -33,11 +32,7 @@ def train(stage: int, args: argparse.Namespace, data: tuple[torch.Tensor, ...], 
     model = make_model()
     optimizer = ZeroOptimizer(model, torch.optim.Adam, stage=stage, lr=args.lr)
     torch.manual_seed(args.seed + 1 + hvd.rank())
-    with tqdm(range(args.epochs), desc=f"stage {stage}: training on {hvd.size()} rank(s)", unit="epoch",
-              disable=hvd.rank() != 0) as epochs:
-        for _ in epochs:
-            loss = train_epoch(model, optimizer, x_mine, y_mine, steps, args.batch_size)
-            epochs.set_postfix(loss=f"{loss:.4f}")
+    train_epochs(model, optimizer, x_mine, y_mine, steps, args, f"stage {stage}: training on {hvd.size()} rank(s)")
     accuracy = test_accuracy(model, x_test, y_test)
     state_bytes = optimizer.memory_report()["optimizer"]
     optimizer.save(f"{directory}/stage{stage}", extra={"epochs": args.epochs})
