@@ -27,6 +27,10 @@ Step time: the modes take turns; each round gives every mode 2 untimed steps and
 window of ``--steps`` steps timed after a barrier, taking the slowest rank.  The figure is
 the median over ``--rounds`` rounds, and ``vs dp`` divides it by dp's.  Rank 0 prints a
 table and one JSON line.  Nothing is asserted.
+
+``--adam-sizes`` instead times torch's Adam step (one thread, rank 0 alone) on the same
+6.3 M elements cut into tensors of different sizes, which is what sets ZeRO's default
+bucket size on CPU: every bucket is one tensor for the optimizer.
 """
 from __future__ import annotations
 
@@ -80,6 +84,24 @@ def slowest(seconds: float) -> float:
     return float(hvd.allreduce(torch.tensor([seconds]), op=hvd.Max, name="bench.zero.time"))
 
 
+def adam_step_by_tensor_size(numel: int = 6_300_000, rounds: int = 15) -> dict[str, float]:
+    """Median seconds of one Adam step over ``numel`` elements held in tensors of each size."""
+    optimizers = {}
+    for size in (numel, 5_000_000, 1_000_000, 250_000):
+        sizes = [size] * (numel // size) + ([numel % size] if numel % size else [])
+        tensors = [torch.zeros(n, requires_grad=True) for n in sizes]
+        for tensor in tensors:
+            tensor.grad = torch.randn(tensor.numel())
+        optimizers[f"{size / 1e6:g}M"] = torch.optim.Adam(tensors, lr=1e-3)
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for _ in range(rounds):  # the sizes take turns
+        for name, optimizer in optimizers.items():
+            start = time.perf_counter()
+            optimizer.step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values[3:]) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
@@ -88,9 +110,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="dp is always included")
     parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--adam-sizes", action="store_true", help="only time Adam by tensor size (rank 0)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
+    if args.adam_sizes:
+        if hvd.rank() == 0:
+            medians = adam_step_by_tensor_size()
+            print("| tensor size | Adam step ms (6.3 M elements) |\n| --- | --- |")
+            for name, seconds in medians.items():
+                print(f"| {name} | {seconds * 1e3:.1f} |")
+            print(json.dumps({"benchmark": "zero.adam_sizes", "seconds": medians}))
+        return
     dtype = None if args.compute_dtype == "float32" else torch.bfloat16
     modes = ["dp"] + [mode for mode in args.modes if mode != "dp"]
     setups = {mode: build(mode, args, dtype) for mode in modes}
