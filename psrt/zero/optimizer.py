@@ -36,8 +36,8 @@ from psrt.zero.stage3 import ParameterGatherer, Unit
 #: Elements per gradient bucket: one reduce-scatter in stages 1-2 (and one all-gather of the
 #: updated shards after the step), one allreduce in stage 0; DeepSpeed counts bucket sizes in
 #: elements too.  One million elements (4 MB in fp32): each bucket is also one tensor for the
-#: optimizer, and on CPU torch's Adam runs at half speed on 5M-element tensors
-#: (benchmarks/RESULTS.md).
+#: optimizer, and on CPU torch's Adam ran up to 2x slower on 5M-element tensors than on
+#: 1M-element ones (benchmarks/RESULTS.md).
 REDUCE_BUCKET_SIZE = 1_000_000
 #: Stage 3: elements of parameters gathered ahead of the running module, in forward and
 #: backward order: DeepSpeed's prefetch bucket.  Modules are added until the budget is spent,
