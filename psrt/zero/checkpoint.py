@@ -230,8 +230,9 @@ def _restore(zero, full: dict) -> None:
                     restored[key][where] = state[piece.param][key].reshape(-1)[piece.start:piece.stop]
             if restored:
                 zero.optimizer.state[group.master] = restored
-            group.publish_local()
-            if not group.gathered_on_demand:
+            if group.gathered_on_demand:  # stage 3: the compute shard follows the master
+                group.publish_local()
+            else:  # the parameters view the whole group, this rank's shard included
                 for param, index in zip(group.params, flat.params):
                     param.copy_(full["model"][partition.params[index].name])
     for key, value in full["optimizer"]["param_groups"][0].items():

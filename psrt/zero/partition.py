@@ -98,10 +98,6 @@ class Partition:
                 pieces.append(Piece(param, first - offset, last - offset, first - start))
         return pieces
 
-    def shard_numel(self) -> int:
-        """Elements each shard holds over all groups (padding included)."""
-        return sum(flat.shard_numel for flat in self.groups)
-
 
 def expected_bytes(stage: int, num_params: int, world: int, *, param_bytes: int, grad_bytes: int,
                    optimizer_bytes: int) -> dict[str, float]:
