@@ -52,3 +52,9 @@ class EngineStoppedError(PsrtError, RuntimeError):
 class ParameterServerError(PsrtError, RuntimeError):
     """A parameter server refused or failed a worker's request (the message says which
     server, key and worker), or a consistency mode can no longer make progress."""
+
+
+class ScheduleError(PsrtError):
+    """A pipeline schedule breaks a property every rank relies on: a micro-batch
+    missing or repeated, a backward before its forward, a send without its receive,
+    or a deadlock.  The message names the rank, the action and what is wrong."""

@@ -139,6 +139,15 @@ class Topology:
                                   "on every rank first")
         return self._communicators[set_id]
 
+    def host_order(self) -> list[int]:
+        """World ranks sorted by host, then by rank on the host; collective over the world.
+
+        The process grid lays its axes out in this order so that the innermost axis
+        (tensor parallelism) stays on one host whatever ``--map-by`` placed where.
+        """
+        places = self._registry.allgather_object((self.cross.rank, self.local.rank))
+        return sorted(range(self.world.size), key=lambda rank: places[rank])
+
     def communicator_or_none(self, process_set: ProcessSet) -> Communicator | None:
         return self._registered(process_set)
 

@@ -1,0 +1,96 @@
+"""A tiny character-level GPT built from psrt's tensor-parallel layers, as a list of
+blocks a pipeline can cut: [embedding, transformer block × layers, head].
+
+With ``process_set=None`` the same code is the single-process reference model.
+The text is the source of Python's own ``textwrap`` module, so nothing needs a
+download.
+"""
+from __future__ import annotations
+
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from psrt import tp
+from psrt.topology import ProcessSet
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    sequence_length: int = 64
+    dim: int = 64
+    heads: int = 4
+    layers: int = 4
+    sequence_parallel: bool = False
+
+
+class Embedding(nn.Module):
+    """Token (vocab-parallel) plus position embeddings; with sequence parallelism each
+    rank leaves with its block of the sequence."""
+
+    def __init__(self, config: GPTConfig, process_set: ProcessSet | None) -> None:
+        super().__init__()
+        self.process_set, self.sequence_parallel = process_set, config.sequence_parallel
+        self.tokens = tp.VocabParallelEmbedding(config.vocab_size, config.dim, process_set=process_set,
+                                                sequence_parallel=config.sequence_parallel)
+        self.positions = nn.Embedding(config.sequence_length, config.dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.tokens(ids)
+        positions = self.positions.weight[:ids.shape[1]]
+        if self.sequence_parallel:
+            (weight,) = tp.sequence_parallel_parameters(self.process_set, self.positions.weight)
+            rows = hidden.shape[1]
+            start = rows * tp.comm.group_rank(self.process_set)
+            positions = weight[start:start + rows]
+        return hidden + positions
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the vocab-parallel output projection (logits stay split)."""
+
+    def __init__(self, config: GPTConfig, process_set: ProcessSet | None) -> None:
+        super().__init__()
+        options = dict(process_set=process_set, sequence_parallel=config.sequence_parallel)
+        self.norm = tp.LayerNorm(config.dim, **options)
+        self.out = tp.ColumnParallelLinear(config.dim, config.vocab_size, bias=False, pad_out_features=True,
+                                           **options)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(hidden))
+
+
+def build_blocks(config: GPTConfig, process_set: ProcessSet | None = None) -> list[nn.Module]:
+    """The model as a list of blocks; the same seed gives the same weights at any TP size."""
+    blocks: list[nn.Module] = [Embedding(config, process_set)]
+    for _ in range(config.layers):
+        blocks.append(tp.ParallelTransformerBlock(config.dim, config.heads, process_set=process_set,
+                                                  sequence_parallel=config.sequence_parallel))
+    blocks.append(Head(config, process_set))
+    return blocks
+
+
+def loss_function(config: GPTConfig, process_set: ProcessSet | None):
+    """Mean next-character cross-entropy on vocab-parallel logits."""
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return tp.vocab_parallel_cross_entropy(logits, targets, process_set, vocab_size=config.vocab_size)
+    return loss
+
+
+def corpus() -> tuple[torch.Tensor, list[str]]:
+    """The characters of Python's ``textwrap`` module as ids, and the alphabet."""
+    text = inspect.getsource(textwrap)
+    alphabet = sorted(set(text))
+    index = {ch: i for i, ch in enumerate(alphabet)}
+    return torch.tensor([index[ch] for ch in text], dtype=torch.long), alphabet
+
+
+def batch(data: torch.Tensor, rows: int, length: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` random windows of ``length`` characters, and the same windows shifted by one."""
+    starts = torch.randint(0, data.numel() - length - 1, (rows,), generator=generator)
+    windows = torch.stack([data[s:s + length + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,74 @@
+"""Activations and their gradients between neighbouring pipeline stages.
+
+Every message is a small header (message id, dtype, shape) on the host
+communicator followed by the payload on the transport for the tensor's device.
+The receiver allocates from the header, so it never needs to know shapes in
+advance, and checks the id against what its schedule expects next and, for
+gradients, the shape against the activation it sent: a disagreement between
+stages is an error naming both sides, never a truncated buffer or a hang.
+"""
+from __future__ import annotations
+
+import torch
+
+from psrt import runtime
+from psrt.comm.base import Communicator, Request, all_of
+from psrt.errors import CommunicationError
+from psrt.topology import ProcessSet
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_MAX_DIMS = 8
+FORWARD_TAG, BACKWARD_TAG = 11, 12
+
+
+def message_id(microbatch: int, stage: int) -> int:
+    """What a message carries, as one int: the micro-batch and the sending virtual stage."""
+    return microbatch * 1_000_000 + stage
+
+
+def describe_id(ident: int) -> str:
+    microbatch, stage = divmod(ident, 1_000_000)
+    return f"micro-batch {microbatch} from virtual stage {stage}"
+
+
+class StageLink:
+    """Sends and receives of one pipeline rank over the PP process set."""
+
+    def __init__(self, process_set: ProcessSet) -> None:
+        topology = runtime.current().topology
+        self._process_set = process_set
+        self._host = topology.communicator(process_set)
+        self._topology = topology
+
+    def _transport(self, device: torch.device) -> Communicator:
+        return self._topology.transport(self._process_set, device)
+
+    def send(self, tensor: torch.Tensor, dest: int, tag: int, ident: int) -> Request:
+        """Start sending ``tensor`` to set rank ``dest``; keep the request until it completes."""
+        if tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
+            raise CommunicationError(f"pipeline stages exchange floating-point tensors of at most {_MAX_DIMS} "
+                                     f"dimensions, got {tensor.dtype} of shape {tuple(tensor.shape)}")
+        payload = tensor.detach().contiguous()
+        shape = list(payload.shape) + [-1] * (_MAX_DIMS - payload.dim())
+        header = torch.tensor([ident, _DTYPES.index(payload.dtype), payload.dim(), *shape], dtype=torch.int64)
+        return all_of([self._host.isend(header, dest, tag), self._transport(payload.device).isend(payload, dest, tag)])
+
+    def recv(self, source: int, tag: int, ident: int, device: torch.device,
+             like: torch.Tensor | None = None) -> torch.Tensor:
+        """Receive the next message from set rank ``source``; it must be ``ident`` and, when
+        ``like`` is given, have its shape and dtype."""
+        header = torch.empty(3 + _MAX_DIMS, dtype=torch.int64)
+        self._host.recv(header, source, tag)
+        got, dtype_index, ndim, *dims = header.tolist()
+        shape, dtype = tuple(dims[:ndim]), _DTYPES[dtype_index]
+        if got != ident:
+            raise CommunicationError(f"pipeline rank {self._host.rank} expected {describe_id(ident)} but rank "
+                                     f"{source} sent {describe_id(got)}: the stages run different schedules")
+        if like is not None and (shape != tuple(like.shape) or dtype != like.dtype):
+            raise CommunicationError(
+                f"pipeline rank {self._host.rank}: the gradient of {describe_id(ident)} from rank {source} has "
+                f"shape {shape} ({dtype}) but the activation it belongs to has shape {tuple(like.shape)} "
+                f"({like.dtype})")
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        self._transport(device).recv(tensor, source, tag)
+        return tensor

@@ -1,0 +1,22 @@
+"""Tensor parallelism (Megatron-style): layers split over a TP process set, the autograd
+functions at the edges of their regions, sequence parallelism, and conversion to and
+from a full single-process ``state_dict``."""
+from psrt.tp.comm import CommStats, stats
+from psrt.tp.cross_entropy import vocab_parallel_cross_entropy
+from psrt.tp.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
+from psrt.tp.regions import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                             gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+                             reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+                             scatter_to_tensor_parallel_region, sequence_parallel_parameters)
+from psrt.tp.sharding import Sharding
+from psrt.tp.state import full_state_dict, load_full_state_dict
+from psrt.tp.transformer import ParallelMLP, ParallelSelfAttention, ParallelTransformerBlock
+
+__all__ = [
+    "ColumnParallelLinear", "CommStats", "LayerNorm", "ParallelMLP", "ParallelSelfAttention",
+    "ParallelTransformerBlock", "RowParallelLinear", "Sharding", "VocabParallelEmbedding",
+    "copy_to_tensor_parallel_region", "full_state_dict", "gather_from_sequence_parallel_region",
+    "gather_from_tensor_parallel_region", "load_full_state_dict", "reduce_from_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_parallel_region", "sequence_parallel_parameters", "stats", "vocab_parallel_cross_entropy",
+]
