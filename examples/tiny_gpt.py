@@ -14,8 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from psrt import tp
+import psrt.torch as hvd
+from psrt import pp, tp
+from psrt.grid import ProcessGrid
 from psrt.topology import ProcessSet
+from psrt.zero import ZeroOptimizer
 
 
 @dataclass(frozen=True)
@@ -94,3 +97,42 @@ def batch(data: torch.Tensor, rows: int, length: int, generator: torch.Generator
     starts = torch.randint(0, data.numel() - length - 1, (rows,), generator=generator)
     windows = torch.stack([data[s:s + length + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
+
+
+@dataclass
+class Trainer:
+    """One rank's share of the model, its pipeline and its data-parallel optimizer."""
+
+    grid: ProcessGrid
+    stage: pp.PipelineStage
+    pipeline: pp.Pipeline
+    optimizer: object
+
+
+def build_trainer(config: GPTConfig, grid: ProcessGrid, *, schedule: str = "1f1b", microbatches: int = 4,
+                  chunks: int = 1, zero: bool = False, lr: float = 3e-3, seed: int = 0) -> Trainer:
+    """The tiny GPT on ``grid``: TP layers over the TP set, stages over the PP set, and AdamW
+    data-parallel over the DP set (allreduce after the step's last backward, or ZeRO-1)."""
+    torch.manual_seed(seed)  # every rank draws the full model, then keeps its share
+    stage = pp.PipelineStage(build_blocks(config, grid.tp_set), grid.pp_set, chunks=chunks)
+    pipeline = pp.Pipeline(stage, loss_function(config, grid.tp_set), microbatches=microbatches,
+                           schedule=schedule)
+    if zero:
+        optimizer = ZeroOptimizer(stage, torch.optim.AdamW, stage=1, process_set=grid.dp_set, lr=lr)
+    else:
+        optimizer = hvd.DistributedOptimizer(torch.optim.AdamW(stage.parameters(), lr=lr),
+                                             named_parameters=stage.named_parameters(),
+                                             backward_passes_per_step=microbatches, process_set=grid.dp_set)
+    return Trainer(grid, stage, pipeline, optimizer)
+
+
+def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """One step on the global batch (each DP replica takes its rows); returns the global mean loss."""
+    grid = trainer.grid
+    rows = inputs.shape[0] // grid.shape.dp
+    mine = slice(grid.coords.dp * rows, (grid.coords.dp + 1) * rows)
+    loss = trainer.pipeline.step(inputs[mine] if grid.is_first_stage else None,
+                                 targets[mine] if grid.is_last_stage else None)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad()
+    return hvd.allreduce(loss.reshape(1), name="tiny_gpt.loss", process_set=grid.dp_set).item()

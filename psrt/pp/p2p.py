@@ -61,6 +61,10 @@ class StageLink:
         self._host.recv(header, source, tag)
         got, dtype_index, ndim, *dims = header.tolist()
         shape, dtype = tuple(dims[:ndim]), _DTYPES[dtype_index]
+        # the payload is taken off the link even when it is refused, so nothing is left behind
+        # for a later receive to match
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        self._transport(device).recv(tensor, source, tag)
         if got != ident:
             raise CommunicationError(f"pipeline rank {self._host.rank} expected {describe_id(ident)} but rank "
                                      f"{source} sent {describe_id(got)}: the stages run different schedules")
@@ -69,6 +73,4 @@ class StageLink:
                 f"pipeline rank {self._host.rank}: the gradient of {describe_id(ident)} from rank {source} has "
                 f"shape {shape} ({dtype}) but the activation it belongs to has shape {tuple(like.shape)} "
                 f"({like.dtype})")
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        self._transport(device).recv(tensor, source, tag)
         return tensor

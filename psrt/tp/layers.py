@@ -32,7 +32,8 @@ def _check_divisible(what: str, value: int, size: int) -> None:
         raise InvalidArgumentError(f"{what} ({value}) is not divisible by the tensor-parallel size ({size})")
 
 
-def _linear_init(out_features: int, in_features: int, bias: bool, **factory) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _linear_init(out_features: int, in_features: int, bias: bool,
+                 **factory) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The full weight and bias, drawn as ``nn.Linear`` draws them (same RNG calls)."""
     weight = torch.empty(out_features, in_features, **factory)
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))

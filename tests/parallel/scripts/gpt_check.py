@@ -1,0 +1,94 @@
+"""The tiny GPT on 4 ranks laid out as DP × TP × PP in several ways (with 1F1B, GPipe,
+interleaving, sequence parallelism and ZeRO-1 for the DP part) follows the same loss
+curve as one process training the same model on the same global batches, in float64,
+and ends with the same parameters.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch.nn import functional as F
+
+import _harness
+import psrt.torch as hvd
+from psrt import tp
+from psrt.grid import ProcessGrid
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
+from tiny_gpt import GPTConfig, batch, build_blocks, build_trainer, corpus, train_step  # noqa: E402
+
+STEPS, ROWS, LR, SEED = 4, 8, 1e-2, 3
+DATA, ALPHABET = corpus()
+
+
+def config(sequence_parallel: bool = False) -> GPTConfig:
+    return GPTConfig(vocab_size=len(ALPHABET), sequence_length=16, dim=16, heads=4, layers=2,
+                     sequence_parallel=sequence_parallel)
+
+
+def reference_run(cfg: GPTConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(*build_blocks(cfg))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    generator, losses = torch.Generator().manual_seed(SEED), []
+    for _ in range(STEPS):
+        inputs, targets = batch(DATA, ROWS, cfg.sequence_length, generator)
+        loss = F.cross_entropy(model(inputs).reshape(-1, cfg.vocab_size), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def check_follows_single_process(key: str, dp: int, tp_size: int, pp_size: int, schedule: str,
+                                 sequence_parallel: bool = False, zero: bool = False, chunks: int = 1) -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = config(sequence_parallel)
+        want_losses, want_state = reference_run(cfg)
+        grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size)
+        trainer = build_trainer(cfg, grid, schedule=schedule, microbatches=4 if schedule != "interleaved" else 2,
+                                chunks=chunks, zero=zero, lr=LR, seed=SEED)
+        generator, losses = torch.Generator().manual_seed(SEED), []
+        for _ in range(STEPS):
+            inputs, targets = batch(DATA, ROWS, cfg.sequence_length, generator)
+            losses.append(train_step(trainer, inputs, targets))
+        got_state = tp.full_state_dict(trainer.stage, grid.tp_set)
+        grid.free()
+    finally:
+        torch.set_default_dtype(previous)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-9, atol=1e-12,
+                               msg=lambda m: f"loss curve {losses} vs one process {want_losses}: {m}")
+    assert got_state, "this rank holds no parameters"
+    for name, value in got_state.items():
+        torch.testing.assert_close(value, want_state[name], rtol=1e-9, atol=1e-12,
+                                   msg=lambda m, n=name: f"{n} after {STEPS} steps: {m}")
+
+
+LAYOUTS = [
+    ("dp1_tp2_pp2/1f1b", 1, 2, 2, "1f1b", {}),
+    ("dp2_tp1_pp2/gpipe", 2, 1, 2, "gpipe", {}),
+    ("dp2_tp2_pp1/1f1b", 2, 2, 1, "1f1b", {}),
+    ("dp1_tp1_pp4/1f1b", 1, 1, 4, "1f1b", {}),
+    ("dp1_tp2_pp2/1f1b/sequence_parallel", 1, 2, 2, "1f1b", {"sequence_parallel": True}),
+    ("dp2_tp2_pp1/zero1", 2, 2, 1, "1f1b", {"zero": True}),
+    ("dp2_tp1_pp2/interleaved_v2", 2, 1, 2, "interleaved", {"chunks": 2}),
+]
+
+
+def main() -> None:
+    hvd.init()
+    checks = _harness.Checks()
+    for name, dp, tp_size, pp_size, schedule, options in LAYOUTS:
+        checks.add(f"gpt/{name}", check_follows_single_process, dp, tp_size, pp_size, schedule,
+                   *(options.get(k, d) for k, d in (("sequence_parallel", False), ("zero", False), ("chunks", 1))))
+    _harness.run(checks, check_timeout_s=60.0)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Pipeline parallelism over all ranks of the job (PP = 2 or 4): every schedule and
+micro-batch count (fewer, as many and more micro-batches than stages) against the
+unsplit model on the full batch in float64, the executor's in-flight counters,
+and bad inputs (mismatched micro-batches, disagreeing stages, wrong messages).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import _harness
+import psrt.torch as hvd
+from _training_common import expect_raises, randn
+from psrt import pp
+from psrt.errors import CommunicationError, InvalidArgumentError
+from psrt.grid import ProcessGrid
+from psrt.pp.p2p import BACKWARD_TAG, StageLink, message_id
+
+WIDTHS = [5, 9, 7, 8, 6, 9, 7, 4, 3]  # 8 blocks of uneven size
+ROWS = 24  # divisible by every micro-batch count used
+
+
+def blocks(key: str) -> list[nn.Module]:
+    made = []
+    for i, (width_in, width_out) in enumerate(zip(WIDTHS, WIDTHS[1:])):
+        layer = nn.Linear(width_in, width_out).double()
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                param.copy_(randn(key, param.shape, "init", i, name) * 0.5)
+        made.append(nn.Sequential(layer, nn.Tanh()) if i < len(WIDTHS) - 2 else layer)
+    return made
+
+
+def mse_sum(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum()
+
+
+def check_matches_unsplit_model(key: str, schedule: str, microbatches: int, chunks: int) -> None:
+    g = grid()
+    p, r = g.shape.pp, g.coords.pp
+    full = blocks(key)
+    reference = nn.Sequential(*blocks(key))
+    x, y = randn(key, (ROWS, WIDTHS[0]), "x"), randn(key, (ROWS, WIDTHS[-1]), "y")
+    ref_loss = mse_sum(reference(x), y)
+    ref_loss.backward()
+    stage = pp.PipelineStage(full, g.pp_set, chunks=chunks)
+    pipe = pp.Pipeline(stage, mse_sum, microbatches=microbatches, schedule=schedule, loss_reduction="sum")
+    loss = pipe.step(x if g.is_first_stage else None, y if g.is_last_stage else None)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"loss: {m}")
+    grads = {name: param.grad for name, param in reference.named_parameters()}
+    names = [name for name, _ in stage.named_parameters()]
+    assert names, "this stage holds no parameters"
+    for name, param in stage.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], rtol=1e-12, atol=1e-12,
+                                   msg=lambda m, n=name: f"gradient of {n}: {m}")
+    held = pipe.profile.in_flight
+    expected = {"gpipe": microbatches, "1f1b": min(p - r, microbatches)}.get(schedule, pp.in_flight(pipe.actions))
+    assert held == expected, f"stage {r} held {held} micro-batches at once, expected {expected}"
+    events = pipe.profile.events
+    assert len(events) == 2 * microbatches * chunks, f"{len(events)} compute events"
+    assert 0 < pipe.profile.compute <= pipe.profile.wall and pipe.profile.peak_activation_bytes > 0
+
+
+def check_mean_loss_matches_full_batch_mean(key: str) -> None:
+    g = grid()
+    reference = nn.Sequential(*blocks(key))
+    x, y = randn(key, (ROWS, WIDTHS[0]), "x"), randn(key, (ROWS, WIDTHS[-1]), "y")
+    ref_loss = nn.functional.mse_loss(reference(x), y)
+    ref_loss.backward()
+    stage = pp.PipelineStage(blocks(key), g.pp_set)
+    pipe = pp.Pipeline(stage, nn.functional.mse_loss, microbatches=4)
+    loss = pipe.step(x if g.is_first_stage else None, y if g.is_last_stage else None)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12)
+    grads = dict(reference.named_parameters())
+    for name, param in stage.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-12, atol=1e-12)
+
+
+def check_explicit_split(key: str) -> None:
+    g = grid()
+    p = g.shape.pp
+    counts = [1] * (p - 1) + [len(WIDTHS) - 1 - (p - 1)]
+    stage = pp.PipelineStage(blocks(key), g.pp_set, split=counts)
+    mine = [int(name) for name, _ in stage.named_children()]
+    start = sum(counts[:g.coords.pp])
+    assert mine == list(range(start, start + counts[g.coords.pp])), f"stage {g.coords.pp} holds blocks {mine}"
+
+
+def check_bad_inputs(key: str) -> None:
+    """Every stage raises the same error: the check happens in one exchange before any message."""
+    g = grid()
+    p = g.shape.pp
+    expect_raises(InvalidArgumentError, lambda: pp.PipelineStage(blocks(key)[:p - 1], g.pp_set),
+                  f"more pipeline stages ({p}) than blocks ({p - 1})", "too few blocks")
+    stage = pp.PipelineStage(blocks(key), g.pp_set)
+    x, y = randn(key, (10, WIDTHS[0]), "x"), randn(key, (10, WIDTHS[-1]), "y")
+    pipe = pp.Pipeline(stage, mse_sum, microbatches=4)
+
+    def step(inputs, targets, on=pipe):
+        return on.step(inputs if g.is_first_stage else None, targets if g.is_last_stage else None)
+
+    expect_raises(InvalidArgumentError, lambda: step(x, y), "a batch of 10 rows does not split into 4",
+                  "batch not divisible")
+    expect_raises(InvalidArgumentError, lambda: step(x[:8], y[:4]),
+                  "the first stage has a batch of 8 rows but the last stage has 4 rows", "targets of another batch")
+    other = pp.Pipeline(stage, mse_sum, microbatches=2 if g.coords.pp == 0 else 4)
+    expect_raises(InvalidArgumentError, lambda: step(x[:8], y[:8], on=other), "pipeline stages disagree",
+                  "micro-batch counts differ")
+    if g.is_first_stage:
+        expect_raises(InvalidArgumentError, lambda: pipe.step(None, None), "the first pipeline stage needs the inputs",
+                      "no inputs")
+    expect_raises(InvalidArgumentError, lambda: pp.Pipeline(stage, mse_sum, microbatches=3, schedule="zigzag"),
+                  "unknown pipeline schedule 'zigzag'", "unknown schedule")
+    # a clean step still works afterwards: nothing was left on the links
+    step(x[:8], y[:8])
+
+
+def check_wrong_messages_are_refused(key: str) -> None:
+    """A gradient of the wrong shape, or a message for another micro-batch, is an error on the
+    receiving stage (naming both sides), and the link stays usable."""
+    g = grid()
+    link = StageLink(g.pp_set)
+    r = g.coords.pp
+    if r == 1:
+        link.send(torch.zeros(2, 4, dtype=torch.float64), 0, BACKWARD_TAG, message_id(0, 1)).wait()
+        link.send(torch.zeros(2, 3, dtype=torch.float64), 0, BACKWARD_TAG, message_id(5, 1)).wait()
+        link.send(torch.ones(2, 3, dtype=torch.float64), 0, BACKWARD_TAG, message_id(1, 1)).wait()
+    elif r == 0:
+        like = torch.zeros(2, 3, dtype=torch.float64)
+        expect_raises(CommunicationError, lambda: link.recv(1, BACKWARD_TAG, message_id(0, 1), like.device, like),
+                      "has shape (2, 4) (torch.float64) but the activation it belongs to has shape (2, 3)",
+                      "gradient shape")
+        expect_raises(CommunicationError, lambda: link.recv(1, BACKWARD_TAG, message_id(1, 1), like.device, like),
+                      "expected micro-batch 1 from virtual stage 1 but rank 1 sent micro-batch 5", "micro-batch id")
+        got = link.recv(1, BACKWARD_TAG, message_id(1, 1), like.device, like)
+        assert torch.equal(got, torch.ones(2, 3, dtype=torch.float64)), "the link lost its order"
+
+
+_GRID: list[ProcessGrid] = []
+
+
+def grid() -> ProcessGrid:
+    if not _GRID:
+        _GRID.append(ProcessGrid(dp=1, tp=1, pp=hvd.size()))
+    return _GRID[0]
+
+
+def main() -> None:
+    hvd.init()
+    p = grid().shape.pp
+    checks = _harness.Checks()
+    for schedule in ("gpipe", "1f1b"):
+        for m in (1, 2, 3, 4, 8):
+            checks.add(f"match/{schedule}/m{m}", check_matches_unsplit_model, schedule, m, 1)
+    for m in (p, 2 * p):
+        checks.add(f"match/interleaved/v2/m{m}", check_matches_unsplit_model, "interleaved", m, 2)
+    checks.add("match/mean_loss", check_mean_loss_matches_full_batch_mean)
+    checks.add("split/explicit", check_explicit_split)
+    checks.add("errors/bad_inputs", check_bad_inputs)
+    checks.add("errors/wrong_messages", check_wrong_messages_are_refused)
+    _harness.run(checks)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

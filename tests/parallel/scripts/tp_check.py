@@ -1,0 +1,329 @@
+"""Tensor parallelism over all ranks of the job (TP = 2 or 4): every layer against its
+torch.nn equivalent in one process, with and without sequence parallelism; the
+number of collectives per layer; full state_dicts in and out; the process grid;
+bad layouts and mismatched inputs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import _harness
+import psrt.torch as hvd
+from _training_common import expect_raises, generator, randn
+from psrt import tp
+from psrt.errors import ArgumentTypeError, CollectiveMismatchError, InvalidArgumentError
+from psrt.grid import ProcessGrid
+
+BATCH, SEQ, DIM, HEADS, VOCAB = 2, 8, 16, 4, 37  # VOCAB is divisible by neither 2 nor 4
+
+
+def block_of(tensor: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    return tensor.chunk(parts, dim)[hvd.rank()]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
+
+
+def with_input(key: str, shape, sequence_parallel: bool, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full input (for the reference) and this rank's input, both leaves."""
+    full = randn(key, shape, "x").requires_grad_()
+    mine = block_of(full.detach(), 1, n) if sequence_parallel else full.detach()
+    return full, mine.clone().requires_grad_()
+
+
+def run_both(key: str, module: nn.Module, reference: nn.Module, x_full, x_mine, out_split: int | None,
+             sequence_parallel: bool, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of ``loss = sum(out * R)`` on both; returns the two outputs, after
+    checking them, the input gradients, and every parameter gradient block by block."""
+    ref_out = reference(x_full)
+    weights = randn(key, ref_out.shape, "R")
+    (ref_out * weights).sum().backward()
+    out = module(x_mine)
+    mine_weights = weights
+    if sequence_parallel:
+        mine_weights = block_of(mine_weights, 1, n)
+    if out_split is not None:
+        mine_weights = block_of(mine_weights, out_split, n)
+    (out * mine_weights).sum().backward()
+    want = ref_out.detach()
+    if sequence_parallel:
+        want = block_of(want, 1, n)
+    if out_split is not None:
+        want = block_of(want, out_split, n)
+    close(out.detach(), want, "output")
+    close(x_mine.grad, block_of(x_full.grad, 1, n) if sequence_parallel else x_full.grad, "input gradient")
+    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
+    for name, param in module.named_parameters():
+        sharding = tp.sharding.sharding_of(param)
+        want = reference_grads[name] if sharding is None else sharding.shard(reference_grads[name])
+        close(param.grad, want, f"gradient of {name}")
+    return out, ref_out
+
+
+def check_column(key: str, gather_output: bool, sequence_parallel: bool) -> None:
+    torch.manual_seed(generator(key).initial_seed())
+    n, ps = hvd.size(), grid().tp_set
+    reference = nn.Linear(DIM, 3 * DIM).double()
+    layer = tp.ColumnParallelLinear(DIM, 3 * DIM, process_set=ps, gather_output=gather_output,
+                                    sequence_parallel=sequence_parallel).double()
+    tp.load_full_state_dict(layer, reference.state_dict())
+    x_full, x_mine = with_input(key, (BATCH, SEQ, DIM), sequence_parallel, n)
+    run_both(key, layer, reference, x_full, x_mine, None if gather_output else -1, False, n) \
+        if not sequence_parallel else _column_sequence_parallel(key, layer, reference, x_full, x_mine, n)
+
+
+def _column_sequence_parallel(key, layer, reference, x_full, x_mine, n) -> None:
+    """The input arrives split along the sequence; the output is whole along it."""
+    ref_out = reference(x_full)
+    weights = randn(key, ref_out.shape, "R")
+    (ref_out * weights).sum().backward()
+    out = layer(x_mine)
+    (out * block_of(weights, -1, n)).sum().backward()
+    close(out.detach(), block_of(ref_out.detach(), -1, n), "output")
+    close(x_mine.grad, block_of(x_full.grad, 1, n), "input gradient")
+    close(layer.weight.grad, layer.weight.tp_sharding.shard(reference.weight.grad), "weight gradient")
+
+
+def check_row(key: str, input_is_parallel: bool, sequence_parallel: bool) -> None:
+    torch.manual_seed(generator(key).initial_seed())
+    n, ps = hvd.size(), grid().tp_set
+    reference = nn.Linear(3 * DIM, DIM).double()
+    layer = tp.RowParallelLinear(3 * DIM, DIM, process_set=ps, input_is_parallel=input_is_parallel,
+                                 sequence_parallel=sequence_parallel).double()
+    tp.load_full_state_dict(layer, reference.state_dict())
+    x_full = randn(key, (BATCH, SEQ, 3 * DIM), "x").requires_grad_()
+    x_mine = (block_of(x_full.detach(), -1, n) if input_is_parallel else x_full.detach()).clone().requires_grad_()
+    ref_out = reference(x_full)
+    weights = randn(key, ref_out.shape, "R")
+    (ref_out * weights).sum().backward()
+    out = layer(x_mine)
+    (out * (block_of(weights, 1, n) if sequence_parallel else weights)).sum().backward()
+    close(out.detach(), block_of(ref_out.detach(), 1, n) if sequence_parallel else ref_out.detach(), "output")
+    close(x_mine.grad, block_of(x_full.grad, -1, n) if input_is_parallel else x_full.grad, "input gradient")
+    close(layer.weight.grad, layer.weight.tp_sharding.shard(reference.weight.grad), "weight gradient")
+    close(layer.bias.grad, reference.bias.grad, "bias gradient (summed over the sequence blocks)")
+
+
+def check_embedding(key: str, sequence_parallel: bool) -> None:
+    torch.manual_seed(generator(key).initial_seed())
+    n, ps = hvd.size(), grid().tp_set
+    reference = nn.Embedding(VOCAB, DIM).double()
+    layer = tp.VocabParallelEmbedding(VOCAB, DIM, process_set=ps, sequence_parallel=sequence_parallel).double()
+    assert layer.weight.shape[0] * n >= VOCAB and layer.weight.shape[0] * n - VOCAB < n, "vocabulary padding"
+    tp.load_full_state_dict(layer, reference.state_dict())
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    ids[0, :2] = torch.tensor([VOCAB - 1, 0])  # the last real row lives next to the padding
+    ref_out = reference(ids)
+    weights = randn(key, ref_out.shape, "R")
+    (ref_out * weights).sum().backward()
+    out = layer(ids)
+    (out * (block_of(weights, 1, n) if sequence_parallel else weights)).sum().backward()
+    close(out.detach(), block_of(ref_out.detach(), 1, n) if sequence_parallel else ref_out.detach(), "output")
+    close(layer.weight.grad, layer.weight.tp_sharding.shard(reference.weight.grad), "weight gradient")
+    full = tp.full_state_dict(layer, ps)
+    assert full["weight"].shape == (VOCAB, DIM), f"gathered weight has shape {tuple(full['weight'].shape)}"
+    close(full["weight"], reference.weight.detach(), "gathered weight")
+
+
+def check_cross_entropy(key: str) -> None:
+    """A padded vocab-parallel head and cross-entropy equal nn.Linear + F.cross_entropy, with
+    exactly three all-reduces forward and none backward."""
+    n, ps = hvd.size(), grid().tp_set
+    torch.manual_seed(generator(key).initial_seed())
+    reference = nn.Linear(DIM, VOCAB).double()
+    head = tp.ColumnParallelLinear(DIM, VOCAB, process_set=ps, pad_out_features=True).double()
+    tp.load_full_state_dict(head, reference.state_dict())
+    x_full, x_mine = with_input(key, (BATCH, SEQ, DIM), False, n)
+    targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(6))
+    targets[0, 0] = VOCAB - 1
+    ref_loss = F.cross_entropy(reference(x_full).reshape(-1, VOCAB), targets.reshape(-1))
+    ref_loss.backward()
+    logits = head(x_mine)
+    tp.stats.reset()
+    loss = tp.vocab_parallel_cross_entropy(logits, targets, ps, vocab_size=VOCAB)
+    forward_counts = dict(tp.stats.counts)
+    tp.stats.reset()
+    loss.backward()
+    close(loss.detach(), ref_loss.detach(), "loss")
+    close(x_mine.grad, x_full.grad, "input gradient")
+    close(head.weight.grad, head.weight.tp_sharding.shard(reference.weight.grad), "head weight gradient")
+    assert forward_counts == {"all_reduce": 3}, f"cross-entropy forward ran {forward_counts}"
+    # the head's input copy is the only collective of the backward
+    assert dict(tp.stats.counts) == {"all_reduce": 1}, f"backward ran {dict(tp.stats.counts)}"
+
+
+class ReferenceAttention(nn.Module):
+    """Causal self-attention from torch.nn.MultiheadAttention (fused in-projection = our qkv)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+
+    def forward(self, x):
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), diagonal=1)
+        return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+def attention_state(reference: ReferenceAttention, prefix: str = "") -> dict:
+    mha = reference.mha
+    return {f"{prefix}qkv.weight": mha.in_proj_weight, f"{prefix}qkv.bias": mha.in_proj_bias,
+            f"{prefix}out.weight": mha.out_proj.weight, f"{prefix}out.bias": mha.out_proj.bias}
+
+
+class ReferenceBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(DIM), ReferenceAttention(), nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def psrt_state(self) -> dict:
+        state = {f"{ln}.{p}": getattr(getattr(self, ln), p) for ln in ("ln1", "ln2") for p in ("weight", "bias")}
+        state.update(attention_state(self.attn, "attn."))
+        for ours, theirs in (("fc1", "0"), ("fc2", "2")):
+            state.update({f"mlp.{ours}.{p}": getattr(self.mlp[int(theirs)], p) for p in ("weight", "bias")})
+        return {k: v.detach() for k, v in state.items()}
+
+    def psrt_grads(self) -> dict:
+        """Gradients under psrt's parameter names."""
+        names = {id(v): k for k, v in self._named_state().items()}
+        return {names[id(p)]: p.grad for p in self.parameters()}
+
+    def _named_state(self) -> dict:
+        state = {f"{ln}.{p}": getattr(getattr(self, ln), p) for ln in ("ln1", "ln2") for p in ("weight", "bias")}
+        state.update(attention_state(self.attn, "attn."))
+        for ours, theirs in (("fc1", 0), ("fc2", 2)):
+            state.update({f"mlp.{ours}.{p}": getattr(self.mlp[theirs], p) for p in ("weight", "bias")})
+        return state
+
+
+COUNTS = {False: {"all_reduce": 4}, True: {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 4}}
+
+
+def check_block(key: str, part: str, sequence_parallel: bool) -> None:
+    """MLP, attention or a whole block equals its torch.nn reference, and a whole block runs
+    the designed collectives: 4 all-reduces, or 4 all-gathers + 4 reduce-scatters (+ 4 small
+    all-reduces of LayerNorm and bias gradients) with sequence parallelism."""
+    n, ps = hvd.size(), grid().tp_set
+    torch.manual_seed(11)
+    whole = ReferenceBlock().double()
+    options = dict(process_set=ps, sequence_parallel=sequence_parallel)
+    if part == "mlp":
+        module, reference, prefix = tp.ParallelMLP(DIM, 4 * DIM, **options), whole.mlp, "mlp."
+    elif part == "attention":
+        module, reference, prefix = tp.ParallelSelfAttention(DIM, HEADS, **options), whole.attn, "attn."
+    else:
+        module, reference, prefix = tp.ParallelTransformerBlock(DIM, HEADS, **options), whole, ""
+    module.double()
+    state = {k[len(prefix):]: v for k, v in whole.psrt_state().items() if k.startswith(prefix)}
+    tp.load_full_state_dict(module, state)
+    x_full, x_mine = with_input(key, (BATCH, SEQ, DIM), sequence_parallel, n)
+    ref_out = reference(x_full)
+    weights = randn(key, ref_out.shape, "R")
+    (ref_out * weights).sum().backward()
+    tp.stats.reset()
+    out = module(x_mine)
+    (out * (block_of(weights, 1, n) if sequence_parallel else weights)).sum().backward()
+    counts = dict(tp.stats.counts)
+    close(out.detach(), block_of(ref_out.detach(), 1, n) if sequence_parallel else ref_out.detach(), "output")
+    close(x_mine.grad, block_of(x_full.grad, 1, n) if sequence_parallel else x_full.grad, "input gradient")
+    grads = {k[len(prefix):]: v for k, v in whole.psrt_grads().items() if k.startswith(prefix)}
+    for name, param in module.named_parameters():
+        sharding = tp.sharding.sharding_of(param)
+        close(param.grad, grads[name] if sharding is None else sharding.shard(grads[name]), f"gradient of {name}")
+    if part == "block":
+        assert counts == COUNTS[sequence_parallel], f"a block ran {counts}, expected {COUNTS[sequence_parallel]}"
+        gathered = tp.full_state_dict(module, ps)
+        for name, value in whole.psrt_state().items():
+            assert torch.equal(gathered[name], value), f"full_state_dict: {name} differs from the loaded state"
+
+
+def check_grid(key: str) -> None:
+    n = hvd.size()
+    g = grid()
+    assert (g.coords.dp, g.coords.tp, g.coords.pp) == (0, hvd.rank(), 0), f"coordinates {g.coords}"
+    assert g.tp_set.size() == n and g.tp_set.rank() == hvd.rank() and g.dp_set.size() == 1 == g.pp_set.size()
+    assert g.next_rank is None and g.prev_rank is None and g.is_first_stage and g.is_last_stage
+    if n == 4:
+        three_d = ProcessGrid(dp=1, tp=2, pp=2)
+        at = three_d.coords
+        assert (at.tp, at.pp) == (hvd.rank() % 2, hvd.rank() // 2), f"(1, 2, 2) coordinates {at}"
+        assert three_d.next_rank == (hvd.rank() + 2 if at.pp == 0 else None), f"next rank {three_d.next_rank}"
+        assert three_d.prev_rank == (hvd.rank() - 2 if at.pp == 1 else None), f"previous rank {three_d.prev_rank}"
+        assert three_d.world_rank(dp=0, tp=1, pp=1) == 3
+        three_d.free()
+
+
+def check_bad_layouts(key: str) -> None:
+    """Refused before any communication (every rank raises alike)."""
+    n = hvd.size()
+    expect_raises(InvalidArgumentError, lambda: ProcessGrid(dp=1, tp=n, pp=2), f"does not match the {n} ranks",
+                  "product larger than the world")
+    expect_raises(ArgumentTypeError, lambda: ProcessGrid(dp=1.0, tp=n), "dp must be an int", "float dp")
+    expect_raises(InvalidArgumentError, lambda: ProcessGrid(dp=0, tp=n), "dp must be at least 1", "zero dp")
+    ps = grid().tp_set
+    expect_raises(InvalidArgumentError, lambda: tp.ParallelSelfAttention(DIM * 3, 3 * n // 2 if n == 2 else 6,
+                                                                         process_set=ps),
+                  "is not divisible by the tensor-parallel size", "heads not divisible")
+    expect_raises(InvalidArgumentError, lambda: tp.ColumnParallelLinear(DIM, 6 + 1, process_set=ps),
+                  "out_features (7) is not divisible by the tensor-parallel size", "column outputs")
+    expect_raises(InvalidArgumentError, lambda: tp.RowParallelLinear(7, DIM, process_set=ps),
+                  "in_features (7) is not divisible", "row inputs")
+    expect_raises(InvalidArgumentError, lambda: tp.RowParallelLinear(DIM, DIM, process_set=ps, sequence_parallel=True),
+                  "sequence_parallel needs input_is_parallel=True", "sequence parallel row without parallel input")
+    expect_raises(ArgumentTypeError, lambda: tp.ColumnParallelLinear(DIM, DIM, process_set=[0, 1]),
+                  "process_set must be a psrt ProcessSet", "list as process set")
+
+
+def check_mismatched_inputs(key: str) -> None:
+    """Rank 1 feeds a longer batch: every rank gets the same error naming both shapes, no hang."""
+    ps = grid().tp_set
+    layer = tp.RowParallelLinear(DIM, DIM, process_set=ps).double()
+    rows = 3 if hvd.rank() == 1 else 2
+    x = randn(key, (rows, DIM), "x")
+    expect_raises(CollectiveMismatchError, lambda: layer(x), "rank 1 has all_reduce of a float64 tensor of shape "
+                  f"({rows}, {DIM})" if hvd.rank() == 1 else "but rank 1 has all_reduce of a float64 tensor of "
+                  f"shape (3, {DIM})", "longer batch on rank 1")
+    # the set is still usable afterwards
+    layer(randn(key, (2, DIM), "again"))
+
+
+_GRID: list[ProcessGrid] = []
+
+
+def grid() -> ProcessGrid:
+    if not _GRID:
+        _GRID.append(ProcessGrid(dp=1, tp=hvd.size(), pp=1))
+    return _GRID[0]
+
+
+def main() -> None:
+    hvd.init()
+    grid()
+    checks = _harness.Checks()
+    checks.add("grid/coordinates_sets_and_neighbours", check_grid)
+    for sp in (False, True):
+        suffix = "/sequence_parallel" if sp else ""
+        for gather in (False, True):
+            if not (sp and gather):
+                checks.add(f"column{suffix}/gather_output_{gather}", check_column, gather, sp)
+        for parallel_input in ((True,) if sp else (False, True)):
+            checks.add(f"row{suffix}/input_is_parallel_{parallel_input}", check_row, parallel_input, sp)
+        checks.add(f"embedding{suffix}/padded_vocabulary", check_embedding, sp)
+        for part in ("mlp", "attention", "block"):
+            checks.add(f"{part}{suffix}/matches_torch_nn", check_block, part, sp)
+    checks.add("cross_entropy/padded_vocabulary_three_all_reduces", check_cross_entropy)
+    checks.add("errors/bad_layouts", check_bad_layouts)
+    checks.add("errors/mismatched_inputs_across_tp_ranks", check_mismatched_inputs)
+    _harness.run(checks)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

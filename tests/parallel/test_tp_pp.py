@@ -1,0 +1,55 @@
+"""Tensor and pipeline parallelism: each TP layer and each pipeline schedule against one
+process at 2 and 4 ranks, and the tiny GPT on four DP × TP × PP layouts against one process."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.parallel
+
+TP_CHECKS = ["grid/coordinates_sets_and_neighbours"] + [
+    f"{name}/gather_output_{gather}" for name in ("column",) for gather in (False, True)] + [
+    "row/input_is_parallel_False", "row/input_is_parallel_True", "embedding/padded_vocabulary",
+    "mlp/matches_torch_nn", "attention/matches_torch_nn", "block/matches_torch_nn",
+    "column/sequence_parallel/gather_output_False", "row/sequence_parallel/input_is_parallel_True",
+    "embedding/sequence_parallel/padded_vocabulary", "mlp/sequence_parallel/matches_torch_nn",
+    "attention/sequence_parallel/matches_torch_nn", "block/sequence_parallel/matches_torch_nn",
+    "cross_entropy/padded_vocabulary_three_all_reduces", "errors/bad_layouts",
+    "errors/mismatched_inputs_across_tp_ranks"]
+
+
+def pp_checks(p: int) -> list[str]:
+    return ([f"match/{schedule}/m{m}" for schedule in ("gpipe", "1f1b") for m in (1, 2, 3, 4, 8)]
+            + [f"match/interleaved/v2/m{m}" for m in (p, 2 * p)]
+            + ["match/mean_loss", "split/explicit", "errors/bad_inputs", "errors/wrong_messages"])
+
+
+GPT_CHECKS = ["gpt/dp1_tp2_pp2/1f1b", "gpt/dp2_tp1_pp2/gpipe", "gpt/dp2_tp2_pp1/1f1b", "gpt/dp1_tp1_pp4/1f1b",
+              "gpt/dp1_tp2_pp2/1f1b/sequence_parallel", "gpt/dp2_tp2_pp1/zero1", "gpt/dp2_tp1_pp2/interleaved_v2"]
+
+
+@pytest.mark.parametrize("check", TP_CHECKS)
+@pytest.mark.parametrize("np", [2, 4])
+def test_tensor_parallel_matches_torch_nn(parallel_jobs, np, check):
+    parallel_jobs.get("tp_check.py", np).assert_ok(check)
+
+
+@pytest.mark.parametrize("check", pp_checks(2))
+def test_pipeline_matches_unsplit_model_at_pp2(parallel_jobs, check):
+    parallel_jobs.get("pp_check.py", 2).assert_ok(check)
+
+
+@pytest.mark.parametrize("check", pp_checks(4))
+def test_pipeline_matches_unsplit_model_at_pp4(parallel_jobs, check):
+    parallel_jobs.get("pp_check.py", 4).assert_ok(check)
+
+
+@pytest.mark.parametrize("check", GPT_CHECKS)
+def test_tiny_gpt_follows_single_process_on_every_layout(parallel_jobs, check):
+    parallel_jobs.get("gpt_check.py", 4).assert_ok(check)
+
+
+@pytest.mark.parametrize("script,np,expected", [
+    ("tp_check.py", 2, TP_CHECKS), ("tp_check.py", 4, TP_CHECKS), ("pp_check.py", 2, pp_checks(2)),
+    ("pp_check.py", 4, pp_checks(4)), ("gpt_check.py", 4, GPT_CHECKS)])
+def test_jobs_report_every_check_and_end_cleanly(parallel_jobs, script, np, expected):
+    parallel_jobs.get(script, np).assert_complete(expected)
