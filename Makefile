@@ -3,14 +3,16 @@
 #   make test   - create .venv, install psrt, run the whole test suite
 # (make demo-collectives runs examples/collectives_demo.py, every collective once;
 #  make demo-ps trains examples/train_digits_ps.py with 1 parameter server and 2 workers;
-#  make demo-zero trains examples/train_digits_zero.py with ZeRO stages 1, 2 and 3)
+#  make demo-zero trains examples/train_digits_zero.py with ZeRO stages 1, 2 and 3;
+#  make demo-gpt trains examples/train_tiny_gpt.py on 4 ranks as TP 2 x PP 2)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
 
-.PHONY: demo demo-collectives demo-ps demo-zero test bench bench-train bench-ps bench-zero clean
+.PHONY: demo demo-collectives demo-ps demo-zero demo-gpt test bench bench-train bench-ps bench-zero \
+        bench-pp bench-tp clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +33,9 @@ demo-ps: $(STAMP)
 demo-zero: $(STAMP)
 	$(VENV)/bin/psrun -np $(NP) $(PY) examples/train_digits_zero.py
 
+demo-gpt: $(STAMP)
+	$(VENV)/bin/psrun -np 4 $(PY) examples/train_tiny_gpt.py --dp 1 --tp 2 --pp 2
+
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
@@ -46,6 +51,14 @@ bench-ps: $(STAMP)
 bench-zero: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/zero.py
 	$(VENV)/bin/psrun -np 4 $(PY) benchmarks/zero.py
+
+bench-pp: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/pipeline.py
+	$(VENV)/bin/psrun -np 4 $(PY) benchmarks/pipeline.py
+
+bench-tp: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/tp.py
+	$(VENV)/bin/psrun -np 4 $(PY) benchmarks/tp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

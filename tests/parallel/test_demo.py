@@ -4,7 +4,8 @@ runs every collective, each rank reporting what it got, and ``make demo-ps``
 trains the digits model against a parameter server (1 server, 2 workers) in
 sync, async and bounded mode, each to at least 90%, and the whole job (server
 included) exits cleanly; ``make demo-zero`` trains it with ZeRO stages 1-3 to at least
-95%, and the model consolidated from each stage's checkpoint scores the same."""
+95%, and the model consolidated from each stage's checkpoint scores the same; ``make demo-gpt``
+trains the tiny GPT on 4 ranks as TP 2 × PP 2 and its loss falls by more than 1.5."""
 from __future__ import annotations
 
 import os
@@ -98,3 +99,14 @@ def test_make_demo_zero_trains_digits_to_95_percent_and_its_checkpoint_agrees(ze
     assert len(found) == 1, f"expected one accuracy line for stage {stage} (rank 0 only):\n{zero_demo.stdout}"
     sharded, consolidated = map(float, found[0])
     assert sharded >= 0.95 and consolidated == sharded, zero_demo.stdout
+
+
+@pytest.mark.parallel
+def test_make_demo_gpt_trains_the_tiny_gpt_on_tp2_pp2():
+    done = make("demo-gpt")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    found = re.findall(r"^dp=1 tp=2 pp=2 \(1f1b, 4 micro-batches\): loss (\d+\.\d+) -> (\d+\.\d+) in \d+ steps$",
+                       done.stdout, flags=re.MULTILINE)
+    assert len(found) == 1, f"expected one summary line (rank 0 only):\n{done.stdout}\n{done.stderr[-3000:]}"
+    first, last = map(float, found[0])
+    assert last < first - 1.5, done.stdout
