@@ -1,0 +1,202 @@
+"""Pipeline benchmark: measured bubble fraction of the GPipe and 1F1B schedules against the
+theoretical (p - 1) / (m + p - 1), and peak activation memory per stage, in one job.
+
+Run under a launcher; the number of pipeline stages p is the world size::
+
+    psrun -np 2 python benchmarks/pipeline.py
+    psrun -np 4 python benchmarks/pipeline.py --microbatches 1,4,8,16 --repeats 5
+    psrun -np 4 python benchmarks/pipeline.py --timeline 1f1b:8     # also draw one step
+
+Stage compute (``--compute``):
+
+  sleep  (default) each stage is one block whose forward sleeps ``--forward-ms`` per
+         micro-batch and whose backward sleeps twice that, so the schedule, not the CPU,
+         sets the timing: sleeping ranks do not compete for cores, and 4 ranks on a 2-core
+         host measure the same bubble as 4 hosts would.  The block carries a real
+         activation of ``--batch`` x ``--width`` floats per step (saved for backward, sent
+         to the next stage), so the activation memory is real.
+  real   each stage runs ``--layers-per-stage`` Linear+ReLU layers of ``--width`` (real
+         matrix products).  Without a spare core per rank (each rank also runs psrt's
+         engine thread, and a rank waiting in a receive may poll) this measures CPU
+         contention as much as the schedule: on a 2-core host it reads above the theory
+         already at -np 2 and means little at -np 4.
+
+Measured bubble = 1 - (forward and backward compute summed over ranks) / (p x step wall),
+step wall being the slowest rank's (``Pipeline.profile``): the idle share of the step's
+rank-time, the quantity (p - 1) / (m + p - 1) predicts; ``ratio`` = measured / theoretical,
+above 1 by the messages' and Python's cost per micro-batch.  ``rank mean idle/wall``
+averages each rank's own idle / wall instead; it reads below the theory because a rank's
+wall ends at its last backward, and rank r's comes about r backwards before the step's
+end.  Figures are medians over ``--repeats`` steps after ``--warmup``, the schedules taking
+turns.  The sleep is per micro-batch whatever m, so a step lasts about
+(m + p - 1) x 3 x ``--forward-ms``.
+
+Peak activation is the most bytes autograd held for backward at once on each stage
+(sleep: in-flight x one micro-batch's activation; the last stage also holds the loss's
+saved tensors); in-flight is the most micro-batches held (1F1B: p - stage, GPipe: m).
+Rank 0 prints a table and one JSON line.  Nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import psrt.torch as hvd
+from psrt import pp
+from psrt.grid import ProcessGrid
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class _Sleep(torch.autograd.Function):
+    """``x * w`` that sleeps ``ms`` in forward and ``2 * ms`` in backward; saves ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, w, ms):
+        time.sleep(ms / 1e3)
+        ctx.save_for_backward(x, w)
+        ctx.ms = ms
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        time.sleep(2 * ctx.ms / 1e3)
+        return grad * w, (grad * x).sum().reshape(1), None
+
+
+class SleepBlock(torch.nn.Module):
+    def __init__(self, forward_ms: float) -> None:
+        super().__init__()
+        self.forward_ms = forward_ms
+        self.w = torch.nn.Parameter(torch.ones(1))  # so the first stage has something to differentiate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.w, self.forward_ms)
+
+
+def build_stage(args, grid: ProcessGrid, p: int) -> pp.PipelineStage:
+    torch.manual_seed(0)
+    if args.compute == "sleep":
+        blocks = [SleepBlock(args.forward_ms) for _ in range(p)]
+        return pp.PipelineStage(blocks, grid.pp_set, split=[1] * p)
+    layers = args.layers_per_stage
+    blocks = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.ReLU())
+              for _ in range(p * layers)]
+    return pp.PipelineStage(blocks, grid.pp_set, split=[layers] * p)
+
+
+def mse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (y - target).pow(2).mean()
+
+
+def theoretical(p: int, m: int) -> float:
+    return (p - 1) / (m + p - 1)
+
+
+def gather(grid: ProcessGrid, value) -> list:
+    """``value`` of every stage, indexed by stage."""
+    return hvd.allgather_object(value, name="bench.pipeline.gather", process_set=grid.pp_set)
+
+
+def run_step(pipe: pp.Pipeline, stage: pp.PipelineStage, x, y) -> pp.StepProfile:
+    stage.zero_grad(set_to_none=True)
+    pipe.step(x, y)
+    return pipe.profile
+
+
+def measure(args, grid: ProcessGrid, stage: pp.PipelineStage, p: int, m: int, x, y) -> dict[str, dict]:
+    """Every schedule at ``m`` micro-batches, taking turns; rank-0 figures per schedule."""
+    pipes = {s: pp.Pipeline(stage, mse, microbatches=m, schedule=s) for s in args.schedules}
+    figures: dict[str, dict[str, list[float]]] = {s: {"step": [], "rank_mean": [], "wall": []} for s in pipes}
+    peak = {s: 0 for s in pipes}
+    held = {s: 0 for s in pipes}
+    for _ in range(args.warmup):
+        for pipe in pipes.values():
+            run_step(pipe, stage, x, y)
+    for _ in range(args.repeats):
+        for s, pipe in pipes.items():
+            prof = run_step(pipe, stage, x, y)
+            per_rank = gather(grid, (prof.compute, prof.wall))
+            wall = max(w for _, w in per_rank)
+            figures[s]["step"].append(1 - sum(c for c, _ in per_rank) / (p * wall))
+            figures[s]["rank_mean"].append(statistics.fmean(1 - c / w for c, w in per_rank))
+            figures[s]["wall"].append(wall)
+            peak[s] = max(peak[s], prof.peak_activation_bytes)
+            held[s] = max(held[s], prof.in_flight)
+    out = {}
+    for s in pipes:
+        median = {k: statistics.median(v) for k, v in figures[s].items()}
+        theory = theoretical(p, m)
+        plan = pp.build(s, p, m)
+        simulated = pp.bubble_fraction(pp.simulate(plan, forward_time=1.0, backward_time=2.0))
+        out[s] = {"schedule": s, "p": p, "m": m, "measured": median["step"], "rank_mean_idle": median["rank_mean"],
+                  "simulated": simulated, "theoretical": theory,
+                  "ratio": median["step"] / theory if theory else None, "step_s": median["wall"],
+                  "peak_activation_bytes": gather(grid, peak[s]), "in_flight": gather(grid, held[s]),
+                  "in_flight_expected": [pp.in_flight(actions) for actions in plan]}
+    return out
+
+
+def timeline(args, grid: ProcessGrid, stage: pp.PipelineStage, p: int, x, y) -> str:
+    name, m = args.timeline.split(":")
+    pipe = pp.Pipeline(stage, mse, microbatches=int(m), schedule=name)
+    run_step(pipe, stage, x, y)  # warm-up
+    events = gather(grid, run_step(pipe, stage, x, y).events)
+    return f"{name}, p = {p}, m = {m} (times from each rank's own step start):\n" + pp.render(events, width=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", default="1,4,8,16", help="comma-separated m values")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated: gpipe, 1f1b")
+    parser.add_argument("--compute", choices=["sleep", "real"], default="sleep")
+    parser.add_argument("--forward-ms", type=float, default=20.0, help="sleep: forward per micro-batch")
+    parser.add_argument("--batch", type=int, default=64, help="rows per step (every m must divide it)")
+    parser.add_argument("--width", type=int, default=1024, help="activation features (real: layer width)")
+    parser.add_argument("--layers-per-stage", type=int, default=4, help="real compute only")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeline", nargs="?", const="1f1b:8", metavar="SCHEDULE:M",
+                        help="also draw one step of SCHEDULE with M micro-batches (default 1f1b:8)")
+    args = parser.parse_args()
+    args.schedules = args.schedules.split(",")
+    microbatches = [int(m) for m in args.microbatches.split(",")]
+    torch.set_num_threads(1)
+    hvd.init()
+    p = hvd.size()
+    grid = ProcessGrid(dp=1, tp=1, pp=p)
+    stage = build_stage(args, grid, p)
+    data = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.width, generator=data) if grid.is_first_stage else None
+    y = torch.randn(args.batch, args.width, generator=data) if grid.is_last_stage else None
+    rows = {f"{s}/m{m}": r for m in microbatches
+            for s, r in measure(args, grid, stage, p, m, x, y).items()}
+    drawing = timeline(args, grid, stage, p, x, y) if args.timeline else None
+    if hvd.rank() != 0:
+        return
+    compute = f"sleep {args.forward_ms:g} ms forward, {2 * args.forward_ms:g} ms backward per micro-batch" \
+        if args.compute == "sleep" else f"real: {args.layers_per_stage} x Linear({args.width}) per stage"
+    print(f"{p} stages, batch {args.batch} x {args.width} fp32 ({args.batch * args.width * 4 / 1e6:.2f} MB "
+          f"per stage and step), {compute}; median of {args.repeats} steps")
+    print("| schedule | p | m | bubble measured | rank mean idle/wall | theoretical | ratio | step ms | "
+          "peak activation MB per stage | in-flight per stage |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows.values():
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        peaks = ", ".join(f"{b / 1e6:.2f}" for b in r["peak_activation_bytes"])
+        print(f"| {r['schedule']} | {p} | {r['m']} | {r['measured']:.3f} | {r['rank_mean_idle']:.3f} | "
+              f"{r['theoretical']:.3f} | {ratio} | {r['step_s'] * 1e3:.0f} | [{peaks}] | {r['in_flight']} |")
+    if drawing:
+        print(drawing)
+    print(json.dumps({"benchmark": "pipeline", "stages": p, "compute": args.compute,
+                      "forward_ms": args.forward_ms, "batch": args.batch, "width": args.width,
+                      "repeats": args.repeats, "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
