@@ -27,6 +27,8 @@ descheduled, which inflates the comm share.  Read the 4-rank times as TP's overh
 contention, not as a speed-up; what carries over to a real machine is the comm share's
 trend and the collective counts (4 all-reduces per block without sequence parallelism; 4
 all-gathers, 4 reduce-scatters and 4 small parameter all-reduces with it).
+Baseline: one TP all-reduce of an activation at the largest TP size, psrt's (with its
+agreement header) against raw mpi4py ``Allreduce`` on a numpy buffer over the same ranks.
 Rank 0 prints a table and one JSON line.  Nothing is asserted.
 """
 from __future__ import annotations
@@ -99,6 +101,34 @@ def measure(args, sizes: list[int], modes: list[bool], x: torch.Tensor) -> list[
             for sp, t in setups]
 
 
+def allreduce_against_mpi4py(args, x: torch.Tensor, calls: int = 50) -> dict:
+    """One TP all-reduce of an activation at the largest TP size: psrt (agreement header
+    plus the transport) against raw mpi4py ``Allreduce`` on a numpy buffer over the same
+    ranks; medians of per-call times, the two taking turns."""
+    from mpi4py import MPI
+
+    t = hvd.size()
+    grid = ProcessGrid(dp=1, tp=t, pp=1)
+    comm = MPI.COMM_WORLD.Split(0, key=grid.coords.tp)
+    mine, theirs = x.clone(), x.numpy().copy()
+    times = {"psrt": [], "mpi4py": []}
+    for _ in range(args.repeats):
+        for name in times:
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                if name == "psrt":
+                    tp.comm.all_reduce_(mine, grid.tp_set)
+                else:
+                    comm.Allreduce(MPI.IN_PLACE, theirs)
+            times[name].append((time.perf_counter() - start) / calls)
+    comm.Free()
+    grid.free()
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {"tp": t, "bytes": x.numel() * x.element_size(), **{f"{k}_s": v for k, v in medians.items()},
+            "ratio": medians["mpi4py"] / medians["psrt"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
@@ -123,6 +153,7 @@ def main() -> None:
                          f"--seq ({args.seq})")
     x = torch.randn(args.batch, args.seq, args.dim, generator=torch.Generator().manual_seed(1))
     rows = measure(args, sizes, modes, x)
+    baseline = allreduce_against_mpi4py(args, x) if hvd.size() > 1 else None
     if hvd.rank() != 0:
         return
     base = {r["sequence_parallel"]: r["step_s"] for r in rows if r["tp"] == 1}
@@ -139,8 +170,13 @@ def main() -> None:
         counts = ", ".join(f"{kind} {n:g}" for kind, n in r["collectives_per_step"].items()) or "none"
         print(f"| {mode} | {r['tp']} | {r['dp']} | {r['step_s'] * 1e3:.1f} | {ratio} | "
               f"{r['comm_share'] * 100:.0f}% | {counts} |")
+    if baseline:
+        print(f"one TP all-reduce of an activation ({baseline['bytes'] / 1e3:.0f} KB) at TP {baseline['tp']}: "
+              f"psrt {baseline['psrt_s'] * 1e6:.0f} us, raw mpi4py {baseline['mpi4py_s'] * 1e6:.0f} us, "
+              f"speed ratio psrt / mpi4py {baseline['ratio']:.2f}")
     print(json.dumps({"benchmark": "tp", "ranks": world, "layers": args.layers, "dim": args.dim,
-                      "heads": args.heads, "batch": args.batch, "seq": args.seq, "results": rows}))
+                      "heads": args.heads, "batch": args.batch, "seq": args.seq, "results": rows,
+                      "allreduce_vs_mpi4py": baseline}))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ class Config:
     # spread across the servers (BytePS's partition size); smaller ones live whole
     # on the least-loaded server.
     ps_chunk_bytes: int = 4 * _MiB
+    # Tensor-parallel collectives first exchange a small header (kind, dtype,
+    # shape) so that ranks feeding different shapes raise instead of hanging;
+    # off saves one small host collective per TP call (~0.1 ms on a CPU host).
+    tp_check_shapes: bool = True
 
 
 _ENV_NAMES: dict[str, tuple[str, ...]] = {
@@ -69,6 +73,7 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "timeline_mark_cycles": ("PSRT_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES"),
     "num_servers": ("PSRT_NUM_SERVERS",),
     "ps_chunk_bytes": ("PSRT_PS_CHUNK_BYTES",),
+    "tp_check_shapes": ("PSRT_TP_CHECK_SHAPES",),
 }
 # Sizes that make no sense at zero; every other number may be zero (0 = off).
 _POSITIVE = {"ring_threshold", "ring_segment", "stall_check_time_s", "ps_chunk_bytes"}

@@ -7,7 +7,8 @@ the engine's negotiation, which costs ~0.4 ms per call on a CPU host.  What
 negotiation would have caught, disagreeing shapes or dtypes, is checked by a
 small header exchanged on the host communicator before each collective: every
 rank of the set raises the same :class:`CollectiveMismatchError` instead of
-hanging or reducing mismatched buffers.
+hanging or reducing mismatched buffers.  ``PSRT_TP_CHECK_SHAPES=0`` skips the
+header (one small collective less per call) for jobs whose shapes are known good.
 
 ``stats`` counts the collectives by kind and the seconds spent in them, for
 tests (which check the number of collectives per layer) and benchmarks (which
@@ -119,18 +120,23 @@ class _timed:
 
 def _transport(process_set: ProcessSet, tensor: torch.Tensor, kind: str) -> Communicator:
     """The set's communicator for ``tensor``'s device, after every rank agreed on the call."""
-    topology = runtime.current().topology
+    current = runtime.current()
+    topology = current.topology
+    if current.config.tp_check_shapes:
+        _agree(topology, process_set, _header(kind, tensor), kind)
+    return topology.transport(process_set, tensor.device)
+
+
+def _agree(topology, process_set: ProcessSet, header: torch.Tensor, kind: str) -> None:
     host = topology.communicator(process_set)
-    header = _header(kind, tensor)
     everyone = torch.empty((host.size, header.numel()), dtype=torch.int64)
     host.allgatherv(header, everyone.view(-1), [header.numel()] * host.size).wait()
-    differing = [r for r in range(host.size) if not torch.equal(everyone[r], header)]
+    differing = (everyone != header).any(dim=1).nonzero().flatten().tolist()
     if differing:
         ranks = topology.ranks_of(process_set)
         raise CollectiveMismatchError(
             f"tensor-parallel {kind} over {process_set!r}: rank {ranks[host.rank]} has "
             f"{_describe(header)} but rank {ranks[differing[0]]} has {_describe(everyone[differing[0]])}")
-    return topology.transport(process_set, tensor.device)
 
 
 def _header(kind: str, tensor: torch.Tensor) -> torch.Tensor:

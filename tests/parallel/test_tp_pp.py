@@ -13,6 +13,7 @@ TP_CHECKS = ["grid/coordinates_sets_and_neighbours"] + [
     "column/sequence_parallel/gather_output_False", "row/sequence_parallel/input_is_parallel_True",
     "embedding/sequence_parallel/padded_vocabulary", "mlp/sequence_parallel/matches_torch_nn",
     "attention/sequence_parallel/matches_torch_nn", "block/sequence_parallel/matches_torch_nn",
+    "block/without_shape_check/matches_torch_nn",
     "cross_entropy/padded_vocabulary_three_all_reduces", "errors/bad_layouts",
     "errors/mismatched_inputs_across_tp_ranks"]
 

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from psrt import tp
+from psrt.config import config_from_env
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.grid import Axis, Coordinates, GridShape
 from psrt.pp import balanced_split, explicit_split
@@ -125,3 +126,8 @@ def test_attention_heads_must_divide_the_dimension():
 def test_load_full_state_dict_names_missing_keys():
     with pytest.raises(InvalidArgumentError, match="missing"):
         tp.load_full_state_dict(tp.ColumnParallelLinear(4, 4), {"weight": torch.zeros(4, 4)})
+
+
+def test_tp_shape_check_is_on_by_default_and_can_be_turned_off():
+    assert config_from_env({}).tp_check_shapes is True
+    assert config_from_env({"PSRT_TP_CHECK_SHAPES": "0"}).tp_check_shapes is False

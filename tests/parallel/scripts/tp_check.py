@@ -5,11 +5,14 @@ bad layouts and mismatched inputs.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import _harness
+import psrt.runtime
 import psrt.torch as hvd
 from _training_common import expect_raises, generator, randn
 from psrt import tp
@@ -294,6 +297,17 @@ def check_mismatched_inputs(key: str) -> None:
     layer(randn(key, (2, DIM), "again"))
 
 
+def check_block_without_shape_check(key: str) -> None:
+    """PSRT_TP_CHECK_SHAPES=0: the same results without the agreement header."""
+    current = psrt.runtime.current()
+    saved = current.config
+    current.config = dataclasses.replace(saved, tp_check_shapes=False)
+    try:
+        check_block(key, "block", False)
+    finally:
+        current.config = saved
+
+
 _GRID: list[ProcessGrid] = []
 
 
@@ -318,6 +332,7 @@ def main() -> None:
         checks.add(f"embedding{suffix}/padded_vocabulary", check_embedding, sp)
         for part in ("mlp", "attention", "block"):
             checks.add(f"{part}{suffix}/matches_torch_nn", check_block, part, sp)
+    checks.add("block/without_shape_check/matches_torch_nn", check_block_without_shape_check)
     checks.add("cross_entropy/padded_vocabulary_three_all_reduces", check_cross_entropy)
     checks.add("errors/bad_layouts", check_bad_layouts)
     checks.add("errors/mismatched_inputs_across_tp_ranks", check_mismatched_inputs)
