@@ -18,6 +18,7 @@ import psrt.torch as hvd
 from psrt import pp, tp
 from psrt.grid import ProcessGrid
 from psrt.topology import ProcessSet
+from psrt.torch.optimizer import Bucketing
 from psrt.zero import ZeroOptimizer
 
 
@@ -44,13 +45,12 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         hidden = self.tokens(ids)
-        positions = self.positions.weight[:ids.shape[1]]
-        if self.sequence_parallel:
-            (weight,) = tp.sequence_parallel_parameters(self.process_set, self.positions.weight)
-            rows = hidden.shape[1]
-            start = rows * tp.comm.group_rank(self.process_set)
-            positions = weight[start:start + rows]
-        return hidden + positions
+        if not self.sequence_parallel:
+            return hidden + self.positions.weight[:ids.shape[1]]
+        (weight,) = tp.sequence_parallel_parameters(self.process_set, self.positions.weight)
+        rows = hidden.shape[1]  # this rank's block of the sequence
+        start = rows * tp.comm.group_rank(self.process_set)
+        return hidden + weight[start:start + rows]
 
 
 class Head(nn.Module):
@@ -110,9 +110,12 @@ class Trainer:
 
 
 def build_trainer(config: GPTConfig, grid: ProcessGrid, *, schedule: str = "1f1b", microbatches: int = 4,
-                  chunks: int = 1, zero: bool = False, lr: float = 3e-3, seed: int = 0) -> Trainer:
+                  chunks: int = 1, zero: bool = False, overlap: bool | None = None, lr: float = 3e-3,
+                  seed: int = 0) -> Trainer:
     """The tiny GPT on ``grid``: TP layers over the TP set, stages over the PP set, and AdamW
-    data-parallel over the DP set (allreduce after the step's last backward, or ZeRO-1)."""
+    data-parallel over the DP set (allreduce after the step's last backward, or ZeRO-1).
+    ``overlap`` is DistributedOptimizer's choice to all-reduce during that backward (default:
+    when it pays; turn it off for CUDA with TP or PP, see the README)."""
     torch.manual_seed(seed)  # every rank draws the full model, then keeps its share
     stage = pp.PipelineStage(build_blocks(config, grid.tp_set), grid.pp_set, chunks=chunks)
     pipeline = pp.Pipeline(stage, loss_function(config, grid.tp_set), microbatches=microbatches,
@@ -122,13 +125,16 @@ def build_trainer(config: GPTConfig, grid: ProcessGrid, *, schedule: str = "1f1b
     else:
         optimizer = hvd.DistributedOptimizer(torch.optim.AdamW(stage.parameters(), lr=lr),
                                              named_parameters=stage.named_parameters(),
-                                             backward_passes_per_step=microbatches, process_set=grid.dp_set)
+                                             backward_passes_per_step=microbatches, process_set=grid.dp_set,
+                                             bucketing=Bucketing(overlap=overlap))
     return Trainer(grid, stage, pipeline, optimizer)
 
 
 def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> float:
     """One step on the global batch (each DP replica takes its rows); returns the global mean loss."""
     grid = trainer.grid
+    if inputs.shape[0] % grid.shape.dp:
+        raise ValueError(f"a global batch of {inputs.shape[0]} sequences does not split over dp={grid.shape.dp}")
     rows = inputs.shape[0] // grid.shape.dp
     mine = slice(grid.coords.dp * rows, (grid.coords.dp + 1) * rows)
     loss = trainer.pipeline.step(inputs[mine] if grid.is_first_stage else None,

@@ -3,8 +3,9 @@ and its pipeline neighbours.
 
 Axes are laid out with tensor parallelism innermost, then data, then pipeline
 (Megatron's default order), over the world ranks sorted by host: TP groups, which
-communicate in every layer, share a host; PP neighbours, which exchange one
-activation per micro-batch, may cross hosts.
+communicate in every layer, share a host whenever the hosts' slot counts are
+multiples of the TP size; PP neighbours, which exchange one activation per
+micro-batch, may cross hosts.
 """
 from __future__ import annotations
 
@@ -154,8 +155,9 @@ class ProcessGrid:
 
 def _check_axis_order(axis: Axis, ranks: list[int]) -> None:
     """A process set orders its members by world rank; the grid needs that order to be the
-    coordinate order, which holds for every placement by slot or by node."""
+    coordinate order, which holds when each host's ranks are consecutive (placement by
+    slot, mpirun's and psrun's default)."""
     if ranks != sorted(ranks):
         raise InvalidArgumentError(
-            f"the {axis.value} group {ranks} is not in increasing world-rank order on the "
-            "host-sorted grid; launch with ranks placed by slot or by node")
+            f"the {axis.value} group {ranks} of the host-sorted grid is not in increasing world-rank "
+            "order: launch with each host's ranks consecutive (--map-by slot, the default)")

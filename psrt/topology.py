@@ -84,6 +84,9 @@ class Topology:
         self._communicators: dict[int, Communicator | None] = {GLOBAL_PROCESS_SET_ID: world}
         # NCCL communicators, made on first use by (process set id, CUDA device index)
         self._device_communicators: dict[tuple[int, int], Communicator] = {}
+        # Communicators for traffic the caller's thread runs itself (tensor and pipeline
+        # parallelism), by (process set id, CUDA device index or None for the host)
+        self._direct: dict[tuple[int, int | None], Communicator] = {}
         self._sets: dict[int, ProcessSet] = {GLOBAL_PROCESS_SET_ID: global_set}
         self._next_id = GLOBAL_PROCESS_SET_ID + 1
         global_set.process_set_id = GLOBAL_PROCESS_SET_ID
@@ -145,7 +148,8 @@ class Topology:
         The process grid lays its axes out in this order so that the innermost axis
         (tensor parallelism) stays on one host whatever ``--map-by`` placed where.
         """
-        places = self._registry.allgather_object((self.cross.rank, self.local.rank))
+        host = min(self.local.allgather_object(self.world.rank))  # a host is known by its lowest rank
+        places = self._registry.allgather_object((host, self.local.rank))
         return sorted(range(self.world.size), key=lambda rank: places[rank])
 
     def communicator_or_none(self, process_set: ProcessSet) -> Communicator | None:
@@ -176,9 +180,46 @@ class Topology:
             self._device_communicators[key] = comm
         return comm
 
+    def direct(self, process_set: ProcessSet, device: torch.device | None = None,
+               agree: object = None) -> Communicator:
+        """A communicator of the set's members for collectives and messages the calling
+        thread issues itself, apart from the one the engine thread uses (two threads must
+        never run collectives on one communicator).
+
+        Made on first use, collectively over the set's members: every member must ask for
+        it at the same point of its program (the first TP collective; a pipeline's
+        construction).  ``agree`` is compared across the members then, so settings that
+        change which collectives run can never differ between them.
+        """
+        index = None
+        if device is not None and device.type == "cuda":
+            index = torch.cuda.current_device() if device.index is None else device.index
+        key = (self._registered_id(process_set), index)
+        comm = self._direct.get(key)
+        if comm is not None:
+            return comm
+        if index is None:
+            comm = self.communicator(process_set).split(0, key=self.world.rank)
+            theirs = comm.allgather_object(agree)
+            if any(value != agree for value in theirs):
+                raise ProcessSetError(f"ranks of {process_set!r} run with different settings: "
+                                      f"{dict(enumerate(theirs))} (by rank in the set)")
+        else:
+            comm = NcclCommunicator(self.direct(process_set, None, agree), torch.device("cuda", index))
+        self._direct[key] = comm
+        return comm
+
+    def _registered_id(self, process_set: ProcessSet) -> int:
+        self.communicator(process_set)
+        return process_set.process_set_id
+
     def _free_device_communicators(self, set_id: int | None) -> None:
         for key in [k for k in self._device_communicators if set_id is None or k[0] == set_id]:
             self._device_communicators.pop(key).free()
+        # device communicators of the direct traffic first: they sit on the host ones
+        for key in sorted((k for k in self._direct if set_id is None or k[0] == set_id),
+                          key=lambda k: k[1] is None):
+            self._direct.pop(key).free()
 
     def free(self) -> None:
         self._free_device_communicators(None)

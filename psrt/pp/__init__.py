@@ -1,7 +1,8 @@
 """Pipeline parallelism: a model given as a list of blocks is cut into stages, one per
 rank of the PP process set, and micro-batches stream through them following a
 schedule that is built and checked as a plain value before one executor runs it."""
-from psrt.pp.executor import Pipeline, StepProfile
+from psrt.pp.executor import Pipeline
+from psrt.pp.step import StepProfile
 from psrt.pp.partition import balanced_split, explicit_split
 from psrt.pp.schedule import Action, Op, build, gpipe, interleaved_one_f_one_b, one_f_one_b
 from psrt.pp.simulate import Event, bubble_fraction, check, in_flight, makespan, simulate

@@ -1,18 +1,24 @@
 """Activations and their gradients between neighbouring pipeline stages.
 
-Every message is a small header (message id, dtype, shape) on the host
-communicator followed by the payload on the transport for the tensor's device.
-The receiver allocates from the header, so it never needs to know shapes in
+Every message is a small header (message id, dtype, shape) followed by the
+payload, both on the PP set's own host communicator (not the engine's).  The
+receiver allocates from the header, so it never needs to know shapes in
 advance, and checks the id against what its schedule expects next and, for
 gradients, the shape against the activation it sent: a disagreement between
 stages is an error naming both sides, never a truncated buffer or a hang.
+
+Sends never block and receives do: the execution model the schedule checker
+proves deadlock-free.  NCCL's sends block until the peer receives, under which
+1F1B's crossing sends deadlock unless each is fused with the opposite receive
+(Megatron's ``batch_isend_irecv``); until psrt does that, CUDA activations are
+staged through host memory and travel over MPI.
 """
 from __future__ import annotations
 
 import torch
 
 from psrt import runtime
-from psrt.comm.base import Communicator, Request, all_of
+from psrt.comm.base import Request, all_of
 from psrt.errors import CommunicationError
 from psrt.topology import ProcessSet
 
@@ -35,13 +41,8 @@ class StageLink:
     """Sends and receives of one pipeline rank over the PP process set."""
 
     def __init__(self, process_set: ProcessSet) -> None:
-        topology = runtime.current().topology
-        self._process_set = process_set
-        self._host = topology.communicator(process_set)
-        self._topology = topology
-
-    def _transport(self, device: torch.device) -> Communicator:
-        return self._topology.transport(self._process_set, device)
+        """Collective over the PP set (it opens the set's own communicator)."""
+        self._host = runtime.current().topology.direct(process_set)
 
     def send(self, tensor: torch.Tensor, dest: int, tag: int, ident: int) -> Request:
         """Start sending ``tensor`` to set rank ``dest``; keep the request until it completes."""
@@ -49,9 +50,11 @@ class StageLink:
             raise CommunicationError(f"pipeline stages exchange floating-point tensors of at most {_MAX_DIMS} "
                                      f"dimensions, got {tensor.dtype} of shape {tuple(tensor.shape)}")
         payload = tensor.detach().contiguous()
+        if payload.is_cuda:
+            payload = payload.cpu()
         shape = list(payload.shape) + [-1] * (_MAX_DIMS - payload.dim())
         header = torch.tensor([ident, _DTYPES.index(payload.dtype), payload.dim(), *shape], dtype=torch.int64)
-        return all_of([self._host.isend(header, dest, tag), self._transport(payload.device).isend(payload, dest, tag)])
+        return all_of([self._host.isend(header, dest, tag), self._host.isend(payload, dest, tag)])
 
     def recv(self, source: int, tag: int, ident: int, device: torch.device,
              like: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,8 +66,8 @@ class StageLink:
         shape, dtype = tuple(dims[:ndim]), _DTYPES[dtype_index]
         # the payload is taken off the link even when it is refused, so nothing is left behind
         # for a later receive to match
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        self._transport(device).recv(tensor, source, tag)
+        tensor = torch.empty(shape, dtype=dtype)
+        self._host.recv(tensor, source, tag)
         if got != ident:
             raise CommunicationError(f"pipeline rank {self._host.rank} expected {describe_id(ident)} but rank "
                                      f"{source} sent {describe_id(got)}: the stages run different schedules")
@@ -73,4 +76,4 @@ class StageLink:
                 f"pipeline rank {self._host.rank}: the gradient of {describe_id(ident)} from rank {source} has "
                 f"shape {shape} ({dtype}) but the activation it belongs to has shape {tuple(like.shape)} "
                 f"({like.dtype})")
-        return tensor
+        return tensor.to(device)

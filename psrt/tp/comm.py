@@ -2,8 +2,9 @@
 
 They sit on every layer's critical path and are called in the same order on
 every rank of the set by construction (the ranks run the same layers on the
-same batch), so they go straight to the set's communicator instead of through
-the engine's negotiation, which costs ~0.4 ms per call on a CPU host.  What
+same batch), so they go straight to a communicator of the set's own (never the
+one the engine thread uses) instead of through the engine's negotiation, which
+costs ~0.4 ms per call on a CPU host.  What
 negotiation would have caught, disagreeing shapes or dtypes, is checked by a
 small header exchanged on the host communicator before each collective: every
 rank of the set raises the same :class:`CollectiveMismatchError` instead of
@@ -74,7 +75,7 @@ def all_gather(tensor: torch.Tensor, dim: int, process_set: ProcessSet | None) -
         comm = _transport(process_set, tensor, "all_gather")
         send = tensor.contiguous()
         out = torch.empty((size, *send.shape), dtype=send.dtype, device=send.device)
-        comm.allgatherv(send.view(-1), out.view(-1), [send.numel()] * size).wait()
+        _finish(comm.allgatherv(send.view(-1), out.view(-1), [send.numel()] * size), send)
     return out.flatten(0, 1) if dim == 0 else torch.cat(out.unbind(0), dim=dim)
 
 
@@ -91,7 +92,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, process_set: ProcessSet | Non
         send = torch.stack(tensor.chunk(size, dim)) if dim != 0 else tensor.contiguous()
         block = send.shape[1:] if dim != 0 else (tensor.shape[0] // size, *tensor.shape[1:])
         out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
-        comm.reduce_scatter(send.reshape(-1), out.view(-1), [out.numel()] * size, ReduceOp.SUM).wait()
+        _finish(comm.reduce_scatter(send.reshape(-1), out.view(-1), [out.numel()] * size, ReduceOp.SUM), send)
     return out
 
 
@@ -121,14 +122,15 @@ class _timed:
 def _transport(process_set: ProcessSet, tensor: torch.Tensor, kind: str) -> Communicator:
     """The set's communicator for ``tensor``'s device, after every rank agreed on the call."""
     current = runtime.current()
+    check = current.config.tp_check_shapes
+    setting = ("PSRT_TP_CHECK_SHAPES", check)
     topology = current.topology
-    if current.config.tp_check_shapes:
-        _agree(topology, process_set, _header(kind, tensor), kind)
-    return topology.transport(process_set, tensor.device)
+    if check:
+        _agree(topology, process_set, topology.direct(process_set, None, setting), _header(kind, tensor), kind)
+    return topology.direct(process_set, tensor.device, setting)
 
 
-def _agree(topology, process_set: ProcessSet, header: torch.Tensor, kind: str) -> None:
-    host = topology.communicator(process_set)
+def _agree(topology, process_set: ProcessSet, host: Communicator, header: torch.Tensor, kind: str) -> None:
     everyone = torch.empty((host.size, header.numel()), dtype=torch.int64)
     host.allgatherv(header, everyone.view(-1), [header.numel()] * host.size).wait()
     differing = (everyone != header).any(dim=1).nonzero().flatten().tolist()
@@ -137,6 +139,13 @@ def _agree(topology, process_set: ProcessSet, header: torch.Tensor, kind: str) -
         raise CollectiveMismatchError(
             f"tensor-parallel {kind} over {process_set!r}: rank {ranks[host.rank]} has "
             f"{_describe(header)} but rank {ranks[differing[0]]} has {_describe(everyone[differing[0]])}")
+
+
+def _finish(request, tensor: torch.Tensor) -> None:
+    """Host collectives complete here; CUDA ones are ordered on the stream, so the host
+    need not wait for them."""
+    if not tensor.is_cuda:
+        request.wait()
 
 
 def _header(kind: str, tensor: torch.Tensor) -> torch.Tensor:

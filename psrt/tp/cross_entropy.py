@@ -53,7 +53,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pro
 
     ``vocab_size`` is the real vocabulary when it was padded to a multiple of the TP
     size: padded columns take no probability.  ``reduction`` is "mean", "sum" or "none",
-    as in ``torch.nn.functional.cross_entropy``.
+    as in ``torch.nn.functional.cross_entropy``.  Half-precision logits are handled in
+    float32, and the loss stays float32 (as Megatron's does).
     """
     if logits.shape[:-1] != target.shape:
         raise InvalidArgumentError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "

@@ -49,6 +49,11 @@ def full_state_dict(module: nn.Module, process_set: ProcessSet | None) -> dict[s
         if sharding is None or sharding.parts == 1:
             full[name] = tensor.clone() if sharding is None else sharding.unshard([tensor])
             continue
+        if comm.group_size(process_set) != sharding.parts or comm.group_rank(process_set) != sharding.index:
+            raise InvalidArgumentError(
+                f"{name} is block {sharding.index} of {sharding.parts}, but this rank is rank "
+                f"{comm.group_rank(process_set)} of {comm.group_size(process_set)} in {process_set!r}: pass the "
+                "tensor-parallel process set the module was built with")
         blocks = comm.all_gather(tensor.unsqueeze(0), 0, process_set)
         full[name] = sharding.unshard(list(blocks.unbind(0)))
     return full

@@ -5,6 +5,7 @@ and ends with the same parameters.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -44,7 +45,8 @@ def reference_run(cfg: GPTConfig) -> tuple[list[float], dict[str, torch.Tensor]]
 
 
 def check_follows_single_process(key: str, dp: int, tp_size: int, pp_size: int, schedule: str,
-                                 sequence_parallel: bool = False, zero: bool = False, chunks: int = 1) -> None:
+                                 sequence_parallel: bool = False, zero: bool = False, chunks: int = 1,
+                                 overlap: bool | None = None) -> None:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -52,7 +54,7 @@ def check_follows_single_process(key: str, dp: int, tp_size: int, pp_size: int, 
         want_losses, want_state = reference_run(cfg)
         grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size)
         trainer = build_trainer(cfg, grid, schedule=schedule, microbatches=4 if schedule != "interleaved" else 2,
-                                chunks=chunks, zero=zero, lr=LR, seed=SEED)
+                                chunks=chunks, zero=zero, overlap=overlap, lr=LR, seed=SEED)
         generator, losses = torch.Generator().manual_seed(SEED), []
         for _ in range(STEPS):
             inputs, targets = batch(DATA, ROWS, cfg.sequence_length, generator)
@@ -77,6 +79,10 @@ LAYOUTS = [
     ("dp1_tp2_pp2/1f1b/sequence_parallel", 1, 2, 2, "1f1b", {"sequence_parallel": True}),
     ("dp2_tp2_pp1/zero1", 2, 2, 1, "1f1b", {"zero": True}),
     ("dp2_tp1_pp2/interleaved_v2", 2, 1, 2, "interleaved", {"chunks": 2}),
+    # the engine all-reduces gradients during the last backward while TP and PP traffic runs
+    ("dp2_tp2_pp1/overlapped_allreduce", 2, 2, 1, "1f1b", {"overlap": True}),
+    ("dp2_tp1_pp2/overlapped_allreduce", 2, 1, 2, "1f1b", {"overlap": True}),
+    ("dp1_tp2_pp2/interleaved_v2/sequence_parallel", 1, 2, 2, "interleaved", {"chunks": 2, "sequence_parallel": True}),
 ]
 
 
@@ -84,8 +90,8 @@ def main() -> None:
     hvd.init()
     checks = _harness.Checks()
     for name, dp, tp_size, pp_size, schedule, options in LAYOUTS:
-        checks.add(f"gpt/{name}", check_follows_single_process, dp, tp_size, pp_size, schedule,
-                   *(options.get(k, d) for k, d in (("sequence_parallel", False), ("zero", False), ("chunks", 1))))
+        checks.add(f"gpt/{name}", functools.partial(check_follows_single_process, **options), dp, tp_size, pp_size,
+                   schedule)
     _harness.run(checks, check_timeout_s=60.0)
     hvd.shutdown()
 

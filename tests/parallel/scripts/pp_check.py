@@ -76,6 +76,46 @@ def check_mean_loss_matches_full_batch_mean(key: str) -> None:
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-12, atol=1e-12)
 
 
+def check_activation_memory_follows_in_flight(key: str) -> None:
+    """Peak activation bytes: GPipe holds all m micro-batches, 1F1B at most p - r (plus one
+    gradient on its way), so delivered messages must not keep their payloads alive."""
+    g = grid()
+    p, r, m = g.shape.pp, g.coords.pp, 8
+    x, y = randn(key, (ROWS, WIDTHS[0]), "x"), randn(key, (ROWS, WIDTHS[-1]), "y")
+
+    def peak(schedule: str, microbatches: int, rows: int) -> int:
+        pipe = pp.Pipeline(pp.PipelineStage(blocks(key), g.pp_set), mse_sum, microbatches=microbatches,
+                           schedule=schedule)
+        pipe.step(x[:rows] if g.is_first_stage else None, y[:rows] if g.is_last_stage else None)
+        return pipe.profile.peak_activation_bytes
+
+    one = peak("gpipe", 1, ROWS // m)
+    gpipe, one_f_one_b = peak("gpipe", m, ROWS), peak("1f1b", m, ROWS)
+    assert gpipe >= m * one, f"GPipe peak {gpipe} B is below {m} micro-batches of {one} B"
+    bound = (min(p - r, m) + 1) * one
+    assert one_f_one_b <= bound, f"1F1B peak {one_f_one_b} B exceeds {min(p - r, m)} micro-batches + one ({bound} B)"
+
+
+def check_frozen_first_block(key: str) -> None:
+    """A first block that needs no gradient: its stage skips the backward it does not need
+    and the rest still matches the unsplit model."""
+    g = grid()
+    full, reference = blocks(key), nn.Sequential(*blocks(key))
+    for module in (full[0], reference[0]):
+        module.requires_grad_(False)
+    x, y = randn(key, (ROWS, WIDTHS[0]), "x"), randn(key, (ROWS, WIDTHS[-1]), "y")
+    mse_sum(reference(x), y).backward()
+    stage = pp.PipelineStage(full, g.pp_set, split=[1] * (g.shape.pp - 1) + [len(full) - g.shape.pp + 1])
+    pipe = pp.Pipeline(stage, mse_sum, microbatches=4, loss_reduction="sum")
+    pipe.step(x if g.is_first_stage else None, y if g.is_last_stage else None)
+    grads = dict(reference.named_parameters())
+    for name, param in stage.named_parameters():
+        if name.startswith("0."):
+            assert param.grad is None, f"frozen {name} got a gradient"
+        else:
+            torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-12, atol=1e-12)
+
+
 def check_explicit_split(key: str) -> None:
     g = grid()
     p = g.shape.pp
@@ -106,9 +146,12 @@ def check_bad_inputs(key: str) -> None:
     other = pp.Pipeline(stage, mse_sum, microbatches=2 if g.coords.pp == 0 else 4)
     expect_raises(InvalidArgumentError, lambda: step(x[:8], y[:8], on=other), "pipeline stages disagree",
                   "micro-batch counts differ")
-    if g.is_first_stage:
-        expect_raises(InvalidArgumentError, lambda: pipe.step(None, None), "the first pipeline stage needs the inputs",
-                      "no inputs")
+    # only the first stage lacks its batch, yet every stage raises (none waits for a message)
+    expect_raises(InvalidArgumentError, lambda: pipe.step(None, y[:8] if g.is_last_stage else None),
+                  "the first pipeline stage needs the inputs", "no inputs")
+    expect_raises(InvalidArgumentError, lambda: pipe.step(x[:8] if g.is_first_stage else None, [1.0] * 8),
+                  "the last pipeline stage needs the targets as a tensor with a batch dimension, got list",
+                  "targets of the wrong type")
     expect_raises(InvalidArgumentError, lambda: pp.Pipeline(stage, mse_sum, microbatches=3, schedule="zigzag"),
                   "unknown pipeline schedule 'zigzag'", "unknown schedule")
     # a clean step still works afterwards: nothing was left on the links
@@ -155,6 +198,8 @@ def main() -> None:
     for m in (p, 2 * p):
         checks.add(f"match/interleaved/v2/m{m}", check_matches_unsplit_model, "interleaved", m, 2)
     checks.add("match/mean_loss", check_mean_loss_matches_full_batch_mean)
+    checks.add("match/frozen_first_block", check_frozen_first_block)
+    checks.add("memory/activations_follow_in_flight", check_activation_memory_follows_in_flight)
     checks.add("split/explicit", check_explicit_split)
     checks.add("errors/bad_inputs", check_bad_inputs)
     checks.add("errors/wrong_messages", check_wrong_messages_are_refused)

@@ -295,6 +295,25 @@ def check_mismatched_inputs(key: str) -> None:
                   f"shape (3, {DIM})", "longer batch on rank 1")
     # the set is still usable afterwards
     layer(randn(key, (2, DIM), "again"))
+    expect_raises(InvalidArgumentError, lambda: tp.full_state_dict(layer, grid().dp_set),
+                  "pass the tensor-parallel process set", "gathering over the wrong set")
+
+
+def check_engine_and_tp_share_a_set(key: str) -> None:
+    """An asynchronous hvd collective on the TP set runs in the engine thread while TP layers
+    run collectives on the same set from this thread: they use separate communicators."""
+    ps = grid().tp_set
+    layer = tp.RowParallelLinear(DIM, DIM, process_set=ps).double()
+    reference = nn.Linear(DIM, DIM).double()
+    tp.load_full_state_dict(reference, tp.full_state_dict(layer, ps))
+    x = randn(key, (BATCH, DIM), "x")
+    for i in range(20):
+        handle = hvd.allreduce_async(torch.full((4096,), float(hvd.rank() + i)), name=f"{key}.{i}", op=hvd.Sum,
+                                     process_set=ps)
+        close(layer(x).detach(), reference(x).detach(), f"layer output, round {i}")
+        total = hvd.synchronize(handle)
+        want = sum(r + i for r in range(hvd.size()))
+        assert torch.equal(total, torch.full((4096,), float(want))), f"engine allreduce, round {i}"
 
 
 def check_block_without_shape_check(key: str) -> None:
@@ -336,6 +355,7 @@ def main() -> None:
     checks.add("cross_entropy/padded_vocabulary_three_all_reduces", check_cross_entropy)
     checks.add("errors/bad_layouts", check_bad_layouts)
     checks.add("errors/mismatched_inputs_across_tp_ranks", check_mismatched_inputs)
+    checks.add("concurrency/engine_and_tp_share_a_set", check_engine_and_tp_share_a_set)
     _harness.run(checks)
     hvd.shutdown()
 

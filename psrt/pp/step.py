@@ -1,0 +1,185 @@
+"""One step of a pipeline schedule on one rank: the actions, the activations held
+between a micro-batch's forward and backward, the messages in flight, and the
+record of what the step did."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from psrt.comm.base import Request
+from psrt.pp.p2p import BACKWARD_TAG, FORWARD_TAG, message_id
+from psrt.pp.schedule import Action, Op
+from psrt.pp.simulate import Event
+
+if TYPE_CHECKING:
+    from psrt.pp.executor import Pipeline
+
+Key = tuple[int, int]  # (micro-batch, chunk)
+
+
+@dataclass
+class StepProfile:
+    """What one step did on this rank: compute events (seconds from the step start), wall
+    time, the most micro-batches held at once, and the most activation bytes held at once
+    (what autograd saved for backward, the stage's inputs and outputs, and messages not
+    yet delivered)."""
+
+    events: list[Event] = field(default_factory=list)
+    wall: float = 0.0
+    in_flight: int = 0
+    peak_activation_bytes: int = 0
+
+    @property
+    def compute(self) -> float:
+        return sum(e.end - e.start for e in self.events)
+
+    @property
+    def idle(self) -> float:
+        return max(0.0, self.wall - self.compute)
+
+
+@dataclass
+class _Held:
+    """A micro-batch between its forward and its backward."""
+
+    input: torch.Tensor
+    output: torch.Tensor
+    bytes: int
+    send: Request | None = None
+
+
+class StepRun:
+    """Executes this rank's actions for one step."""
+
+    def __init__(self, pipeline: Pipeline, inputs: list[torch.Tensor] | None,
+                 targets: list[torch.Tensor] | None) -> None:
+        self.p, self.inputs, self.targets = pipeline, inputs, targets
+        self.stage, self.link = pipeline.stage, pipeline.link
+        self.received: dict[Key, torch.Tensor] = {}  # inputs from the previous stage, until their gradient is sent
+        self.held: dict[Key, _Held] = {}
+        self.grads: dict[Key, torch.Tensor] = {}
+        self.pending: list[tuple[Request, int]] = []  # sends whose payload is held by nothing else
+        self.loss = torch.zeros(1, dtype=torch.float64)
+        self.profile = StepProfile()
+        self.live_bytes = 0
+        self.device = next(self.stage.parameters(), torch.empty(0)).device
+        self.parameter_storage = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
+
+    def execute(self) -> torch.Tensor:
+        self.start = time.perf_counter()
+        try:
+            for action in self.p.actions:
+                self._do(action)
+                self._release_delivered()
+            for request, _ in self.pending:
+                request.wait()
+        finally:
+            self.held.clear()
+            self.pending.clear()
+        if self.p.loss_reduction == "mean":
+            self.loss /= self.p.microbatches
+        self.profile.wall = time.perf_counter() - self.start
+        return self.loss
+
+    def _peer(self, chunk: int, step: int) -> tuple[int, int]:
+        """(PP set rank, virtual stage) of the stage ``step`` away from this chunk's."""
+        stages = self.stage.stages
+        virtual = chunk * stages + self.stage.rank
+        return (virtual + step) % stages, virtual
+
+    def _do(self, a: Action) -> None:
+        key = (a.microbatch, a.chunk)
+        if a.op is Op.RECV_FORWARD:
+            source, virtual = self._peer(a.chunk, -1)
+            x = self.link.recv(source, FORWARD_TAG, message_id(a.microbatch, virtual - 1), self.device)
+            self.received[key] = x.requires_grad_()
+        elif a.op is Op.FORWARD:
+            self._timed(a, self._forward, a, key)
+        elif a.op is Op.SEND_FORWARD:
+            dest, virtual = self._peer(a.chunk, +1)
+            held = self.held[key]
+            held.send = self.link.send(held.output, dest, FORWARD_TAG, message_id(a.microbatch, virtual))
+        elif a.op is Op.RECV_BACKWARD:
+            source, virtual = self._peer(a.chunk, +1)
+            self.grads[key] = self.link.recv(source, BACKWARD_TAG, message_id(a.microbatch, virtual + 1),
+                                             self.device, like=self.held[key].output)
+        elif a.op is Op.BACKWARD:
+            self._timed(a, self._backward, a, key)
+        else:  # SEND_BACKWARD
+            dest, virtual = self._peer(a.chunk, -1)
+            x = self.received.pop(key)
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)  # the stage did not use its input
+            request = self.link.send(grad, dest, BACKWARD_TAG, message_id(a.microbatch, virtual))
+            self._track(request, grad.numel() * grad.element_size())
+
+    def _timed(self, a: Action, work: Callable, *args) -> None:
+        begin = time.perf_counter()
+        work(*args)
+        end = time.perf_counter()
+        self.profile.events.append(Event(self.stage.rank, a.op, a.microbatch, a.chunk,
+                                         begin - self.start, end - self.start))
+
+    def _forward(self, a: Action, key: Key) -> None:
+        x = self.inputs[a.microbatch] if self.stage.is_first(a.chunk) else self.received[key]
+        saved = _SavedBytes(self.parameter_storage)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            y = self.stage.run_chunk(a.chunk, x)
+            if self.stage.is_last(a.chunk):
+                loss = self.p.loss_fn(y, self.targets[a.microbatch])
+                self.loss += loss.detach().double().cpu()
+                y = loss / self.p.microbatches if self.p.loss_reduction == "mean" else loss
+        # the received input and the output are held too, whether or not autograd saved them
+        for tensor in ((y,) if self.stage.is_first(a.chunk) else (x, y)):
+            saved.pack(tensor)
+        self.held[key] = _Held(x, y, saved.bytes)
+        self.live_bytes += saved.bytes
+        self.profile.peak_activation_bytes = max(self.profile.peak_activation_bytes, self.live_bytes)
+        self.profile.in_flight = max(self.profile.in_flight, len(self.held))
+
+    def _backward(self, a: Action, key: Key) -> None:
+        held = self.held.pop(key)
+        if held.output.requires_grad:  # else nothing before this point needs a gradient
+            if self.stage.is_last(a.chunk):
+                held.output.backward()
+            else:
+                held.output.backward(self.grads.pop(key))
+        self.grads.pop(key, None)
+        self.live_bytes -= held.bytes
+        if held.send is not None and not held.send.test():
+            self._track(held.send, held.output.numel() * held.output.element_size())
+
+    def _track(self, request: Request, size: int) -> None:
+        """Keep a send's payload (and count it) until the message is delivered."""
+        self.pending.append((request, size))
+        self.live_bytes += size
+        self.profile.peak_activation_bytes = max(self.profile.peak_activation_bytes, self.live_bytes)
+
+    def _release_delivered(self) -> None:
+        still = []
+        for request, size in self.pending:
+            if request.test():
+                self.live_bytes -= size
+            else:
+                still.append((request, size))
+        self.pending = still
+
+
+class _SavedBytes:
+    """Counts the bytes of the tensors autograd saves during a forward, each (address, size)
+    once, leaving out parameters and views of them (``parameter_storage``: the data
+    pointers of their storages)."""
+
+    def __init__(self, parameter_storage: set[int]) -> None:
+        self.bytes = 0
+        self._parameters = parameter_storage
+        self._seen: set[tuple[int, int]] = set()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        view = (tensor.data_ptr(), tensor.numel())
+        if view not in self._seen and tensor.untyped_storage().data_ptr() not in self._parameters:
+            self._seen.add(view)
+            self.bytes += tensor.numel() * tensor.element_size()
+        return tensor
