@@ -28,12 +28,14 @@ contention, not as a speed-up; what carries over to a real machine is the comm s
 trend and the collective counts (4 all-reduces per block without sequence parallelism; 4
 all-gathers, 4 reduce-scatters and 4 small parameter all-reduces with it).
 Baseline: one TP all-reduce of an activation at the largest TP size, psrt's (with its
-agreement header) against raw mpi4py ``Allreduce`` on a numpy buffer over the same ranks.
+shape agreement, and without it as with ``PSRT_TP_CHECK_SHAPES=0``) against raw mpi4py
+``Allreduce`` on a numpy buffer over the same ranks.
 Rank 0 prints a table and one JSON line.  Nothing is asserted.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -41,7 +43,7 @@ import time
 import torch
 
 import psrt.torch as hvd
-from psrt import tp
+from psrt import runtime, tp
 from psrt.grid import ProcessGrid
 
 SIZES = (1, 2, 4)
@@ -111,22 +113,28 @@ def allreduce_against_mpi4py(args, x: torch.Tensor, calls: int = 50) -> dict:
     grid = ProcessGrid(dp=1, tp=t, pp=1)
     comm = MPI.COMM_WORLD.Split(0, key=grid.coords.tp)
     mine, theirs = x.clone(), x.numpy().copy()
-    times = {"psrt": [], "mpi4py": []}
+    current = runtime.current()
+    checked = current.config
+    unchecked = dataclasses.replace(checked, tp_check_shapes=False)
+    times = {"psrt": [], "psrt_unchecked": [], "mpi4py": []}
     for _ in range(args.repeats):
         for name in times:
+            current.config = unchecked if name == "psrt_unchecked" else checked
             comm.Barrier()
             start = time.perf_counter()
             for _ in range(calls):
-                if name == "psrt":
-                    tp.comm.all_reduce_(mine, grid.tp_set)
-                else:
+                if name == "mpi4py":
                     comm.Allreduce(MPI.IN_PLACE, theirs)
+                else:
+                    tp.comm.all_reduce_(mine, grid.tp_set)
             times[name].append((time.perf_counter() - start) / calls)
+    current.config = checked
     comm.Free()
     grid.free()
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {"tp": t, "bytes": x.numel() * x.element_size(), **{f"{k}_s": v for k, v in medians.items()},
-            "ratio": medians["mpi4py"] / medians["psrt"]}
+            "ratio": medians["mpi4py"] / medians["psrt"],
+            "ratio_unchecked": medians["mpi4py"] / medians["psrt_unchecked"]}
 
 
 def main() -> None:
@@ -172,8 +180,9 @@ def main() -> None:
               f"{r['comm_share'] * 100:.0f}% | {counts} |")
     if baseline:
         print(f"one TP all-reduce of an activation ({baseline['bytes'] / 1e3:.0f} KB) at TP {baseline['tp']}: "
-              f"psrt {baseline['psrt_s'] * 1e6:.0f} us, raw mpi4py {baseline['mpi4py_s'] * 1e6:.0f} us, "
-              f"speed ratio psrt / mpi4py {baseline['ratio']:.2f}")
+              f"psrt {baseline['psrt_s'] * 1e6:.0f} us (PSRT_TP_CHECK_SHAPES=0: "
+              f"{baseline['psrt_unchecked_s'] * 1e6:.0f} us), raw mpi4py {baseline['mpi4py_s'] * 1e6:.0f} us; "
+              f"speed ratio psrt / mpi4py {baseline['ratio']:.2f} ({baseline['ratio_unchecked']:.2f} unchecked)")
     print(json.dumps({"benchmark": "tp", "ranks": world, "layers": args.layers, "dim": args.dim,
                       "heads": args.heads, "batch": args.batch, "seq": args.seq, "results": rows,
                       "allreduce_vs_mpi4py": baseline}))

@@ -6,9 +6,10 @@ same batch), so they go straight to a communicator of the set's own (never the
 one the engine thread uses) instead of through the engine's negotiation, which
 costs ~0.4 ms per call on a CPU host.  What
 negotiation would have caught, disagreeing shapes or dtypes, is checked by a
-small header exchanged on the host communicator before each collective: every
-rank of the set raises the same :class:`CollectiveMismatchError` instead of
-hanging or reducing mismatched buffers.  ``PSRT_TP_CHECK_SHAPES=0`` skips the
+small all-reduce of the call's digest on the host communicator before each
+collective: every rank of the set raises the same
+:class:`CollectiveMismatchError` (naming both shapes) instead of hanging or
+reducing mismatched buffers.  ``PSRT_TP_CHECK_SHAPES=0`` skips the
 header (one small collective less per call) for jobs whose shapes are known good.
 
 ``stats`` counts the collectives by kind and the seconds spent in them, for
@@ -126,19 +127,28 @@ def _transport(process_set: ProcessSet, tensor: torch.Tensor, kind: str) -> Comm
     setting = ("PSRT_TP_CHECK_SHAPES", check)
     topology = current.topology
     if check:
-        _agree(topology, process_set, topology.direct(process_set, None, setting), _header(kind, tensor), kind)
+        _agree(topology, process_set, topology.direct(process_set, None, setting), kind, tensor)
     return topology.direct(process_set, tensor.device, setting)
 
 
-def _agree(topology, process_set: ProcessSet, host: Communicator, header: torch.Tensor, kind: str) -> None:
+def _agree(topology, process_set: ProcessSet, host: Communicator, kind: str, tensor: torch.Tensor) -> None:
+    """One all-reduce (max of the call's digest and of its negation) tells every rank
+    whether all made the same call; only when they did not are the headers gathered,
+    to name what differs."""
+    digest = hash((_KINDS.index(kind), _dtype_index(tensor.dtype), *tensor.shape))
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+    host.allreduce(extremes, ReduceOp.MAX)
+    highest, negated_lowest = extremes.tolist()
+    if highest == -negated_lowest:
+        return
+    header = _header(kind, tensor)
     everyone = torch.empty((host.size, header.numel()), dtype=torch.int64)
     host.allgatherv(header, everyone.view(-1), [header.numel()] * host.size).wait()
-    differing = (everyone != header).any(dim=1).nonzero().flatten().tolist()
-    if differing:
-        ranks = topology.ranks_of(process_set)
-        raise CollectiveMismatchError(
-            f"tensor-parallel {kind} over {process_set!r}: rank {ranks[host.rank]} has "
-            f"{_describe(header)} but rank {ranks[differing[0]]} has {_describe(everyone[differing[0]])}")
+    differing = (everyone != header).any(dim=1).nonzero().flatten().tolist() or [host.rank]
+    ranks = topology.ranks_of(process_set)
+    raise CollectiveMismatchError(
+        f"tensor-parallel {kind} over {process_set!r}: rank {ranks[host.rank]} has "
+        f"{_describe(header)} but rank {ranks[differing[0]]} has {_describe(everyone[differing[0]])}")
 
 
 def _finish(request, tensor: torch.Tensor) -> None:
@@ -152,9 +162,12 @@ def _header(kind: str, tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dim() > _HEADER_DIMS:
         raise InvalidArgumentError(f"tensor-parallel collectives take at most {_HEADER_DIMS} dimensions, "
                                    f"got shape {tuple(tensor.shape)}")
-    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
     shape = list(tensor.shape) + [-1] * (_HEADER_DIMS - tensor.dim())
-    return torch.tensor([_KINDS.index(kind), dtype, tensor.dim(), *shape], dtype=torch.int64)
+    return torch.tensor([_KINDS.index(kind), _dtype_index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
+
+
+def _dtype_index(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
 
 
 def _describe(header: torch.Tensor) -> str:
