@@ -65,6 +65,7 @@ class Engine:
         self._wake = threading.Event()
         self._stopped: str | None = None
         self._stop_requested = False
+        self._gone: set[int] = set()  # ranks that have called shutdown
         self._join_requested = False
         self._join_done = threading.Event()
         self._join_value: int | BaseException | None = None
@@ -91,6 +92,9 @@ class Engine:
         with self._lock:
             if self._stopped is not None:
                 raise EngineStoppedError(f"cannot run {work.announcement.describe()}: {self._stopped}")
+            gone = sorted(self._gone.intersection(work.announcement.ranks))
+            if gone:
+                raise EngineStoppedError(f"cannot run {work.announcement.describe()}: {_shut_down_by(gone)}")
             if work.key in self._in_flight:
                 raise InvalidArgumentError(
                     f"{work.announcement.describe()} is already pending on rank {self.rank}: a name may be "
@@ -120,7 +124,10 @@ class Engine:
             return sorted(name for sid, name in self._in_flight if sid == set_id)
 
     def shutdown(self) -> None:
-        """Stop the engine on every rank (collectively, at the next cycle) and wait."""
+        """Stop this rank's engine once every rank has called shutdown (collective, as
+        ``MPI_Finalize`` is); meanwhile it keeps negotiating, so that other ranks' works on
+        process sets without this rank still run, while works that need it fail at once,
+        naming it."""
         with self._lock:
             self._stop_requested = True
         self._wake.set()
@@ -179,9 +186,7 @@ class Engine:
                     self._join_requested = False
                 self._join_done.set()
             self._inspect_stalls()
-            if result.shutdown_by:
-                self._stop(f"psrt was shut down by rank{'s' if len(result.shutdown_by) > 1 else ''} "
-                           f"{', '.join(map(str, result.shutdown_by))}")
+            if result.shutdown_by and self._shut_down(result.shutdown_by):
                 return
             if result.responses or self._queue or self._waiting_briefly():
                 pause = 0.0
@@ -326,6 +331,27 @@ class Engine:
             logger.warning("psrt: %s", message)
             self._next_stall_warning = now + self._config.stall_check_time_s
 
+    def _shut_down(self, stopping: list[int]) -> bool:
+        """Note ranks that called shutdown; fail the works that need them.  True once every
+        rank has (the engine then stops)."""
+        with self._lock:
+            self._gone.update(stopping)
+            gone = set(self._gone)
+        if len(gone) == self._world.size:
+            self._stop(_shut_down_by(sorted(stopping)))
+            return True
+        self._negotiator.forget_involving(gone)
+        with self._lock:
+            doomed = [w for w in list(self._local.values()) + self._queue if gone.intersection(w.announcement.ranks)]
+            for work in doomed:
+                self._local.pop(work.key, None)
+                self._in_flight.discard(work.key)
+            self._queue = [w for w in self._queue if w not in doomed]
+        for work in doomed:
+            reason = _shut_down_by(sorted(gone.intersection(work.announcement.ranks)))
+            work.fail(EngineStoppedError(f"{work.announcement.describe()} did not complete: {reason}"))
+        return False
+
     def _stop(self, reason: str) -> None:
         with self._lock:
             self._stopped = reason
@@ -337,6 +363,10 @@ class Engine:
         if self._join_requested and not self._join_done.is_set():
             self._join_value = EngineStoppedError(f"join did not complete: {reason}")
             self._join_done.set()
+
+
+def _shut_down_by(ranks: list[int]) -> str:
+    return f"psrt was shut down by rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _record(timeline: Timeline, work: Work, phases: tuple) -> None:

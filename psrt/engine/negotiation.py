@@ -185,6 +185,14 @@ class Negotiator:
                                    "allreduce is supported")
         return Response(first)
 
+    def forget_involving(self, gone: set[int]) -> None:
+        """Drop announced works whose process set includes a rank that has shut down: they
+        can never complete (identical on every rank, as the table is)."""
+        for key, pending in list(self.table.items()):
+            first = next(iter(pending.by_rank.values()))
+            if gone.intersection(first.ranks):
+                del self.table[key]
+
     # -- one round -----------------------------------------------------------------------
     def round(self, local: dict[WorkKey, Work], fresh: Sequence[Work], join: bool,
               shutdown: bool, wait: Callable[[Request], None]) -> RoundResult:

@@ -78,6 +78,15 @@ def test_a_late_rank_gets_a_stall_warning_and_the_job_still_succeeds():
     assert sorted(r["value"] for r in _results(report)) == [[2.0, 2.0], [2.0, 2.0]]
 
 
+def test_shutdown_is_collective_and_sets_without_the_stopped_rank_keep_working():
+    report = launch("engine_failures.py", 2, args=("shutdown_sets",), timeout_s=90)
+    assert report.returncode == 0, report.diagnosis()
+    results = {k: v for r in _results(report) for k, v in r.items() if k != "rank"}
+    assert results.get("alone") == [1.0, 1.0], report.diagnosis()
+    assert "'everyone'" in results["everyone"] and "shut down by rank 1" in results["everyone"], report.diagnosis()
+    assert results.get("shut_down") is True, report.diagnosis()
+
+
 def test_shutdown_on_one_rank_fails_the_others_pending_collective_naming_it():
     report = launch("engine_failures.py", 2, args=("shutdown",), timeout_s=90)
     assert report.returncode == 0, report.diagnosis()

@@ -7,6 +7,9 @@
 ``join_stall``    rank 0 joins; rank 1 never does: the stall report names the join and rank 1.
 ``shutdown``      rank 1 shuts psrt down while rank 0 waits on a collective: rank 0's
                   synchronize raises, naming rank 1, instead of hanging.
+``shutdown_sets`` rank 1 shuts psrt down first: rank 0's collectives on a process set
+                  without rank 1 still run, those with rank 1 raise naming it, and rank
+                  1's shutdown returns once rank 0 has shut down too.
 Each rank prints ``RESULT <json>`` lines the test reads.
 """
 from __future__ import annotations
@@ -67,8 +70,24 @@ def shutdown() -> None:
         report(after=str(exc))
 
 
+def shutdown_sets() -> None:
+    alone = [hvd.add_process_set([0]), hvd.add_process_set([1])]
+    if hvd.rank() == 1:
+        hvd.shutdown()
+        report(shut_down=True)
+        return
+    time.sleep(1.0)  # rank 1 is in shutdown by now
+    got = hvd.allreduce(torch.ones(2), name="alone", op=hvd.Sum, process_set=alone[0])
+    report(alone=got.tolist())
+    try:
+        hvd.allreduce(torch.ones(2), name="everyone")
+        report(everyone=None)
+    except psrt.EngineStoppedError as exc:
+        report(everyone=str(exc))
+
+
 if __name__ == "__main__":
     psrt.init()
     modes = {"stall_abort": stall_abort, "stall_warning": stall_warning, "join_stall": join_stall,
-             "shutdown": shutdown}
+             "shutdown": shutdown, "shutdown_sets": shutdown_sets}
     modes[sys.argv[1]]()
