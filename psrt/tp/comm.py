@@ -85,11 +85,9 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, process_set: ProcessSet | Non
     size = group_size(process_set)
     if size == 1:
         return tensor
-    if tensor.shape[dim] % size:
-        raise InvalidArgumentError(f"dimension {dim} of a tensor of shape {tuple(tensor.shape)} is not "
-                                   f"divisible by the tensor-parallel size {size}")
     with _timed("reduce_scatter"):
-        comm = _transport(process_set, tensor, "reduce_scatter")
+        comm = _transport(process_set, tensor, "reduce_scatter")  # agreed first: every rank raises alike
+        _check_divisible(tensor, dim, size)
         send = torch.stack(tensor.chunk(size, dim)) if dim != 0 else tensor.contiguous()
         block = send.shape[1:] if dim != 0 else (tensor.shape[0] // size, *tensor.shape[1:])
         out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
@@ -102,10 +100,14 @@ def split(tensor: torch.Tensor, dim: int, process_set: ProcessSet | None) -> tor
     size = group_size(process_set)
     if size == 1:
         return tensor
+    _check_divisible(tensor, dim, size)
+    return tensor.chunk(size, dim)[group_rank(process_set)].contiguous()
+
+
+def _check_divisible(tensor: torch.Tensor, dim: int, size: int) -> None:
     if tensor.shape[dim] % size:
         raise InvalidArgumentError(f"dimension {dim} of a tensor of shape {tuple(tensor.shape)} is not "
                                    f"divisible by the tensor-parallel size {size}")
-    return tensor.chunk(size, dim)[group_rank(process_set)].contiguous()
 
 
 class _timed:

@@ -297,6 +297,12 @@ def check_mismatched_inputs(key: str) -> None:
     layer(randn(key, (2, DIM), "again"))
     expect_raises(InvalidArgumentError, lambda: tp.full_state_dict(layer, grid().dp_set),
                   "pass the tensor-parallel process set", "gathering over the wrong set")
+    n = hvd.size()
+    sequence_parallel = tp.RowParallelLinear(DIM, DIM, process_set=ps, input_is_parallel=True,
+                                             sequence_parallel=True).double()
+    odd = randn(key, (BATCH, n + 1, DIM // n), "odd")
+    expect_raises(InvalidArgumentError, lambda: sequence_parallel(odd),
+                  f"dimension 1 of a tensor of shape ({BATCH}, {n + 1}, {DIM}) is not divisible", "odd sequence")
 
 
 def check_engine_and_tp_share_a_set(key: str) -> None:
