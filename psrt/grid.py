@@ -96,12 +96,10 @@ class ProcessGrid:
         self.coords = self.shape.coordinates(position)
         self._sets: dict[Axis, ProcessSet] = {}
         self._registered: list[ProcessSet] = []
-        for axis in (Axis.TP, Axis.DP, Axis.PP):
-            for group in self.shape.groups(axis):
-                ranks = [self._world_rank_at[p] for p in group]
-                _check_axis_order(axis, ranks)
+        for axis, groups in world_groups(self.shape, self._world_rank_at).items():
+            for ranks in groups:
                 self._registered.append(topology.add_process_set(ProcessSet(ranks)))
-                if position in group:
+                if topology.world.rank in ranks:
                     self._sets[axis] = self._registered[-1]
 
     @property
@@ -151,6 +149,17 @@ class ProcessGrid:
         at = self.coords
         return (f"ProcessGrid(dp={self.shape.dp}, tp={self.shape.tp}, pp={self.shape.pp}; "
                 f"this rank at dp={at.dp}, tp={at.tp}, pp={at.pp})")
+
+
+def world_groups(shape: GridShape, world_rank_at: list[int]) -> dict[Axis, list[list[int]]]:
+    """Every group of every axis (TP, DP, PP) as world ranks, given the world rank at each
+    grid position (host order); checked before any is registered."""
+    groups = {axis: [[world_rank_at[p] for p in group] for group in shape.groups(axis)]
+              for axis in (Axis.TP, Axis.DP, Axis.PP)}
+    for axis, members in groups.items():
+        for ranks in members:
+            _check_axis_order(axis, ranks)
+    return groups
 
 
 def _check_axis_order(axis: Axis, ranks: list[int]) -> None:

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from psrt import tp
 from psrt.config import config_from_env
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
-from psrt.grid import Axis, Coordinates, GridShape
+from psrt.grid import Axis, Coordinates, GridShape, world_groups
 from psrt.pp import balanced_split, explicit_split
 from psrt.tp.sharding import Sharding
 
@@ -131,3 +131,16 @@ def test_load_full_state_dict_names_missing_keys():
 def test_tp_shape_check_is_on_by_default_and_can_be_turned_off():
     assert config_from_env({}).tp_check_shapes is True
     assert config_from_env({"PSRT_TP_CHECK_SHAPES": "0"}).tp_check_shapes is False
+
+
+def test_round_robin_hosts_keep_tp_groups_on_one_host():
+    # 2 hosts x 4 slots placed by node: host A has ranks 0, 2, 4, 6; host order lists them first
+    host_order = [0, 2, 4, 6, 1, 3, 5, 7]
+    groups = world_groups(GridShape(dp=2, tp=2, pp=2), host_order)
+    assert groups[Axis.TP] == [[0, 2], [4, 6], [1, 3], [5, 7]]  # each pair on one host
+    assert groups[Axis.PP] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_placement_that_breaks_the_axis_order_is_refused_before_any_registration():
+    with pytest.raises(InvalidArgumentError, match=r"the pp group \[0, 4, 1, 5\].*--map-by slot"):
+        world_groups(GridShape(dp=2, tp=1, pp=4), [0, 2, 4, 6, 1, 3, 5, 7])
