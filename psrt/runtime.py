@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from psrt.comm import bootstrap
 from psrt.comm.mpi import MpiCommunicator
+from psrt.comm.watchdog import Watchdog
 from psrt.config import Config, config_from_env
 from psrt.engine import Engine
 from psrt.errors import NotInitializedError, ProcessSetError
@@ -30,6 +31,7 @@ class Runtime:
     config: Config
     topology: Topology
     engine: Engine
+    watchdog: Watchdog  # stall reports for TP and PP traffic outside the engine
     ps: WorkerLink | None = None  # parameter-server mode: this worker's link to the servers
 
 
@@ -63,7 +65,10 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     world, link = (job, None) if config.num_servers == 0 else _parameter_server_roles(job, config)
     layout = bootstrap.host_layout(world)
     topology = Topology(layout.world, layout.local, layout.cross, global_process_set)
-    _runtime = Runtime(config=config, topology=topology, engine=Engine(topology, config), ps=link)
+    watchdog = Watchdog(config.stall_check_time_s, config.stall_shutdown_time_s,
+                        lambda how: bootstrap.abort_job_with(job, how))
+    _runtime = Runtime(config=config, topology=topology, engine=Engine(topology, config), watchdog=watchdog,
+                       ps=link)
     global _exit_hook_installed
     if not _exit_hook_installed:
         # Stop the engine thread before mpi4py finalises MPI at exit (atexit runs

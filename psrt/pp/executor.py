@@ -44,11 +44,19 @@ class Pipeline:
         self._host = runtime.current().topology.direct(stage.process_set)
         self.profile = StepProfile()
 
+    def _waiting(self, what: str):
+        current = runtime.current()
+        ranks = current.topology.ranks_of(self.stage.process_set)
+        return current.watchdog.waiting(lambda: f"pipeline rank {self.stage.rank}'s wait for {what} "
+                                                f"(pipeline world ranks {ranks})")
+
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
-        self._agree(inputs, targets)
+        with self._waiting("the agreement at the start of a pipeline step"):
+            self._agree(inputs, targets)
         run = StepRun(self, _split(inputs, self.microbatches), _split(targets, self.microbatches))
         loss = run.execute()
-        self._host.broadcast(loss, root=self.stage.stages - 1).wait()
+        with self._waiting("the loss broadcast at the end of a pipeline step"):
+            self._host.broadcast(loss, root=self.stage.stages - 1).wait()
         self.profile = run.profile
         return loss.squeeze(0)
 

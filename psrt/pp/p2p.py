@@ -42,7 +42,10 @@ class StageLink:
 
     def __init__(self, process_set: ProcessSet) -> None:
         """Collective over the PP set (it opens the set's own communicator)."""
-        self._host = runtime.current().topology.direct(process_set)
+        current = runtime.current()
+        self._host = current.topology.direct(process_set)
+        self._ranks = current.topology.ranks_of(process_set)
+        self._watchdog = current.watchdog
 
     def send(self, tensor: torch.Tensor, dest: int, tag: int, ident: int) -> Request:
         """Start sending ``tensor`` to set rank ``dest``; keep the request until it completes."""
@@ -61,7 +64,9 @@ class StageLink:
         """Receive the next message from set rank ``source``; it must be ``ident`` and, when
         ``like`` is given, have its shape and dtype."""
         header = torch.empty(3 + _MAX_DIMS, dtype=torch.int64)
-        self._host.recv(header, source, tag)
+        with self._watchdog.waiting(lambda: f"pipeline rank {self._host.rank}'s receive of {describe_id(ident)} "
+                                            f"from pipeline rank {source} (world rank {self._ranks[source]})"):
+            self._host.recv(header, source, tag)
         got, dtype_index, ndim, *dims = header.tolist()
         shape, dtype = tuple(dims[:ndim]), _DTYPES[dtype_index]
         # the payload is taken off the link even when it is refused, so nothing is left behind

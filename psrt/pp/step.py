@@ -74,8 +74,9 @@ class StepRun:
             for action in self.p.actions:
                 self._do(action)
                 self._release_delivered()
-            for request, _ in self.pending:
-                request.wait()
+            with self.p._waiting("the delivery of its last messages"):
+                for request, _ in self.pending:
+                    request.wait()
         finally:
             self.held.clear()
             self.pending.clear()

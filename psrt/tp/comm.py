@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -62,7 +64,7 @@ def all_reduce_(tensor: torch.Tensor, process_set: ProcessSet | None, op: Reduce
     """Reduce a contiguous ``tensor`` in place over the set; returns it."""
     if group_size(process_set) == 1:
         return tensor
-    with _timed("all_reduce"):
+    with _timed("all_reduce", process_set):
         _transport(process_set, tensor, "all_reduce").allreduce(tensor, op)
     return tensor
 
@@ -72,7 +74,7 @@ def all_gather(tensor: torch.Tensor, dim: int, process_set: ProcessSet | None) -
     size = group_size(process_set)
     if size == 1:
         return tensor
-    with _timed("all_gather"):
+    with _timed("all_gather", process_set):
         comm = _transport(process_set, tensor, "all_gather")
         send = tensor.contiguous()
         out = torch.empty((size, *send.shape), dtype=send.dtype, device=send.device)
@@ -85,7 +87,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, process_set: ProcessSet | Non
     size = group_size(process_set)
     if size == 1:
         return tensor
-    with _timed("reduce_scatter"):
+    with _timed("reduce_scatter", process_set):
         comm = _transport(process_set, tensor, "reduce_scatter")  # agreed first: every rank raises alike
         _check_divisible(tensor, dim, size)
         send = torch.stack(tensor.chunk(size, dim)) if dim != 0 else tensor.contiguous()
@@ -110,16 +112,16 @@ def _check_divisible(tensor: torch.Tensor, dim: int, size: int) -> None:
                                    f"divisible by the tensor-parallel size {size}")
 
 
-class _timed:
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        stats.counts[self.kind] += 1
-        stats.seconds += time.perf_counter() - self.start
+@contextmanager
+def _timed(kind: str, process_set: ProcessSet) -> Iterator[None]:
+    """Count and time one collective, and let the watchdog report it if it stalls."""
+    current = runtime.current()
+    start = time.perf_counter()
+    with current.watchdog.waiting(lambda: f"tensor-parallel {kind} on rank {current.topology.world.rank} over "
+                                          f"{process_set!r}"):
+        yield
+    stats.counts[kind] += 1
+    stats.seconds += time.perf_counter() - start
 
 
 def _transport(process_set: ProcessSet, tensor: torch.Tensor, kind: str) -> Communicator:

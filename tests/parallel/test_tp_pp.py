@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import launch
+
 pytestmark = pytest.mark.parallel
 
 TP_CHECKS = ["grid/coordinates_sets_and_neighbours"] + [
@@ -57,3 +59,15 @@ def test_tiny_gpt_follows_single_process_on_every_layout(parallel_jobs, check):
     ("pp_check.py", 4, pp_checks(4)), ("gpt_check.py", 4, GPT_CHECKS)])
 def test_jobs_report_every_check_and_end_cleanly(parallel_jobs, script, np, expected):
     parallel_jobs.get(script, np).assert_complete(expected)
+
+
+@pytest.mark.parametrize("mode,waiting", [
+    ("tp_stall", "tensor-parallel all_reduce on rank 0 over ProcessSet("),
+    ("pp_stall", "pipeline rank 0's receive of micro-batch 0 from virtual stage 1 from pipeline rank 1")])
+def test_a_stalled_peer_is_reported_and_ends_the_job(mode, waiting):
+    report = launch("tp_pp_failures.py", 2, {"PSRT_STALL_CHECK_TIME": "1", "PSRT_STALL_SHUTDOWN_TIME": "3"},
+                    args=(mode,), timeout_s=90)
+    assert report.returncode not in (0, None), report.diagnosis()
+    assert report.seconds < 60, f"the stalled job took {report.seconds:.0f} s to end"
+    assert waiting in report.stderr and "PSRT_STALL_SHUTDOWN_TIME=3 s" in report.stderr, report.diagnosis()
+    assert "RESULT" not in report.stdout, report.diagnosis()
