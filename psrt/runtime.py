@@ -115,6 +115,7 @@ def shutdown() -> None:
             _parameter_servers_gone = True
             runtime.ps.close()
         runtime.engine.shutdown()
+        runtime.watchdog.stop()
         runtime.topology.free()
         if runtime.ps is not None:
             runtime.ps.comm.free()

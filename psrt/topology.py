@@ -87,6 +87,8 @@ class Topology:
         # Communicators for traffic the caller's thread runs itself (tensor and pipeline
         # parallelism), by (process set id, CUDA device index or None for the host)
         self._direct: dict[tuple[int, int | None], Communicator] = {}
+        self._agreed: set[int] = set()  # sets whose members compared their direct-traffic settings
+        self._direct[(GLOBAL_PROCESS_SET_ID, None)] = self._registry.split(0, key=world.rank)
         self._sets: dict[int, ProcessSet] = {GLOBAL_PROCESS_SET_ID: global_set}
         self._next_id = GLOBAL_PROCESS_SET_ID + 1
         global_set.process_set_id = GLOBAL_PROCESS_SET_ID
@@ -114,8 +116,11 @@ class Topology:
                                   f"passed {everyone[disagreeing[0]]}")
         me = self.world.rank
         comm = self._registry.split(0 if me in ranks else None, key=me)
+        direct = self._registry.split(0 if me in ranks else None, key=me)  # see direct()
         set_id, self._next_id = self._next_id, self._next_id + 1
         self._communicators[set_id] = comm
+        if direct is not None:
+            self._direct[(set_id, None)] = direct
         self._sets[set_id] = process_set
         process_set.process_set_id, process_set._topology = set_id, self
         return process_set
@@ -186,27 +191,27 @@ class Topology:
         thread issues itself, apart from the one the engine thread uses (two threads must
         never run collectives on one communicator).
 
-        Made on first use, collectively over the set's members: every member must ask for
-        it at the same point of its program (the first TP collective; a pipeline's
-        construction).  ``agree`` is compared across the members then, so settings that
-        change which collectives run can never differ between them.
+        The host one is made with the set, on the registering thread; a CUDA one is made
+        on first use, collectively over the set's members, from the host one.  The first
+        call for a set compares ``agree`` across its members (so settings that change which
+        collectives run can never differ between them): every member must make that call
+        at the same point of its program (the first TP collective; a pipeline's
+        construction).
         """
-        index = None
-        if device is not None and device.type == "cuda":
-            index = torch.cuda.current_device() if device.index is None else device.index
-        key = (self._registered_id(process_set), index)
-        comm = self._direct.get(key)
-        if comm is not None:
-            return comm
-        if index is None:
-            comm = self.communicator(process_set).split(0, key=self.world.rank)
-            theirs = comm.allgather_object(agree)
+        set_id = self._registered_id(process_set)
+        host = self._direct[(set_id, None)]
+        if set_id not in self._agreed:
+            theirs = host.allgather_object(agree)
             if any(value != agree for value in theirs):
                 raise ProcessSetError(f"ranks of {process_set!r} run with different settings: "
                                       f"{dict(enumerate(theirs))} (by rank in the set)")
-        else:
-            comm = NcclCommunicator(self.direct(process_set, None, agree), torch.device("cuda", index))
-        self._direct[key] = comm
+            self._agreed.add(set_id)
+        if device is None or device.type != "cuda":
+            return host
+        index = torch.cuda.current_device() if device.index is None else device.index
+        comm = self._direct.get((set_id, index))
+        if comm is None:
+            comm = self._direct[(set_id, index)] = NcclCommunicator(host, torch.device("cuda", index))
         return comm
 
     def _registered_id(self, process_set: ProcessSet) -> int:
@@ -220,6 +225,10 @@ class Topology:
         for key in sorted((k for k in self._direct if set_id is None or k[0] == set_id),
                           key=lambda k: k[1] is None):
             self._direct.pop(key).free()
+        if set_id is None:
+            self._agreed.clear()
+        else:
+            self._agreed.discard(set_id)
 
     def free(self) -> None:
         self._free_device_communicators(None)

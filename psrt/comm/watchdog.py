@@ -26,6 +26,7 @@ class Watchdog:
         self._waits: dict[int, tuple[float, Callable[[], str]]] = {}  # thread id -> (since, what)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     @contextmanager
     def waiting(self, what: Callable[[], str]) -> Iterator[None]:
@@ -46,12 +47,21 @@ class Watchdog:
                 self._thread = threading.Thread(target=self._watch, name="psrt-watchdog", daemon=True)
                 self._thread.start()
 
+    def stop(self) -> None:
+        """End the watching thread (at shutdown)."""
+        self._stopping.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
     def _watch(self) -> None:
         reported: set[tuple[int, float]] = set()
-        while True:
-            time.sleep(_LOOK_EVERY_S)
+        while not self._stopping.wait(_LOOK_EVERY_S):
             now = time.monotonic()
-            for ident, (since, what) in list(self._waits.items()):
+            current = list(self._waits.items())
+            reported &= {(ident, since) for ident, (since, _) in current}
+            for ident, (since, what) in current:
                 waited = now - since
                 if waited < self._check_s:
                     continue

@@ -110,6 +110,8 @@ class Engine:
         with self._lock:
             if self._stopped is not None:
                 raise EngineStoppedError(f"cannot join: {self._stopped}")
+            if self._gone:  # a join needs every rank, and these will never join
+                raise EngineStoppedError(f"cannot join: {_shut_down_by(sorted(self._gone))}")
             self._join_done.clear()
             self._join_requested = True
         self._wake.set()
@@ -186,8 +188,10 @@ class Engine:
                     self._join_requested = False
                 self._join_done.set()
             self._inspect_stalls()
-            if result.shutdown_by and self._shut_down(result.shutdown_by):
-                return
+            if result.shutdown_by:
+                if self._shut_down(result.shutdown_by):
+                    return
+                join_sent = False  # a pending join failed: a later one is announced afresh
             if result.responses or self._queue or self._waiting_briefly():
                 pause = 0.0
             elif result.waiting or self._local:
@@ -350,6 +354,11 @@ class Engine:
         for work in doomed:
             reason = _shut_down_by(sorted(gone.intersection(work.announcement.ranks)))
             work.fail(EngineStoppedError(f"{work.announcement.describe()} did not complete: {reason}"))
+        if self._join_requested and not self._join_done.is_set():  # a join needs every rank
+            with self._lock:
+                self._join_requested = False
+            self._join_value = EngineStoppedError(f"join did not complete: {_shut_down_by(sorted(gone))}")
+            self._join_done.set()
         return False
 
     def _stop(self, reason: str) -> None:

@@ -186,8 +186,9 @@ class Negotiator:
         return Response(first)
 
     def forget_involving(self, gone: set[int]) -> None:
-        """Drop announced works whose process set includes a rank that has shut down: they
-        can never complete (identical on every rank, as the table is)."""
+        """Drop announced works whose process set includes a rank that has shut down, and
+        the current join: they can never complete (identical on every rank, as the table is)."""
+        self.joined = []
         for key, pending in list(self.table.items()):
             first = next(iter(pending.by_rank.values()))
             if gone.intersection(first.ranks):

@@ -135,6 +135,16 @@ def _transport(process_set: ProcessSet, tensor: torch.Tensor, kind: str) -> Comm
     return topology.direct(process_set, tensor.device, setting)
 
 
+def agree(process_set: ProcessSet | None, value: object) -> list:
+    """Every rank's ``value``, in set-rank order (a small host exchange on the set's own
+    communicator): for checks that must fail on every rank alike before a collective."""
+    if group_size(process_set) == 1:
+        return [value]
+    current = runtime.current()
+    setting = ("PSRT_TP_CHECK_SHAPES", current.config.tp_check_shapes)
+    return current.topology.direct(process_set, None, setting).allgather_object(value)
+
+
 def _agree(topology, process_set: ProcessSet, host: Communicator, kind: str, tensor: torch.Tensor) -> None:
     """One all-reduce (max of the call's digest and of its negation) tells every rank
     whether all made the same call; only when they did not are the headers gathered,
@@ -163,10 +173,10 @@ def _finish(request, tensor: torch.Tensor) -> None:
 
 
 def _header(kind: str, tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() > _HEADER_DIMS:
-        raise InvalidArgumentError(f"tensor-parallel collectives take at most {_HEADER_DIMS} dimensions, "
-                                   f"got shape {tuple(tensor.shape)}")
-    shape = list(tensor.shape) + [-1] * (_HEADER_DIMS - tensor.dim())
+    """Kind, dtype, number of dimensions and the first ``_HEADER_DIMS`` sizes: enough to
+    name what differs (built only once ranks are known to disagree)."""
+    shape = list(tensor.shape)[:_HEADER_DIMS]
+    shape += [-1] * (_HEADER_DIMS - len(shape))
     return torch.tensor([_KINDS.index(kind), _dtype_index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
 
 
@@ -177,4 +187,5 @@ def _dtype_index(dtype: torch.dtype) -> int:
 def _describe(header: torch.Tensor) -> str:
     kind, dtype, ndim, *shape = header.tolist()
     name = str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else "another dtype"
-    return f"{_KINDS[kind]} of a {name} tensor of shape {tuple(shape[:ndim])}"
+    dims = ", ".join(map(str, shape[:ndim])) + (", ..." if ndim > _HEADER_DIMS else "")
+    return f"{_KINDS[kind]} of a {name} tensor of shape ({dims}{',' if ndim == 1 else ''})"

@@ -42,18 +42,21 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
 def full_state_dict(module: nn.Module, process_set: ProcessSet | None) -> dict[str, torch.Tensor]:
     """The full model's ``state_dict``, every sharded entry gathered over the TP set
     (collective over the set; every rank gets the whole dictionary)."""
+    entries = module.state_dict(keep_vars=True)
+    size, rank = comm.group_size(process_set), comm.group_rank(process_set)
+    misplaced = next((f"{name} is block {s.index} of {s.parts}, but rank {rank} of {size} in {process_set!r} holds it"
+                      for name, s in ((n, sharding_of(t)) for n, t in entries.items())
+                      if s is not None and s.parts > 1 and (s.parts, s.index) != (size, rank)), None)
+    problems = [p for p in comm.agree(process_set, misplaced) if p is not None]
+    if problems:  # raised on every rank of the set alike
+        raise InvalidArgumentError(f"{problems[0]}: pass the tensor-parallel process set the module was built with")
     full = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    for name, tensor in entries.items():
         sharding = sharding_of(tensor)
         tensor = tensor.detach()
         if sharding is None or sharding.parts == 1:
             full[name] = tensor.clone() if sharding is None else sharding.unshard([tensor])
             continue
-        if comm.group_size(process_set) != sharding.parts or comm.group_rank(process_set) != sharding.index:
-            raise InvalidArgumentError(
-                f"{name} is block {sharding.index} of {sharding.parts}, but this rank is rank "
-                f"{comm.group_rank(process_set)} of {comm.group_size(process_set)} in {process_set!r}: pass the "
-                "tensor-parallel process set the module was built with")
         blocks = comm.all_gather(tensor.unsqueeze(0), 0, process_set)
         full[name] = sharding.unshard(list(blocks.unbind(0)))
     return full

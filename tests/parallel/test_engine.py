@@ -87,6 +87,14 @@ def test_shutdown_is_collective_and_sets_without_the_stopped_rank_keep_working()
     assert results.get("shut_down") is True, report.diagnosis()
 
 
+def test_a_join_that_a_rank_which_shut_down_cannot_make_raises_naming_it():
+    report = launch("engine_failures.py", 2, args=("join_shutdown",), timeout_s=90)
+    assert report.returncode == 0, report.diagnosis()
+    results = {k: v for r in _results(report) for k, v in r.items() if k != "rank"}
+    assert results.get("join") and "shut down by rank 1" in results["join"], report.diagnosis()
+    assert results.get("shut_down") is True, report.diagnosis()
+
+
 def test_shutdown_on_one_rank_fails_the_others_pending_collective_naming_it():
     report = launch("engine_failures.py", 2, args=("shutdown",), timeout_s=90)
     assert report.returncode == 0, report.diagnosis()

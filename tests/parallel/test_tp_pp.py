@@ -17,7 +17,8 @@ TP_CHECKS = ["grid/coordinates_sets_and_neighbours"] + [
     "attention/sequence_parallel/matches_torch_nn", "block/sequence_parallel/matches_torch_nn",
     "block/without_shape_check/matches_torch_nn",
     "cross_entropy/padded_vocabulary_three_all_reduces", "errors/bad_layouts",
-    "errors/mismatched_inputs_across_tp_ranks", "concurrency/engine_and_tp_share_a_set"]
+    "errors/mismatched_inputs_across_tp_ranks", "concurrency/engine_and_tp_share_a_set",
+    "concurrency/tp_starts_while_the_engine_is_busy"]
 
 
 def pp_checks(p: int) -> list[str]:

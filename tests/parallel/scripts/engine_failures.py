@@ -7,6 +7,8 @@
 ``join_stall``    rank 0 joins; rank 1 never does: the stall report names the join and rank 1.
 ``shutdown``      rank 1 shuts psrt down while rank 0 waits on a collective: rank 0's
                   synchronize raises, naming rank 1, instead of hanging.
+``join_shutdown`` rank 1 shuts psrt down; rank 0's join raises naming it (a join needs
+                  every rank) and both ranks exit.
 ``shutdown_sets`` rank 1 shuts psrt down first: rank 0's collectives on a process set
                   without rank 1 still run, those with rank 1 raise naming it, and rank
                   1's shutdown returns once rank 0 has shut down too.
@@ -70,6 +72,18 @@ def shutdown() -> None:
         report(after=str(exc))
 
 
+def join_shutdown() -> None:
+    if hvd.rank() == 1:
+        hvd.shutdown()
+        report(shut_down=True)
+        return
+    try:
+        hvd.join()
+        report(join=None)
+    except psrt.EngineStoppedError as exc:
+        report(join=str(exc))
+
+
 def shutdown_sets() -> None:
     alone = [hvd.add_process_set([0]), hvd.add_process_set([1])]
     if hvd.rank() == 1:
@@ -89,5 +103,5 @@ def shutdown_sets() -> None:
 if __name__ == "__main__":
     psrt.init()
     modes = {"stall_abort": stall_abort, "stall_warning": stall_warning, "join_stall": join_stall,
-             "shutdown": shutdown, "shutdown_sets": shutdown_sets}
+             "shutdown": shutdown, "shutdown_sets": shutdown_sets, "join_shutdown": join_shutdown}
     modes[sys.argv[1]]()

@@ -297,12 +297,30 @@ def check_mismatched_inputs(key: str) -> None:
     layer(randn(key, (2, DIM), "again"))
     expect_raises(InvalidArgumentError, lambda: tp.full_state_dict(layer, grid().dp_set),
                   "pass the tensor-parallel process set", "gathering over the wrong set")
+    deep = randn(key, (1,) * 9 if hvd.rank() == 0 else (1, 1), "deep")  # 9 dimensions on rank 0 only
+    expect_raises(CollectiveMismatchError, lambda: tp.comm.all_reduce_(deep, ps),
+                  "rank 0 has all_reduce of a float64 tensor of shape (1, 1, 1, 1, 1, 1, 1, 1, ...)", "9 dimensions")
     n = hvd.size()
+    if n == 4:  # a set of the right size but the wrong members: every rank raises, none gathers
+        other = ProcessGrid(dp=2, tp=2)
+        split_layer = tp.RowParallelLinear(DIM, DIM, process_set=other.tp_set)
+        expect_raises(InvalidArgumentError, lambda: tp.full_state_dict(split_layer, other.dp_set),
+                      "pass the tensor-parallel process set", "gathering over the DP set")
+        other.free()
     sequence_parallel = tp.RowParallelLinear(DIM, DIM, process_set=ps, input_is_parallel=True,
                                              sequence_parallel=True).double()
     odd = randn(key, (BATCH, n + 1, DIM // n), "odd")
     expect_raises(InvalidArgumentError, lambda: sequence_parallel(odd),
                   f"dimension 1 of a tensor of shape ({BATCH}, {n + 1}, {DIM}) is not divisible", "odd sequence")
+
+
+def check_tp_starts_while_the_engine_is_busy_on_the_world(key: str) -> None:
+    """The first TP collective over the world set while the engine runs collectives on it."""
+    handles = [hvd.allgather_async(torch.full((64,), float(hvd.rank())), name=f"{key}.{i}") for i in range(50)]
+    total = tp.comm.all_reduce_(torch.ones(1000), hvd.global_process_set)
+    assert torch.equal(total, torch.full((1000,), float(hvd.size()))), "TP all-reduce over the world"
+    for handle in handles:
+        hvd.synchronize(handle)
 
 
 def check_engine_and_tp_share_a_set(key: str) -> None:
@@ -362,6 +380,7 @@ def main() -> None:
     checks.add("errors/bad_layouts", check_bad_layouts)
     checks.add("errors/mismatched_inputs_across_tp_ranks", check_mismatched_inputs)
     checks.add("concurrency/engine_and_tp_share_a_set", check_engine_and_tp_share_a_set)
+    checks.add("concurrency/tp_starts_while_the_engine_is_busy", check_tp_starts_while_the_engine_is_busy_on_the_world)
     _harness.run(checks)
     hvd.shutdown()
 
