@@ -40,7 +40,8 @@ class Pipeline:
         self.actions = plan[stage.rank]
         self.stage, self.loss_fn = stage, loss_fn
         self.microbatches, self.schedule, self.loss_reduction = microbatches, schedule, loss_reduction
-        self.link = StageLink(stage.process_set)  # collective over the PP set
+        with self._waiting("the other stages to build their Pipeline"):
+            self.link = StageLink(stage.process_set)  # collective over the PP set
         self._host = runtime.current().topology.direct(stage.process_set)
         self.profile = StepProfile()
 

@@ -142,7 +142,9 @@ def agree(process_set: ProcessSet | None, value: object) -> list:
         return [value]
     current = runtime.current()
     setting = ("PSRT_TP_CHECK_SHAPES", current.config.tp_check_shapes)
-    return current.topology.direct(process_set, None, setting).allgather_object(value)
+    with current.watchdog.waiting(lambda: f"a tensor-parallel check on rank {current.topology.world.rank} over "
+                                          f"{process_set!r}"):
+        return current.topology.direct(process_set, None, setting).allgather_object(value)
 
 
 def _agree(topology, process_set: ProcessSet, host: Communicator, kind: str, tensor: torch.Tensor) -> None:
