@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 __all__ = ["Failure", "FailureKind", "FailureScanner", "describe_signal"]
 
-MARKER = re.compile(r"^(?:\[[^\]]*\]<std\w+>:\s*)?psrt: rank (\d+) failed: (.+)$")
+# Anywhere in a line: mpirun interleaves its own notices with the ranks' output, so a
+# marker may follow a stray character and be followed by a notice's dashes.
+MARKER = re.compile(r"(?:^|\s|>:)psrt: rank (\d+) failed: (.+?)(?:-{10,}.*)?$")
 
 _WINDOW_LINES = 8
 # Launcher notices, matched against the window of recent lines joined by spaces.
@@ -122,7 +124,7 @@ class FailureScanner:
     def feed(self, line: str) -> None:
         """Take one line of stderr (with or without its newline)."""
         line = line.rstrip("\r\n")
-        if m := MARKER.match(line):
+        if m := MARKER.search(line):
             self._offer(Failure(int(m.group(1)), m.group(2).strip(), FailureKind.MARKER))
             return
         # Hydra frames its notices with "=" characters; drop them and collapse spacing.

@@ -4,7 +4,9 @@ Output is copied chunk by chunk, not line by line, so progress bars that
 redraw with ``\\r`` still move; stderr is also split into lines for the
 :class:`~launcher.failures.FailureScanner`. mpirun runs in its own session so
 that a Ctrl-C reaches it once, through psrun, rather than twice (a second
-SIGINT makes Open MPI kill the job without cleaning up).
+SIGINT makes Open MPI kill the job without cleaning up), and so that once a
+failed job is over, any process of it still on this host (a rank that was
+stopped, which ignores the SIGTERM Open MPI sends it) is found and killed.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ __all__ = ["JobResult", "run_job"]
 # Once a rank has failed (a psrt marker, which comes just before MPI Abort, or
 # a launcher notice) the job normally ends within a second; if it is still
 # running this long afterwards, the abort is stuck and psrun ends the job.
-ABORT_GRACE_S = 10.0
-_KILL_GRACE_S = 5.0
+ABORT_GRACE_S = 5.0
+_KILL_GRACE_S = 3.0
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -119,6 +121,40 @@ def _wait(proc: subprocess.Popen[bytes], scanner: FailureScanner) -> int:
                 pass
 
 
+def session_members(session: int, proc_root: str = "/proc") -> list[int]:
+    """Processes of this host in session ``session`` (Linux; elsewhere none are found)."""
+    members = []
+    try:
+        entries = os.listdir(proc_root)
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc_root, entry, "stat"), "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command name: state, parent, process group, session
+        if len(fields) > 3 and int(fields[3]) == session and int(entry) != session:
+            members.append(int(entry))
+    return sorted(members)
+
+
+def _end_leftovers(session: int) -> None:
+    """Kill what a failed job left running on this host, saying so."""
+    leftovers = session_members(session)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if leftovers:
+        print(f"psrun: killed {len(leftovers)} process{'es' if len(leftovers) > 1 else ''} the job left "
+              f"behind on this host (pid {', '.join(map(str, leftovers))})", file=sys.stderr, flush=True)
+
+
 def run_job(command: Sequence[str], env: Mapping[str, str]) -> JobResult:
     """Run ``command`` (an mpirun command line) to completion.
 
@@ -151,6 +187,8 @@ def run_job(command: Sequence[str], env: Mapping[str, str]) -> JobResult:
     finally:
         for signum, handler in old_handlers.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
+    if returncode != 0 or scanner.failure is not None:
+        _end_leftovers(proc.pid)
     # A rank orphaned by a crashed mpirun may hold the pipes open; do not wait for it forever.
     for pump in pumps:
         pump.join(timeout=5.0)

@@ -7,13 +7,12 @@ Horovod-shaped API (``psrt.rank()``, ``hvd.allreduce``...) reads it through
 from __future__ import annotations
 
 import atexit
-import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from psrt.comm import bootstrap
 from psrt.comm.mpi import MpiCommunicator
-from psrt.comm.watchdog import Watchdog
+from psrt.comm.watchdog import MpiProber, Watchdog
 from psrt.config import Config, config_from_env
 from psrt.engine import Engine
 from psrt.errors import NotInitializedError, ProcessSetError
@@ -31,7 +30,7 @@ class Runtime:
     config: Config
     topology: Topology
     engine: Engine
-    watchdog: Watchdog  # stall reports for TP and PP traffic outside the engine
+    watchdog: Watchdog  # stall reports for every wait on other ranks
     ps: WorkerLink | None = None  # parameter-server mode: this worker's link to the servers
 
 
@@ -44,7 +43,9 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     """Start the runtime: MPI (or a size-1 singleton), host layout, process sets.
 
     Idempotent: a second call while initialised does nothing.  Under a
-    launcher every rank must call it.
+    launcher every rank must call it.  If it fails on one rank of a job, it ends
+    the job with the reason (the other ranks would wait for that rank forever),
+    unless ``PSRT_ABORT_ON_EXCEPTION=0``; then it raises.
 
     In parameter-server mode (``PSRT_NUM_SERVERS`` > 0) a server rank serves
     inside this call and exits the process once every worker has shut down;
@@ -54,50 +55,83 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     global _runtime
     if _runtime is not None:
         return
-    config = config_from_env()
-    if config.num_servers and _parameter_servers_gone:
-        raise NotInitializedError("psrt cannot start again in parameter-server mode: the servers "
-                                  "exited when the workers shut down")
-    job = bootstrap.start_mpi(config)
-    hook_module = getattr(sys.excepthook, "__module__", "")
-    if config.abort_on_exception and hook_module != bootstrap.__name__:
-        bootstrap.install_abort_on_exception(job)
-    world, link = (job, None) if config.num_servers == 0 else _parameter_server_roles(job, config)
-    layout = bootstrap.host_layout(world)
-    topology = Topology(layout.world, layout.local, layout.cross, global_process_set)
-    watchdog = Watchdog(config.stall_check_time_s, config.stall_shutdown_time_s,
-                        lambda how: bootstrap.abort_job_with(job, how))
-    _runtime = Runtime(config=config, topology=topology, engine=Engine(topology, config), watchdog=watchdog,
-                       ps=link)
+    job_rank, job_size = bootstrap.start_mpi()
+    config, watchdog = None, None
+    try:
+        config = config_from_env()
+        if config.abort_on_exception:  # first, so that no failure below leaves the others waiting
+            bootstrap.install_abort_on_exception()
+        if config.num_servers and _parameter_servers_gone:
+            raise NotInitializedError("psrt cannot start again in parameter-server mode: the servers "
+                                      "exited when the workers shut down")
+        watchdog = Watchdog(config.stall_check_time_s, config.stall_shutdown_time_s, bootstrap.abort_job,
+                            rank=job_rank)
+        runtime, serve = _start(config, watchdog, job_size)
+        if serve is None:
+            for process_set in process_sets or ():
+                runtime.topology.add_process_set(process_set)
+    except Exception as exc:
+        if config is None or config.abort_on_exception:
+            bootstrap.fail_init(exc)
+        if watchdog is not None:
+            watchdog.stop()
+        raise
+    if serve is not None:  # a parameter server: serve until every worker has shut down, then exit
+        serve()
+        watchdog.stop()
+        raise SystemExit(0)
+    _runtime = runtime
     global _exit_hook_installed
     if not _exit_hook_installed:
         # Stop the engine thread before mpi4py finalises MPI at exit (atexit runs
         # handlers last-registered first, and mpi4py registered at import).
         atexit.register(shutdown)
         _exit_hook_installed = True
-    for process_set in process_sets or ():
-        topology.add_process_set(process_set)
 
 
-def _parameter_server_roles(job: MpiCommunicator, config: Config) -> tuple[MpiCommunicator, WorkerLink]:
-    """Split the job into servers and workers; a server serves here, then exits."""
+def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime | None, Callable[[], None] | None]:
+    """Meet the other ranks and build the runtime; for a parameter server, return instead
+    the function that serves."""
+    arrivals = bootstrap.Arrivals()
+    with watchdog.waiting("start-up", arrivals.describe):
+        watchdog.attach(MpiProber(arrivals.meet()))
+    everyone = range(job_size)
+    with watchdog.waiting("start-up", f"psrt.init() on rank {watchdog.rank} (creating communicators)",
+                          job_peers=everyone):
+        job = bootstrap.job_communicator(config)
+        world, link, serve = job, None, None
+        if config.num_servers:
+            world, link, serve = _parameter_server_roles(job, config, watchdog)
+            if serve is not None:
+                return None, serve
+        layout = bootstrap.host_layout(world)
+        topology = Topology(layout.world, layout.local, layout.cross, global_process_set)
+        engine = Engine(topology, config, watchdog)
+    return Runtime(config=config, topology=topology, engine=engine, watchdog=watchdog, ps=link), None
+
+
+def _parameter_server_roles(job: MpiCommunicator, config: Config, watchdog: Watchdog
+                            ) -> tuple[MpiCommunicator | None, WorkerLink | None, Callable[[], None] | None]:
+    """Split the job into servers and workers: (the workers' world, this worker's link to
+    the servers, None) on a worker, (None, None, the function that serves) on a server."""
     from psrt.ps import roles, service  # the parameter server builds on this runtime
 
     local = job.split_by_host()
     host_leader = local.allgather_object(job.rank)[0]
     local.free()
     assigned = roles.assign_roles(job.allgather_object(host_leader), config.num_servers)
+    watchdog.name_ranks(assigned.describe_rank, world_to_job=assigned.workers)
     server = assigned.is_server(job.rank)
     link_comm = job.split(0, key=job.rank)  # worker <-> server traffic, apart from collectives
     workers = job.split(None if server else 0, key=job.rank)
     assert link_comm is not None
     if server:
-        service.run_server(link_comm, assigned, config,
-                           abort=lambda how: bootstrap.abort_job_with(job, how))
-        link_comm.free()
-        raise SystemExit(0)
+        def serve() -> None:
+            service.run_server(link_comm, assigned, config, watchdog, bootstrap.abort_job)
+            link_comm.free()
+        return None, None, serve
     assert workers is not None
-    return workers, service.WorkerLink(link_comm, assigned, config)
+    return workers, service.WorkerLink(link_comm, assigned, config, watchdog), None
 
 
 def shutdown() -> None:

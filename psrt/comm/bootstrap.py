@@ -1,16 +1,20 @@
 """Starting MPI, describing the host layout, and aborting the job on failure.
 
 This is the one place above the communicators that touches mpi4py directly:
-it initialises MPI (or a size-1 singleton when no launcher started us), finds
-which ranks share a host with ``MPI_COMM_TYPE_SHARED`` (not launcher-specific
-variables, which Open MPI numbers differently under different ``--map-by``),
-and installs the hook that turns an uncaught exception into an abort of the
-whole job, so that no other rank is left blocked in a collective.
+it initialises MPI (or a size-1 singleton when no launcher started us), meets
+the other ranks (:class:`Arrivals`: a start-up stall names the ranks that never
+came), finds which ranks share a host with ``MPI_COMM_TYPE_SHARED`` (not
+launcher-specific variables, which Open MPI numbers differently under different
+``--map-by``), and installs the hook that turns an uncaught exception into an
+abort of the whole job, so that no other rank is left blocked in a collective.
+Failures are always reported with the rank in the job (``MPI_COMM_WORLD``), the
+number psrun and mpirun print, also in parameter-server mode.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
@@ -25,9 +29,9 @@ if TYPE_CHECKING:
 _LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE",
                        "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
 
-# A singleton needs no network transport; Open MPI otherwise spends about a
-# second probing its OFI component at start-up.
-_SINGLETON_MCA_DEFAULTS = {"OMPI_MCA_btl": "^ofi", "OMPI_MCA_mtl": "^ofi"}
+# A singleton talks to nobody: only the self transport, so that it opens no TCP
+# listener, and no OFI, which Open MPI otherwise spends about a second probing.
+_SINGLETON_MCA_DEFAULTS = {"OMPI_MCA_btl": "self", "OMPI_MCA_mtl": "^ofi"}
 
 #: Line printed on stderr before aborting; ``psrun`` reads it to say which rank failed.
 FAILURE_MARKER = "psrt: rank {rank} failed: {how}"
@@ -38,10 +42,16 @@ def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
     return any(name in env for name in _LAUNCHER_VARIABLES)
 
 
-def _import_mpi():
+def prepare_singleton() -> None:
+    """In a process no launcher started, choose the singleton's transports (unless the
+    user did); must run before mpi4py is first imported, which starts MPI."""
     if not launched_by_mpi():
         for name, value in _SINGLETON_MCA_DEFAULTS.items():
             os.environ.setdefault(name, value)
+
+
+def _import_mpi():
+    prepare_singleton()  # in case mpi4py was not imported yet
     from mpi4py import MPI  # initialises MPI (thread level MULTIPLE) on first import
 
     return MPI
@@ -56,14 +66,70 @@ class Layout:
     cross: MpiCommunicator  # ranks with the same local rank, one per host
 
 
-def start_mpi(config: Config) -> MpiCommunicator:
-    """Initialise MPI if needed; returns the communicator of the whole job."""
+def start_mpi() -> tuple[int, int]:
+    """Initialise MPI if needed (nothing collective); returns (rank, size) in the job."""
     MPI = _import_mpi()
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def job_communicator(config: Config) -> MpiCommunicator:
+    """The communicator of the whole job (``MPI_COMM_WORLD``)."""
+    from mpi4py import MPI
     from psrt.comm.mpi import MpiCommunicator
 
     return MpiCommunicator(MPI.COMM_WORLD, config)
+
+
+# A tag psrt uses on MPI_COMM_WORLD only while init() meets the other ranks.
+_ARRIVAL_TAG = 0x7073
+
+
+class Arrivals:
+    """Which ranks have called ``psrt.init()``, as rank 0 sees it.
+
+    Each rank sends rank 0 one byte before its first collective, so that while the
+    first collective (which no watchdog can probe yet) waits, rank 0 can name the
+    ranks that never came.  :meth:`meet` completes the messages once every rank is there.
+    """
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self._MPI, world = MPI, MPI.COMM_WORLD
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        self._byte = bytearray(max(1, self.size - 1))
+        self._lock = threading.Lock()  # the watchdog thread tests while init() finishes
+        if self.rank == 0:
+            self._requests = [world.Irecv([memoryview(self._byte)[r - 1:r], MPI.BYTE], source=r, tag=_ARRIVAL_TAG)
+                              for r in range(1, self.size)]
+        else:
+            self._requests = [world.Isend([memoryview(self._byte)[:1], MPI.BYTE], dest=0, tag=_ARRIVAL_TAG)]
+
+    def missing(self) -> list[int]:
+        """On rank 0: the ranks not yet arrived (as far as this rank can tell)."""
+        if self.rank != 0:
+            return []
+        with self._lock:
+            return [r + 1 for r, request in enumerate(self._requests) if not request.Test()]
+
+    def describe(self) -> str:
+        missing = self.missing()
+        if missing:
+            from psrt.comm.watchdog import rank_ranges
+
+            return (f"psrt.init() on rank 0 waiting for rank{'s' if len(missing) > 1 else ''} "
+                    f"{rank_ranges(missing)} to call psrt.init() (failed to start, or stuck before init)")
+        return f"psrt.init() on rank {self.rank} waiting for every rank of the job to call psrt.init()"
+
+    def meet(self):
+        """Duplicate MPI_COMM_WORLD (collective: returns once every rank called init) for the
+        watchdog's own traffic, and complete the arrival messages."""
+        comm = self._MPI.COMM_WORLD.Dup()
+        with self._lock:
+            self._MPI.Request.Waitall(self._requests)
+        return comm
 
 
 def host_layout(world: MpiCommunicator) -> Layout:
@@ -79,13 +145,16 @@ def describe_exception(exc: BaseException) -> str:
     return f"raised {type(exc).__name__}" + (f": {text[0]}" if text else "")
 
 
-def install_abort_on_exception(world: MpiCommunicator) -> None:
-    """Make an uncaught exception print the traceback, a failure marker, then abort the job.
+def install_abort_on_exception() -> None:
+    """Make an uncaught exception print the traceback, a failure marker, then abort the job
+    (once per process: a second call changes nothing).
 
     Without this, MPI's finalisation on the failing rank blocks while the other
     ranks wait forever in their next collective.
     """
     previous = sys.excepthook
+    if getattr(previous, "__module__", "") == __name__:
+        return
 
     def abort_on_exception(kind: type[BaseException], exc: BaseException,
                   tb: TracebackType | None) -> None:
@@ -93,16 +162,33 @@ def install_abort_on_exception(world: MpiCommunicator) -> None:
             previous(kind, exc, tb)
         except Exception:  # the user's hook failed: still show the error
             traceback.print_exception(kind, exc, tb)
-        if world.size > 1:
-            abort_job_with(world, describe_exception(exc))
+        if _job_size() > 1:
+            abort_job(describe_exception(exc))
 
     sys.excepthook = abort_on_exception
 
 
-def abort_job_with(world: MpiCommunicator, how: str) -> None:
-    """Print the failure marker psrun reports (``psrt: rank R failed: HOW``), then end
-    every process of the job."""
-    print(FAILURE_MARKER.format(rank=world.rank, how=how), file=sys.stderr)
+def _job_size() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def fail_init(exc: BaseException) -> None:
+    """``init()`` raised on this rank: in a job of several ranks, end the job naming the
+    reason (the other ranks would otherwise wait for this one in init's collectives)."""
+    if _job_size() > 1:
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        abort_job(f"psrt.init() {describe_exception(exc)}")
+
+
+def abort_job(how: str) -> None:
+    """Print the failure marker psrun reports (``psrt: rank R failed: HOW``, R the rank in
+    the job), then end every process of the job."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    print(FAILURE_MARKER.format(rank=world.Get_rank(), how=how), file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()
-    world.abort(1)
+    world.Abort(1)

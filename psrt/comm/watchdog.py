@@ -1,74 +1,348 @@
-"""Stall reports for communication the caller's thread runs itself (tensor-parallel
-collectives, pipeline messages), which the engine's negotiation never sees.
+"""Stall reports for every wait in psrt on other ranks, naming the rank to blame.
 
-The caller waits in MPI as usual (no polling on the fast path); it only marks what
-it is waiting for.  A daemon thread looks once a second: a wait older than
-``PSRT_STALL_CHECK_TIME`` is logged, naming what and whom it waits for, and one
-older than ``PSRT_STALL_SHUTDOWN_TIME`` (when set) ends the job with that message,
-as the engine does for its own collectives.
+Each place where psrt waits on other ranks marks the wait with :meth:`Watchdog.waiting`:
+the engine thread's negotiation rounds and collectives, tensor- and pipeline-parallel
+traffic on the caller's thread, a worker's requests to parameter servers, start-up.
+Loops that hold requests instead of blocking in them (a parameter server; the engine's
+table of collectives some ranks have not submitted) :meth:`~Watchdog.publish` what they
+hold.  The caller waits in MPI as usual: marking costs a dictionary write, nothing polls.
+
+A daemon thread per rank looks twice a second.  A wait older than
+``PSRT_STALL_CHECK_TIME`` is *probed*: the watchdog asks the ranks it waits on what
+they are doing, over a communicator of its own (see :class:`Prober`).  A rank that is
+stopped, hung with the GIL held, or cut off by the network cannot answer; one that
+answers says what it waits for itself, or that it waits for nothing in psrt (it is
+busy in its own code).  So the report names the rank to blame, not only the one that
+noticed.  A rank reports its stall only if no lower rank it asked (rank 0 always is)
+answered that it is stalled too, so that one frozen rank among many gives one report,
+not one per rank.  A wait older than ``PSRT_STALL_SHUTDOWN_TIME`` ends the job
+with its report, which psrun prints as the failure.
 """
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import threading
 import time
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, Sequence
 
 logger = logging.getLogger("psrt")
 
-_LOOK_EVERY_S = 1.0
+LOOK_EVERY_S = 0.5
+# How long a probed rank has to answer: its watchdog looks every LOOK_EVERY_S, and on an
+# oversubscribed host it may wait for a core.
+ANSWER_WITHIN_S = 2.0
+_MAX_REPORTED_WAITS = 3  # of a probed rank's own waits, in its answer
+# A probed rank mentions only waits this old (or half the check time, if shorter): the
+# engine thread is in some negotiation round almost all the time, each lasting milliseconds.
+_LASTING_S = 1.0
+_MAX_TEXT = 400
+
+Text = str | Callable[[], str]
+Ranks = Sequence[int] | Callable[[], Sequence[int]]
+
+
+@dataclass
+class Wait:
+    """Something this rank waits for on other ranks: a short ``kind`` to group ranks by
+    ("engine negotiation"), a description, the ranks it waits on, and since when."""
+
+    kind: str
+    what: Text
+    peers: Ranks  # job ranks, or a function giving them (evaluated only once stalled)
+    since: float  # time.monotonic()
+    key: object = None  # identity across publications of a held request
+
+    def describe(self) -> str:
+        try:
+            text = self.what() if callable(self.what) else self.what
+        except Exception as e:  # a description read while its owner changes state
+            text = f"{self.kind} (not described: {type(e).__name__})"
+        return text
+
+    def peer_ranks(self) -> tuple[int, ...]:
+        try:
+            return tuple(self.peers() if callable(self.peers) else self.peers)
+        except Exception:
+            return ()
+
+
+class Prober(Protocol):
+    """Asks other ranks what they are doing, and answers them (see :class:`MpiProber`)."""
+
+    rank: int
+    size: int
+
+    def ask(self, ranks: Iterable[int]) -> None: ...
+
+    def serve(self, status: Callable[[], dict]) -> None: ...
+
+    def answers(self) -> dict[int, tuple[float, dict]]: ...
+
+    def close(self) -> None: ...
+
+
+class _Mark:
+    """The context :meth:`Watchdog.waiting` returns: cheap enough for every engine round."""
+
+    __slots__ = ("_stack", "_wait")
+
+    def __init__(self, stack: list[Wait], wait: Wait) -> None:
+        self._stack, self._wait = stack, wait
+
+    def __enter__(self) -> None:
+        self._wait.since = time.monotonic()
+        self._stack.append(self._wait)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.pop()
+
+
+@dataclass
+class _Probe:
+    """The latest probe sent about one wait, and the answers of the last one that settled."""
+
+    asked: float
+    targets: tuple[int, ...]
+    settled: bool = False
+    heard: dict[int, dict] | None = None
 
 
 class Watchdog:
-    def __init__(self, check_s: float, shutdown_s: float, end_job: Callable[[str], None]) -> None:
+    """Watches this rank's waits on other ranks; see the module docstring."""
+
+    def __init__(self, check_s: float, shutdown_s: float, end_job: Callable[[str], None], *,
+                 rank: int = 0, name_rank: Callable[[int], str] | None = None) -> None:
         self._check_s, self._shutdown_s, self._end_job = check_s, shutdown_s, end_job
-        self._waits: dict[int, tuple[float, Callable[[], str]]] = {}  # thread id -> (since, what)
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self.rank = rank
+        self._name_rank = name_rank or (lambda r: f"rank {r}")
+        self._world_to_job: Sequence[int] | None = None
+        self._prober: Prober | None = None
+        self._stacks: dict[int, list[Wait]] = {}  # thread id -> its waits, innermost last
+        self._local = threading.local()
+        self._published: dict[str, tuple[Wait, ...]] = {}
+        self._probes: dict[object, _Probe] = {}
+        self._reported: set[object] = set()
+        self._ended = False
         self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="psrt-watchdog", daemon=True)
+        self._thread.start()
 
-    @contextmanager
-    def waiting(self, what: Callable[[], str]) -> Iterator[None]:
-        """Mark the calling thread as waiting on others for ``what()`` (evaluated only if
-        the wait becomes a stall)."""
-        if self._thread is None:
-            self._start()
-        ident = threading.get_ident()
-        self._waits[ident] = (time.monotonic(), what)
-        try:
-            yield
-        finally:
-            self._waits.pop(ident, None)
+    # -- set-up ---------------------------------------------------------------------------------
+    def attach(self, prober: Prober) -> None:
+        """Start probing through ``prober`` (made once every rank has started)."""
+        self._prober, self.rank = prober, prober.rank
 
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="psrt-watchdog", daemon=True)
-                self._thread.start()
+    def name_ranks(self, name_rank: Callable[[int], str], world_to_job: Sequence[int]) -> None:
+        """Parameter-server mode: how to name a job rank in reports, and the job rank of each
+        rank of psrt's world (the workers), which is how callers name their peers."""
+        self._name_rank, self._world_to_job = name_rank, tuple(world_to_job)
+
+    def job_ranks(self, world_ranks: Iterable[int]) -> tuple[int, ...]:
+        mapping = self._world_to_job
+        return tuple(world_ranks) if mapping is None else tuple(mapping[r] for r in world_ranks)
+
+    # -- what callers mark ------------------------------------------------------------------------
+    def waiting(self, kind: str, what: Text, world_peers: Ranks = (), *, job_peers: Ranks = ()) -> _Mark:
+        """Mark the calling thread as waiting on other ranks for ``what`` (a string, or a
+        function evaluated only if the wait becomes a stall) until the block ends.
+
+        The ranks waited on are given as psrt world ranks (``world_peers``) or, for
+        parameter-server traffic, job ranks (``job_peers``); either may be a function.
+        """
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = self._stacks.setdefault(threading.get_ident(), [])
+        if world_peers:
+            peers: Ranks = (lambda: self.job_ranks(world_peers() if callable(world_peers) else world_peers))
+        else:
+            peers = job_peers
+        return _Mark(stack, Wait(kind, what, peers, 0.0))
+
+    def publish(self, source: str, waits: Sequence[Wait]) -> None:
+        """Replace what ``source`` (a loop on this rank) holds; each wait's ``key`` must stay
+        the same while it lasts.  Peers of published waits are job ranks."""
+        self._published[source] = tuple(waits)
 
     def stop(self) -> None:
-        """End the watching thread (at shutdown)."""
+        """End the watching thread and close the prober (at shutdown)."""
         self._stopping.set()
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._prober is not None:
+            self._prober.close()
+            self._prober = None
+
+    # -- the watching thread -------------------------------------------------------------------------
+    def _current(self) -> list[Wait]:
+        waits = []
+        for stack in list(self._stacks.values()):
+            try:
+                waits.append(stack[-1])  # the innermost wait says most
+            except IndexError:
+                continue
+        for published in list(self._published.values()):
+            waits.extend(published)
+        return waits
+
+    def status(self) -> dict:
+        """What this rank tells a rank that probes it: how long its oldest wait has lasted,
+        and its first waits."""
+        now = time.monotonic()
+        lasting = min(_LASTING_S, self._check_s / 2)
+        waits = sorted((w for w in self._current() if now - w.since >= lasting), key=lambda w: w.since)
+        return {"oldest": round(now - waits[0].since, 1) if waits else 0.0,
+                "waits": [[w.kind, w.describe()[:_MAX_TEXT]] for w in waits[:_MAX_REPORTED_WAITS]]}
 
     def _watch(self) -> None:
-        reported: set[tuple[int, float]] = set()
-        while not self._stopping.wait(_LOOK_EVERY_S):
-            now = time.monotonic()
-            current = list(self._waits.items())
-            reported &= {(ident, since) for ident, (since, _) in current}
-            for ident, (since, what) in current:
-                waited = now - since
-                if waited < self._check_s:
-                    continue
-                message = f"stall: {what()} has waited {waited:.0f} s (a rank may be stuck, or ranks run " \
-                          "different code)"
-                if self._shutdown_s > 0 and waited >= self._shutdown_s:
-                    self._end_job(f"{message} (PSRT_STALL_SHUTDOWN_TIME={self._shutdown_s:g} s)")
-                if (ident, since) not in reported:
-                    reported.add((ident, since))
-                    logger.warning("psrt: %s", message)
+        while not self._stopping.wait(LOOK_EVERY_S):
+            try:
+                self._look()
+            except Exception:  # the watchdog must outlive any bug in a description
+                logger.exception("psrt: the stall watchdog failed to look")
+
+    def _look(self) -> None:
+        prober = self._prober
+        if prober is not None:
+            prober.serve(self.status)
+        now = time.monotonic()
+        current = self._current()
+        live = {self._key(w) for w in current}
+        self._probes = {k: p for k, p in self._probes.items() if k in live}
+        self._reported &= live
+        for wait in current:
+            waited = now - wait.since
+            if waited >= self._check_s and not self._ended:
+                self._inspect(wait, waited, now, prober)
+
+    @staticmethod
+    def _key(wait: Wait) -> object:
+        return wait.key if wait.key is not None else (id(wait), wait.since)
+
+    def _inspect(self, wait: Wait, waited: float, now: float, prober: Prober | None) -> None:
+        key = self._key(wait)
+        peers = [r for r in wait.peer_ranks() if r != self.rank]
+        heard = self._probe(key, peers, now, prober)
+        if heard is None:
+            return  # answers are still on their way
+        report = f"stall: {wait.describe()} has waited {waited:.0f} s" + self._peers_report(peers, heard)
+        # The lowest stalled rank speaks for the job (rank 0 is always asked); before probes
+        # are possible, at start-up, only rank 0 does and the others keep quiet until late.
+        speaks = self.rank == 0 or (prober is not None and not any(
+            r < self.rank and status["oldest"] >= self._check_s / 2 for r, status in heard.items()))
+        if self._shutdown_s > 0 and waited >= self._shutdown_s and (speaks or waited >= self._shutdown_s + self._check_s):
+            self._ended = True
+            self._end_job(f"{report} (PSRT_STALL_SHUTDOWN_TIME={self._shutdown_s:g} s)")
+        elif speaks and key not in self._reported:
+            self._reported.add(key)
+            logger.warning("psrt: %s", report)
+
+    def _probe(self, key: object, peers: list[int], now: float, prober: Prober | None) -> dict[int, dict] | None:
+        """The answers about a stalled wait: of its peers, and of rank 0, which decides who
+        reports.  Probes again every check period, reporting from the last settled probe
+        meanwhile; None until the first one settles."""
+        if prober is None:
+            return {}
+        probe = self._probes.get(key)
+        if probe is None or (probe.settled and now - probe.asked >= max(self._check_s, 2 * ANSWER_WITHIN_S)):
+            targets = tuple(sorted(set(peers) | ({0} - {self.rank})))
+            prober.ask(targets)
+            probe = self._probes[key] = _Probe(now, targets, heard=None if probe is None else probe.heard)
+        if not probe.settled:
+            answers = {r: status for r, (at, status) in prober.answers().items()
+                       if at >= probe.asked and r in probe.targets}
+            if len(answers) == len(probe.targets) or now - probe.asked >= ANSWER_WITHIN_S:
+                probe.settled, probe.heard = True, answers
+        return probe.heard
+
+    def _peers_report(self, peers: list[int], heard: dict[int, dict]) -> str:
+        """What each rank waited on said (or that it said nothing), grouped."""
+        if not peers or self._prober is None:
+            return ""
+        silent = [r for r in peers if r not in heard]
+        idle = [r for r in peers if r in heard and not heard[r]["waits"]]
+        busy: dict[str, list[int]] = {}
+        for r in peers:
+            if r in heard and heard[r]["waits"]:
+                busy.setdefault(heard[r]["waits"][0][0], []).append(r)
+        parts = []
+        if silent:
+            parts.append(f"{self._names(silent)} {'does' if len(silent) == 1 else 'do'} not respond (stopped, hung, "
+                         "or cut off from this host)")
+        for kind, ranks in busy.items():
+            if len(ranks) == 1:
+                parts.append(f"{self._names(ranks)} waits: {heard[ranks[0]]['waits'][0][1]}")
+            else:
+                parts.append(f"{self._names(ranks)} wait in {kind}")
+        if idle:
+            one = len(idle) == 1
+            parts.append(f"{self._names(idle)} {'answers' if one else 'answer'} but {'waits' if one else 'wait'} "
+                         "for nothing in psrt (busy in its own code, or not calling this)")
+        return ": " + "; ".join(parts) if parts else ""
+
+    def _names(self, ranks: list[int]) -> str:
+        if len(ranks) == 1:
+            return self._name_rank(ranks[0])
+        return "ranks " + rank_ranges(ranks)
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    ordered = sorted(set(ranks))
+    runs = []
+    for _, group in itertools.groupby(enumerate(ordered), lambda pair: pair[1] - pair[0]):
+        run = [r for _, r in group]
+        runs.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ", ".join(runs)
+
+
+class MpiProber:
+    """Probes over a private duplicate of the job's communicator: a *ping* (tag 1) is
+    answered, by the probed rank's watchdog thread, with its status as UTF-8 JSON (tag 2).
+
+    Nothing here ever blocks on another rank: pings and answers are non-blocking sends
+    (to a frozen rank they simply never complete), and incoming messages are found with
+    ``Iprobe`` before they are received.
+    """
+
+    _PING, _ANSWER = 1, 2
+
+    def __init__(self, comm) -> None:  # an mpi4py communicator this class owns
+        from mpi4py import MPI
+
+        self._MPI, self._comm = MPI, comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._sends: list[tuple[object, object]] = []  # (request, the buffer it reads)
+        self._answers: dict[int, tuple[float, dict]] = {}
+
+    def ask(self, ranks: Iterable[int]) -> None:
+        for rank in ranks:
+            self._send(bytearray(1), rank, self._PING)
+
+    def _send(self, payload: bytearray, rank: int, tag: int) -> None:
+        self._sends.append((self._comm.Isend([payload, self._MPI.BYTE], dest=rank, tag=tag), payload))
+
+    def serve(self, status: Callable[[], dict]) -> None:
+        """Answer every ping that has arrived, take in every answer, forget finished sends."""
+        MPI, info = self._MPI, self._MPI.Status()
+        while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=info):
+            source, tag, count = info.Get_source(), info.Get_tag(), info.Get_count(MPI.BYTE)
+            payload = bytearray(count)
+            self._comm.Recv([payload, MPI.BYTE], source=source, tag=tag)
+            if tag == self._PING:
+                self._send(bytearray(json.dumps(status()).encode()), source, self._ANSWER)
+            elif tag == self._ANSWER:
+                self._answers[source] = (time.monotonic(), json.loads(payload.decode()))
+        self._sends = [(request, buffer) for request, buffer in self._sends if not request.Test()]
+
+    def answers(self) -> dict[int, tuple[float, dict]]:
+        """The latest answer of each rank that answered: (when it arrived, its status)."""
+        return dict(self._answers)
+
+    def close(self) -> None:
+        for request, _ in self._sends:
+            request.Free()  # a send to a rank that never answered completes, or dies with the job
+        self._sends = []
+        self._comm.Free()

@@ -10,9 +10,10 @@ orders.
 
 The engine never lets a job hang silently: disagreeing arguments fail the
 work on every rank with one message; a work some ranks never submit is
-reported after ``stall_check_time_s`` (rank 0 logs it, naming the missing
-ranks) and, if ``stall_shutdown_time_s`` is set, ends the job; a failure of the
-engine itself aborts the job.
+published to the watchdog, and so is every round and collective the engine
+thread waits in (a frozen rank blocks the round itself), which reports them
+after ``stall_check_time_s`` naming the ranks to blame and ends the job after
+``stall_shutdown_time_s``; a failure of the engine itself aborts the job.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 
 from psrt.comm import bootstrap
 from psrt.comm.base import Communicator, ReduceOp, Request
+from psrt.comm.watchdog import Wait, Watchdog, rank_ranges
 from psrt.config import Config
 from psrt.engine import fusion
 from psrt.engine.negotiation import Negotiator, Response
@@ -37,7 +39,7 @@ logger = logging.getLogger("psrt")
 # A work still waiting for other ranks after this long is announced through the
 # slow path, so that the shared table (and the stall report) knows of it.
 _REPORT_AFTER_S = 1.0
-_STALL_CHECK_INTERVAL_S = 1.0
+_STALL_CHECK_INTERVAL_S = 0.5
 _BRIEF_WAIT_CYCLES = 10
 # When no rank has anything pending, rounds happen every this many cycles (a
 # submission starts one at once); they keep stall reports and joined or
@@ -52,12 +54,14 @@ _LONGEST_NAP_S = 200e-6
 
 
 class Engine:
-    def __init__(self, topology, config: Config) -> None:
+    def __init__(self, topology, config: Config, watchdog: Watchdog) -> None:
         self._topology = topology
         self._config = config
+        self._watchdog = watchdog
         world = topology.world
         self._world = world
         self.rank = world.rank
+        self._everyone = tuple(range(world.size))
         self._negotiator = Negotiator(world.split(0, key=world.rank), config.cache_capacity)
         self._lock = threading.Lock()
         self._queue: list[Work] = []
@@ -75,7 +79,6 @@ class Engine:
         self._fusion = fusion.FusionBuffers()
         self._report_after = min(_REPORT_AFTER_S, config.stall_check_time_s / 4)
         self._next_stall_check = 0.0
-        self._next_stall_warning = 0.0
         self._timeline: Timeline | None = None
         if config.timeline:
             self.start_timeline(config.timeline, config.timeline_mark_cycles)
@@ -157,7 +160,7 @@ class Engine:
             logger.exception("psrt: rank %d: %s", self.rank, how)
             self._stop(how)
             if self._config.abort_on_exception and self._world.size > 1:
-                bootstrap.abort_job_with(self._world, how)
+                bootstrap.abort_job(how)
 
     def _loop(self) -> None:
         pause = 0.0
@@ -175,7 +178,8 @@ class Engine:
                 join = self._join_requested and not join_sent
                 stop = self._stop_requested and not stop_sent
             fresh = self._accept(arrived)
-            result = self._negotiator.round(self._local, fresh, join, stop, _wait_politely)
+            with self._watchdog.waiting("an engine negotiation round", self._describe_round, self._everyone):
+                result = self._negotiator.round(self._local, fresh, join, stop, _wait_politely)
             join_sent, stop_sent = join_sent or join, stop_sent or stop
             now = time.perf_counter()
             for work in self._local.values():
@@ -198,6 +202,14 @@ class Engine:
                 pause = cycle_s
             else:  # nobody anywhere has work: a submission wakes this engine anyway
                 pause = cycle_s * _IDLE_CYCLES
+
+    def _describe_round(self) -> str:
+        # each tuple() is one step under the GIL: the engine thread and callers change these
+        pending = tuple(self._local) + tuple(work.key for work in tuple(self._queue))
+        names = ", ".join(repr(name) for _, name in pending[:3]) + (f" and {len(pending) - 3} more"
+                                                                   if len(pending) > 3 else "")
+        return (f"rank {self.rank}'s engine negotiation round (which collectives every rank is ready to run; "
+                f"{'pending here: ' + names if pending else 'nothing pending here'})")
 
     def _waiting_briefly(self) -> bool:
         """Whether a local work has been waiting for other ranks only a few cycles.
@@ -234,10 +246,15 @@ class Engine:
             if work is not None:
                 work.ready = now
         for batch in fusion.plan(responses, self._config.fusion_threshold):
-            if batch.fused:
-                self._allreduce(batch.responses)
-            else:
-                self._run_one(batch.responses[0])
+            first = batch.responses[0].announcement
+            more = f" (fused with {len(batch.responses) - 1} more)" if len(batch.responses) > 1 else ""
+            with self._watchdog.waiting("an engine collective",
+                                        lambda: f"rank {self.rank}'s {first.describe()}{more} over ranks "
+                                                f"{rank_ranges(first.ranks)}", first.ranks):
+                if batch.fused:
+                    self._allreduce(batch.responses)
+                else:
+                    self._run_one(batch.responses[0])
 
     def _take(self, response: Response) -> Work | None:
         return self._local.pop(response.announcement.key, None)
@@ -316,24 +333,18 @@ class Engine:
 
     # -- stalls and stopping ----------------------------------------------------------------------
     def _inspect_stalls(self) -> None:
-        """On rank 0: warn about works some ranks never submitted; abort if configured."""
+        """On rank 0: publish the works some ranks have not submitted (the table is the same
+        on every rank) for the watchdog to report, naming what the missing ranks do."""
         now = time.monotonic()
         if self.rank != 0 or now < self._next_stall_check:
             return
         self._next_stall_check = now + min(_STALL_CHECK_INTERVAL_S, self._config.stall_check_time_s / 4)
-        stalled = self._negotiator.stalled(self._config.stall_check_time_s)
-        if not stalled:
-            return
-        lines = [f"{what} for {age:.0f} s: submitted by ranks {have}, missing ranks {missing}"
-                 for what, age, have, missing in stalled]
-        message = ("stall: some ranks have not submitted these collectives (a rank may be "
-                   "stuck, or ranks are calling different collectives): " + "; ".join(lines))
-        limit = self._config.stall_shutdown_time_s
-        if limit > 0 and max(age for _, age, _, _ in stalled) >= limit:
-            bootstrap.abort_job_with(self._world, f"{message} (PSRT_STALL_SHUTDOWN_TIME={limit:g} s)")
-        if now >= self._next_stall_warning:
-            logger.warning("psrt: %s", message)
-            self._next_stall_warning = now + self._config.stall_check_time_s
+        held = [Wait("a collective some ranks have not submitted",
+                     f"{what}, submitted by ranks {have} but not by missing ranks {missing} (a rank may be stuck, "
+                     "or ranks are calling different collectives),", self._watchdog.job_ranks(missing),
+                     now - age, key=("engine", what))
+                for what, age, have, missing in self._negotiator.stalled(self._config.stall_check_time_s / 2)]
+        self._watchdog.publish("engine", held)
 
     def _shut_down(self, stopping: list[int]) -> bool:
         """Note ranks that called shutdown; fail the works that need them.  True once every

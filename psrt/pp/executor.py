@@ -48,8 +48,9 @@ class Pipeline:
     def _waiting(self, what: str):
         current = runtime.current()
         ranks = current.topology.ranks_of(self.stage.process_set)
-        return current.watchdog.waiting(lambda: f"pipeline rank {self.stage.rank}'s wait for {what} "
-                                                f"(pipeline world ranks {ranks})")
+        return current.watchdog.waiting("a pipeline step",
+                                        lambda: f"pipeline rank {self.stage.rank}'s wait for {what} "
+                                                f"(pipeline world ranks {ranks})", ranks)
 
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         with self._waiting("the agreement at the start of a pipeline step"):

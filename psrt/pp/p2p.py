@@ -64,8 +64,10 @@ class StageLink:
         """Receive the next message from set rank ``source``; it must be ``ident`` and, when
         ``like`` is given, have its shape and dtype."""
         header = torch.empty(3 + _MAX_DIMS, dtype=torch.int64)
-        with self._watchdog.waiting(lambda: f"pipeline rank {self._host.rank}'s receive of {describe_id(ident)} "
-                                            f"from pipeline rank {source} (world rank {self._ranks[source]})"):
+        with self._watchdog.waiting("a pipeline message",
+                                    lambda: f"pipeline rank {self._host.rank}'s receive of {describe_id(ident)} "
+                                            f"from pipeline rank {source} (world rank {self._ranks[source]})",
+                                    (self._ranks[source],)):
             self._host.recv(header, source, tag)
         got, dtype_index, ndim, *dims = header.tolist()
         shape, dtype = tuple(dims[:ndim]), _DTYPES[dtype_index]

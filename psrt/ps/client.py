@@ -108,7 +108,7 @@ class KVStore:
                 sends.append(link.comm.isend(body, rank, tag))
             if data is not None:
                 sends.append(link.comm.isend(data, rank, tag + 1))
-        return self._track(Handle(sends, replies))
+        return self._track(Handle(sends, replies, link=link, servers=(rank,), what=f"{op.name.lower()} request"))
 
     def _ensure_open(self) -> None:
         if self._link.closed:
@@ -176,7 +176,7 @@ class KVStore:
             handles.append(self._request(chunk.server, Op.INIT, chunk.chunk_id,
                                          [chunk.numel, protocol.dtype_code(tensor.dtype), int(owner),
                                           meta.numel()], body=meta, data=data))
-        Handle.joined(handles).wait()
+        Handle.joined(handles, what=f"init of key {key!r}").wait()
         self._keys[key] = _Key(tensor.shape, tensor.dtype, chunks)
 
     def push_async(self, key: str, tensor: torch.Tensor) -> Handle:
@@ -187,7 +187,7 @@ class KVStore:
         handles = [self._request(c.server, Op.PUSH, c.chunk_id, [c.numel, protocol.dtype_code(info.dtype)],
                                  body=flat[c.offset:c.offset + c.numel], reply=False)
                    for c in info.chunks]
-        return Handle.joined(handles)
+        return Handle.joined(handles, what=f"push of key {key!r}")
 
     def pull_async(self, key: str, out: torch.Tensor | None = None) -> Handle:
         """Fetch ``key``'s value (into ``out`` if given) once the consistency mode allows:
@@ -201,13 +201,13 @@ class KVStore:
         flat = target.view(-1)
         handles = [self._request(c.server, Op.PULL, c.chunk_id, receive_into=flat[c.offset:c.offset + c.numel])
                    for c in info.chunks]
-        return Handle.joined(handles, out, None if direct else (lambda: out.copy_(target)))
+        return Handle.joined(handles, out, None if direct else (lambda: out.copy_(target)), what=f"pull of key {key!r}")
 
     def push_pull_async(self, key: str, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Handle:
         """Push ``tensor``, then pull the value that includes it (into ``out``)."""
         push = self.push_async(key, tensor)
         pull = self.pull_async(key, out)
-        return Handle.joined([push, pull], pull._result)
+        return Handle.joined([push, pull], pull._result, what=f"push and pull of key {key!r}")
 
     def push(self, key: str, tensor: torch.Tensor) -> None:
         self.push_async(key, tensor).wait()

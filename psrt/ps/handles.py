@@ -4,6 +4,9 @@ and the handle a KVStore call returns for them.
 A reply is a status (four int64), then a payload or an error text; a handle
 waits for every message of its request and re-raises, on every ``wait()``,
 what any server reported.  Handles may be waited for from several threads.
+Waiting is marked for the watchdog, naming the servers waited on, so a server
+that freezes or drops off the network ends the job with a report instead of
+hanging its workers.
 """
 from __future__ import annotations
 
@@ -57,8 +60,10 @@ class Handle:
     a push) and raises what any server reported."""
 
     def __init__(self, sends: list[Request], replies: list[Reply], result: torch.Tensor | None = None,
-                 finish: Callable[[], None] | None = None) -> None:
+                 finish: Callable[[], None] | None = None, *, link: WorkerLink | None = None,
+                 servers: tuple[int, ...] = (), what: str = "request") -> None:
         self._sends, self._replies, self._result, self._finish = sends, replies, result, finish
+        self._link, self.servers, self.what = link, servers, what
         self._parts: list[Handle] = []  # handles this one was joined from
         self._lock = threading.Lock()
         self._error: PsrtError | None = None
@@ -75,7 +80,12 @@ class Handle:
         with self._lock:
             if not self.finished:
                 try:
-                    self._settle()
+                    if self._link is None:
+                        self._settle()
+                    else:
+                        with self._link.watchdog.waiting("a parameter-server request", self._describe,
+                                                         job_peers=self.servers):
+                            self._settle()
                 except PsrtError as e:
                     self._error = e
                 finally:
@@ -85,6 +95,12 @@ class Handle:
             if self._error is not None:
                 raise self._error
             return self._result
+
+    def _describe(self) -> str:
+        assert self._link is not None
+        servers = [str(self._link.roles.server_index(rank)) for rank in self.servers]
+        return (f"worker {self._link.worker}'s {self.what} to parameter server{'s' if len(servers) > 1 else ''} "
+                f"{', '.join(servers)}")
 
     def _settle(self) -> None:
         for request in self._sends:
@@ -100,10 +116,13 @@ class Handle:
 
     @staticmethod
     def joined(handles: list[Handle], result: torch.Tensor | None = None,
-               finish: Callable[[], None] | None = None) -> Handle:
+               finish: Callable[[], None] | None = None, what: str | None = None) -> Handle:
         """One handle for all of ``handles``; ``finish`` runs after theirs, once all succeeded."""
         finishes = [h._finish for h in handles if h._finish is not None] + ([finish] if finish else [])
         joined = Handle([r for h in handles for r in h._sends], [r for h in handles for r in h._replies],
-                        result, (lambda: [f() for f in finishes]) if finishes else None)
+                        result, (lambda: [f() for f in finishes]) if finishes else None,
+                        link=next((h._link for h in handles), None),
+                        servers=tuple(sorted({s for h in handles for s in h.servers})),
+                        what=what or " and ".join(dict.fromkeys(h.what for h in handles)) or "request")
         joined._parts = [part for h in handles for part in (h, *h._parts)]
         return joined

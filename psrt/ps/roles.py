@@ -31,6 +31,12 @@ class Roles:
     def server_index(self, job_rank: int) -> int:
         return self.servers.index(job_rank)
 
+    def describe_rank(self, job_rank: int) -> str:
+        """``rank 2 (parameter server 0)``, ``rank 1 (worker 1)``: how reports name a rank."""
+        if job_rank in self.servers:
+            return f"rank {job_rank} (parameter server {self.server_index(job_rank)})"
+        return f"rank {job_rank} (worker {self.worker_index(job_rank)})"
+
 
 def assign_roles(hosts: Sequence[object], num_servers: int) -> Roles:
     """Pick ``num_servers`` server ranks from a job whose rank ``r`` runs on ``hosts[r]``."""

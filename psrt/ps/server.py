@@ -5,10 +5,11 @@ worker, starts the receives and sends each request needs, and in every turn
 applies the pushes and answers the pulls that the consistency mode allows.
 An error in one request is answered to the worker that sent it (at once for
 requests with a reply; for a push, with the worker's next reply about the same
-store, or printed here if the worker has left), never swallowed.  A request
-held back longer than ``PSRT_STALL_CHECK_TIME`` is reported with the workers it
-is waiting for, and ends the job after ``PSRT_STALL_SHUTDOWN_TIME`` (see
-:mod:`psrt.ps.stalls`).
+store, or printed here if the worker has left), never swallowed.  What the
+server holds back (requests waiting for other workers, data still arriving) is
+published to the watchdog once a second, which reports it, naming the workers
+waited for, after ``PSRT_STALL_CHECK_TIME`` and ends the job after
+``PSRT_STALL_SHUTDOWN_TIME`` (see :mod:`psrt.ps.stalls`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from psrt.comm.base import Communicator, Request
 from psrt.comm.buffers import host_buffer
+from psrt.comm.watchdog import Wait, Watchdog
 from psrt.config import Config
 from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint, protocol, stalls
@@ -41,16 +43,18 @@ _REPORTABLE = (InvalidArgumentError, ParameterServerError, RuntimeError, TypeErr
 class Server:
     """Serves the workers of ``roles`` over ``comm`` until all of them have shut down."""
 
-    def __init__(self, comm: Communicator, roles: Roles, config: Config,
+    def __init__(self, comm: Communicator, roles: Roles, config: Config, watchdog: Watchdog,
                  abort: Callable[[str], None]) -> None:
         self.comm, self.roles, self.config, self._abort = comm, roles, config, abort
+        self._watchdog = watchdog
         self.index = roles.server_index(comm.rank)
         self.num_workers = len(roles.workers)
         self.stores: dict[int, Store] = {}
         self.departed: set[int] = set()
         self._active = list(range(self.num_workers))  # workers that have not shut down
         self._headers: dict[int, tuple[torch.Tensor, Request]] = {}
-        self._inflight: list[tuple[Request, Callable[[], None] | None]] = []
+        # messages under way: (request, what to run once done, since, the worker, "receive"/"send")
+        self._inflight: list[tuple[Request, Callable[[], None] | None, float, int, str]] = []
         # (worker, store): errors of requests without a reply (pushes, learning rates), given
         # with the worker's next reply about that store
         self._deferred: dict[tuple[int, int], list[str]] = {}
@@ -61,7 +65,6 @@ class Server:
         # in a turn of the loop, so a model with many keys costs nothing while idle.
         self._touched: set[Shard] = set()
         self._next_stall_scan = time.monotonic() + _STALL_SCAN_S
-        self._stalls = stalls.StallWatch(config.stall_check_time_s, config.stall_shutdown_time_s)
 
     @property
     def name(self) -> str:
@@ -82,6 +85,7 @@ class Server:
             idle_since = idle_since or now
             if now - idle_since > _SPIN_S:
                 time.sleep(min(_LONGEST_NAP_S, (now - idle_since) / 4))
+        self._watchdog.publish("parameter server", ())
         self._report_unfinished_steps()
 
     def _finished(self) -> bool:
@@ -98,11 +102,13 @@ class Server:
 
     def _receive(self, worker: int, tensor: torch.Tensor, tag: int,
                  then: Callable[[], None] | None = None) -> None:
-        self._inflight.append((self.comm.irecv(tensor, self._rank(worker), tag), then))
+        self._inflight.append((self.comm.irecv(tensor, self._rank(worker), tag), then, time.monotonic(), worker,
+                               "receive"))
 
     def _send(self, worker: int, tensor: torch.Tensor, tag: int,
               then: Callable[[], None] | None = None) -> None:
-        self._inflight.append((self.comm.isend(tensor, self._rank(worker), tag), then))
+        self._inflight.append((self.comm.isend(tensor, self._rank(worker), tag), then, time.monotonic(), worker,
+                               "send"))
 
     def _poll_headers(self) -> bool:
         progressed = False
@@ -117,11 +123,11 @@ class Server:
         return progressed
 
     def _poll_inflight(self) -> bool:
-        done = [(r, then) for r, then in self._inflight if r.test()]
+        done = [(r, then) for r, then, *_ in self._inflight if r.test()]
         if not done:
             return False
         finished = {id(r) for r, _ in done}
-        self._inflight = [(r, then) for r, then in self._inflight if id(r) not in finished]
+        self._inflight = [entry for entry in self._inflight if id(entry[0]) not in finished]
         for _, then in done:
             if then is not None:
                 then()
@@ -396,12 +402,16 @@ class Server:
 
     # -- stalls --------------------------------------------------------------------------------
     def _scan_for_stalls(self) -> None:
-        self._next_stall_scan = time.monotonic() + _STALL_SCAN_S
-        reports, fatal = self._stalls.scan(stalls.waits(self.stores, self._gathering, self._active))
-        for text in reports:
-            print(f"psrt: {self.name}: stall: {text}", file=sys.stderr, flush=True)
-        if fatal is not None:
-            self._abort(f"{self.name}: stalled: {fatal}")
+        """Tell the watchdog what is held back, and what is still under way, now."""
+        now = time.monotonic()
+        self._next_stall_scan = now + _STALL_SCAN_S
+        workers = self.roles.workers
+        held = list(stalls.waits(self.name, self.stores, self._gathering, self._active, workers))
+        held += [Wait(stalls.KIND, f"{self.name}: {direction} of a message with worker {worker}",
+                      [workers[worker]], since, key=id(request))
+                 for request, _, since, worker, direction in self._inflight
+                 if now - since >= self.config.stall_check_time_s / 2]
+        self._watchdog.publish("parameter server", held)
 
     def _report_unfinished_steps(self) -> None:
         for store in self.stores.values():

@@ -13,6 +13,7 @@ import threading
 from typing import Callable, Protocol
 
 from psrt.comm.base import Communicator
+from psrt.comm.watchdog import Watchdog
 from psrt.config import Config
 from psrt.ps import protocol
 from psrt.ps.protocol import Op
@@ -24,17 +25,18 @@ class _Closable(Protocol):
     def close(self) -> None: ...
 
 
-def run_server(comm: Communicator, roles: Roles, config: Config, abort: Callable[[str], None]) -> None:
+def run_server(comm: Communicator, roles: Roles, config: Config, watchdog: Watchdog,
+               abort: Callable[[str], None]) -> None:
     """Serve the workers until all of them have shut down."""
-    Server(comm, roles, config, abort).serve()
+    Server(comm, roles, config, watchdog, abort).serve()
 
 
 class WorkerLink:
     """A worker's channel to the servers: the job-wide communicator, the role table and
     the request tags, shared by this worker's stores."""
 
-    def __init__(self, comm: Communicator, roles: Roles, config: Config) -> None:
-        self.comm, self.roles, self.config = comm, roles, config
+    def __init__(self, comm: Communicator, roles: Roles, config: Config, watchdog: Watchdog) -> None:
+        self.comm, self.roles, self.config, self.watchdog = comm, roles, config, watchdog
         self.worker = roles.worker_index(comm.rank)
         self.num_workers = len(roles.workers)
         self.num_servers = len(roles.servers)

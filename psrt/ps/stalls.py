@@ -1,22 +1,24 @@
-"""What a parameter server is waiting for, and which waits have become stalls.
+"""What a parameter server is holding back, described for the watchdog.
 
-:func:`waits` describes every request a server holds back (a pull waiting
-for pushes, an init waiting for worker 0's, a save or load waiting for the
-other workers) from the server's state alone; :class:`StallWatch` turns
-them into reports once they wait longer than ``PSRT_STALL_CHECK_TIME``, each
-once, and into the reason to end the job after ``PSRT_STALL_SHUTDOWN_TIME``.
+:func:`waits` describes every request a server holds (a pull waiting for
+pushes, an init waiting for worker 0's, a save or load waiting for the other
+workers, a request's data still arriving) from the server's state alone, each
+with the workers it waits on.  The server publishes them to the runtime's
+watchdog (:mod:`psrt.comm.watchdog`), which probes those workers once a wait
+passes ``PSRT_STALL_CHECK_TIME`` (so a report can tell a frozen worker from one
+that simply never asked) and ends the job after ``PSRT_STALL_SHUTDOWN_TIME``.
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+from psrt.comm.watchdog import Wait
 
 if TYPE_CHECKING:
     from psrt.ps.protocol import Op
     from psrt.ps.store import Store
 
-#: (identity, since (monotonic seconds), description with a ``{waited}`` field)
-Wait = tuple[object, float, str]
+KIND = "a request held by a parameter server"
 
 
 def names(workers: Iterable[int]) -> str:
@@ -27,52 +29,28 @@ def _workers(missing: Sequence[int]) -> str:
     return f"worker{'s' if len(missing) > 1 else ''} {names(missing)}"
 
 
-def waits(stores: dict[int, Store], gathering: dict[Op, dict[int, tuple[int, dict, float]]],
-          active: Sequence[int]) -> Iterator[Wait]:
-    """Every request the server is holding back, and since when."""
+def waits(server: str, stores: dict[int, Store], gathering: dict[Op, dict[int, tuple[int, dict, float]]],
+          active: Sequence[int], job_rank: Sequence[int]) -> Iterator[Wait]:
+    """Every request ``server`` (its name in reports) is holding back; ``job_rank[w]`` is
+    worker w's rank in the job."""
     for store in stores.values():
         for shard in store.shards.values():
             for pull in shard.pulls:
                 missing = shard.missing_for(pull, active)
                 because = f"it needs pushes from {_workers(missing)}" if missing else \
                     "its own pushes have not arrived"
-                yield (id(pull), pull.since, f"worker {pull.worker}'s pull of {shard.meta.describe()} has "
-                                             f"waited {{waited}} for step {pull.target}: {because}")
+                yield Wait(KIND, f"{server}: worker {pull.worker}'s pull of {shard.meta.describe()} for step "
+                                 f"{pull.target} ({because})",
+                           [job_rank[w] for w in (missing or [pull.worker])], pull.since, key=id(pull))
         for chunk_id, inits in store.init_waiting.items():
             for who, _, meta, since in inits:
-                yield (("init", id(store), chunk_id, who), since,
-                       f"worker {who}'s init of key {meta.key!r} has waited {{waited}} for worker 0's")
+                yield Wait(KIND, f"{server}: worker {who}'s init of key {meta.key!r} (waiting for worker 0's)",
+                           [job_rank[0]], since, key=("init", id(store), chunk_id, who))
     for op, requests in gathering.items():
         if requests:
             missing = [w for w in active if w not in requests]
             because = (f"{_workers(missing)} did not ask (every worker must call it at the same point)"
                        if missing else "pushes are still being applied")
             since = min(t for _, _, t in requests.values())
-            yield ((op, since), since, f"{op.name.lower()} asked for by workers {names(sorted(requests))} "
-                                       f"has waited {{waited}}: {because}")
-
-
-class StallWatch:
-    """Which waits were reported already, so each is reported once."""
-
-    def __init__(self, check_s: float, shutdown_s: float) -> None:
-        self.check_s, self.shutdown_s = check_s, shutdown_s
-        self._reported: set[object] = set()
-
-    def scan(self, current: Iterable[Wait], now: float | None = None) -> tuple[list[str], str | None]:
-        """(new stall reports, the stall that should end the job or None)."""
-        now = time.monotonic() if now is None else now
-        reports, fatal, seen = [], None, set()
-        for key, since, text in current:
-            seen.add(key)
-            waited = now - since
-            overdue = self.shutdown_s > 0 and waited >= self.shutdown_s
-            if waited < self.check_s or (key in self._reported and not overdue):
-                continue
-            text = text.format(waited=f"{waited:.0f} s")
-            if overdue and fatal is None:
-                fatal = text
-            reports.append(text)
-            self._reported.add(key)
-        self._reported &= seen
-        return reports, fatal
+            yield Wait(KIND, f"{server}: {op.name.lower()} asked for by workers {names(sorted(requests))} "
+                             f"({because})", [job_rank[w] for w in missing], since, key=(op, since))

@@ -117,8 +117,9 @@ def _timed(kind: str, process_set: ProcessSet) -> Iterator[None]:
     """Count and time one collective, and let the watchdog report it if it stalls."""
     current = runtime.current()
     start = time.perf_counter()
-    with current.watchdog.waiting(lambda: f"tensor-parallel {kind} on rank {current.topology.world.rank} over "
-                                          f"{process_set!r}"):
+    with current.watchdog.waiting("a tensor-parallel collective",
+                                  lambda: f"tensor-parallel {kind} on rank {current.topology.world.rank} over "
+                                          f"{process_set!r}", lambda: current.topology.ranks_of(process_set)):
         yield
     stats.counts[kind] += 1
     stats.seconds += time.perf_counter() - start
@@ -142,8 +143,9 @@ def agree(process_set: ProcessSet | None, value: object) -> list:
         return [value]
     current = runtime.current()
     setting = ("PSRT_TP_CHECK_SHAPES", current.config.tp_check_shapes)
-    with current.watchdog.waiting(lambda: f"a tensor-parallel check on rank {current.topology.world.rank} over "
-                                          f"{process_set!r}"):
+    with current.watchdog.waiting("a tensor-parallel collective",
+                                  lambda: f"a tensor-parallel check on rank {current.topology.world.rank} over "
+                                          f"{process_set!r}", lambda: current.topology.ranks_of(process_set)):
         return current.topology.direct(process_set, None, setting).allgather_object(value)
 
 

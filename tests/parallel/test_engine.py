@@ -55,6 +55,7 @@ def test_a_stall_names_the_tensor_and_missing_rank_then_aborts_the_job():
     assert report.seconds < 60, f"the stalled job took {report.seconds:.0f} s to end"
     assert "allreduce of tensor 'stuck_tensor'" in report.stderr, report.diagnosis()
     assert "missing ranks [1]" in report.stderr, report.diagnosis()
+    assert "rank 1 answers but waits for nothing in psrt" in report.stderr, report.diagnosis()
     assert "psrun: rank 0 failed first: stall" in report.stderr, report.diagnosis()
     assert not _results(report), "the stalled allreduce returned"
 
@@ -65,7 +66,8 @@ def test_a_join_that_some_rank_never_makes_is_reported_and_aborts_the_job():
                     args=("join_stall",), timeout_s=90)
     assert report.returncode not in (0, None), report.diagnosis()
     assert report.seconds < 60, f"the stalled join took {report.seconds:.0f} s to end"
-    assert "join for" in report.stderr and "missing ranks [1]" in report.stderr, report.diagnosis()
+    assert "stall: join, submitted by ranks [0] but not by missing ranks [1]" in report.stderr, report.diagnosis()
+    assert "rank 1 answers but waits for nothing in psrt" in report.stderr, report.diagnosis()
     assert not _results(report), "join returned although rank 1 never joined"
 
 

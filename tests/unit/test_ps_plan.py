@@ -16,7 +16,7 @@ from psrt.ps.protocol import Mode, Op
 from psrt.ps.roles import assign_roles
 from psrt.ps.store import Store
 from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard
-from psrt.ps.stalls import StallWatch, waits
+from psrt.ps.stalls import waits
 
 MiB = 1 << 20
 
@@ -308,22 +308,13 @@ def test_stores_created_with_other_settings_are_refused():
         store.check_settings(1, 0, (int(Mode.ASYNC), 0, 0))
 
 
-def test_a_stall_is_reported_once_then_ends_the_job_after_the_shutdown_time():
-    watch = StallWatch(check_s=1.0, shutdown_s=5.0)
-    waits = [("pull", 100.0, "pull has waited {waited}")]
-    assert watch.scan(waits, now=100.5) == ([], None)
-    assert watch.scan(waits, now=102.0) == (["pull has waited 2 s"], None)
-    assert watch.scan(waits, now=103.0) == ([], None)
-    assert watch.scan(waits, now=106.0) == (["pull has waited 6 s"], "pull has waited 6 s")
-    assert watch.scan([], now=107.0) == ([], None)
-
-
 def test_stall_descriptions_name_the_missing_workers():
     store = Store.create((int(Mode.SYNC), 0, 0), num_workers=2)
     store.register(0, 0, 10, meta_of((4,)), torch.zeros(4), 2, worker_0_gone=False)
     push(store.shards[0], 0, 1.0)
     store.shards[0].add_pull(0, tag=13)
     gathering = {Op.SAVE: {0: (16, {"path": "x"}, 50.0)}, Op.LOAD: {}}
-    texts = [text for _, _, text in waits({0: store}, gathering, [0, 1])]
-    assert "needs pushes from worker 1" in texts[0]
-    assert texts[1].startswith("save asked for by workers 0") and "worker 1 did not ask" in texts[1]
+    held = list(waits("parameter server 0", {0: store}, gathering, [0, 1], job_rank=[0, 2]))
+    assert "needs pushes from worker 1" in held[0].describe() and held[0].peer_ranks() == (2,)
+    assert held[1].describe().startswith("parameter server 0: save asked for by workers 0")
+    assert "worker 1 did not ask" in held[1].describe() and held[1].peer_ranks() == (2,)

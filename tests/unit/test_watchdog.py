@@ -1,27 +1,150 @@
-"""The watchdog behind stall reports for TP collectives and pipeline messages."""
+"""The stall watchdog's policy, with a fake prober standing in for the other ranks."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
-from psrt.comm.watchdog import Watchdog
+import pytest
+
+from psrt.comm import watchdog as watchdog_module
+from psrt.comm.watchdog import Wait, Watchdog, rank_ranges
 
 
-def test_a_wait_past_the_shutdown_time_ends_the_job_naming_it():
+class FakeProber:
+    """Ranks that answer a probe at once with a given status, or never (``None``)."""
+
+    def __init__(self, rank: int, statuses: dict[int, dict | None]) -> None:
+        self.rank, self.size = rank, 1 + len(statuses)
+        self.statuses = statuses
+        self.asked: list[tuple[int, ...]] = []
+        self._answers: dict[int, tuple[float, dict]] = {}
+
+    def ask(self, ranks) -> None:
+        ranks = tuple(ranks)
+        self.asked.append(ranks)
+        for rank in ranks:
+            if self.statuses.get(rank) is not None:
+                self._answers[rank] = (time.monotonic(), self.statuses[rank])
+
+    def serve(self, status) -> None:
+        pass
+
+    def answers(self) -> dict[int, tuple[float, dict]]:
+        return dict(self._answers)
+
+    def close(self) -> None:
+        pass
+
+
+IDLE = {"oldest": 0.0, "waits": []}
+
+
+def stalled(kind: str, what: str, oldest: float = 30.0) -> dict:
+    return {"oldest": oldest, "waits": [[kind, what]]}
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch):
+    monkeypatch.setattr(watchdog_module, "LOOK_EVERY_S", 0.05)
+    monkeypatch.setattr(watchdog_module, "ANSWER_WITHIN_S", 0.3)
+
+
+def watch(rank: int, statuses: dict[int, dict | None] | None, check_s: float, shutdown_s: float):
     ended: list[str] = []
-    watchdog = Watchdog(check_s=0.0, shutdown_s=0.5, end_job=ended.append)
-    with watchdog.waiting(lambda: "pipeline rank 0's receive of micro-batch 3"):
-        time.sleep(1.6)
-    watchdog.stop()
-    assert ended and "pipeline rank 0's receive of micro-batch 3 has waited" in ended[0]
-    assert "PSRT_STALL_SHUTDOWN_TIME=0.5 s" in ended[0]
+    dog = Watchdog(check_s, shutdown_s, ended.append, rank=rank)
+    if statuses is not None:
+        dog.attach(FakeProber(rank, statuses))
+    return dog, ended
+
+
+def test_a_wait_past_the_shutdown_time_ends_the_job_naming_it_and_the_silent_rank():
+    dog, ended = watch(0, {1: None, 2: stalled("an engine negotiation round", "rank 2's round")}, 0.2, 0.8)
+    with dog.waiting("an engine negotiation round", lambda: "rank 0's round", (0, 1, 2)):
+        time.sleep(1.3)
+    dog.stop()
+    assert len(ended) == 1 and ended[0].startswith("stall: rank 0's round has waited")
+    assert "rank 1 does not respond" in ended[0] and "rank 2 waits: rank 2's round" in ended[0]
+    assert "PSRT_STALL_SHUTDOWN_TIME=0.8 s" in ended[0]
+
+
+def test_ranks_waiting_in_the_same_way_are_grouped_and_idle_ones_named(caplog):
+    round_ = "an engine negotiation round"
+    dog, ended = watch(0, {1: stalled(round_, "a"), 2: stalled(round_, "b"), 3: IDLE}, 0.2, 0.0)
+    with caplog.at_level(logging.WARNING, logger="psrt"):
+        with dog.waiting(round_, "rank 0's round", (1, 2, 3)):
+            time.sleep(0.8)
+    dog.stop()
+    (report,) = [r.getMessage() for r in caplog.records]
+    assert "ranks 1-2 wait in an engine negotiation round" in report
+    assert "rank 3 answers but waits for nothing in psrt" in report
+    assert not ended, "shutdown time 0 never ends the job"
+
+
+def test_a_rank_defers_to_a_lower_stalled_rank_and_ends_the_job_only_late(caplog):
+    dog, ended = watch(2, {0: None, 1: stalled("an engine negotiation round", "rank 1's round")}, 0.2, 0.6)
+    with caplog.at_level(logging.WARNING, logger="psrt"):
+        with dog.waiting("an engine negotiation round", "rank 2's round", (0, 1)):
+            time.sleep(0.7)
+            assert not ended and not caplog.records, "rank 1 speaks for the job"
+            time.sleep(0.6)  # past shutdown + check: rank 1 has not ended the job, so rank 2 does
+    dog.stop()
+    assert len(ended) == 1 and "rank 0 does not respond" in ended[0]
+
+
+def test_a_rank_speaks_when_rank_0_is_the_one_that_does_not_respond(caplog):
+    dog, ended = watch(1, {0: None, 2: stalled("x", "y")}, 0.2, 0.0)
+    with caplog.at_level(logging.WARNING, logger="psrt"):
+        with dog.waiting("an engine negotiation round", "rank 1's round", (0, 2)):
+            time.sleep(0.8)
+    dog.stop()
+    assert [r.getMessage() for r in caplog.records if "rank 0 does not respond" in r.getMessage()]
+
+
+def test_before_probing_is_possible_only_rank_0_reports(caplog):
+    for rank, expect in ((0, 1), (3, 0)):
+        dog, _ = watch(rank, None, 0.1, 0.0)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="psrt"):
+            with dog.waiting("start-up", "psrt.init() waiting"):
+                time.sleep(0.4)
+        dog.stop()
+        assert len(caplog.records) == expect, (rank, caplog.records)
+
+
+def test_published_waits_are_reported_with_what_their_peers_say_and_withdrawn(caplog):
+    dog, _ = watch(0, {1: IDLE}, 0.2, 0.0)
+    since = time.monotonic() - 5
+    with caplog.at_level(logging.WARNING, logger="psrt"):
+        dog.publish("engine", [Wait("a collective some ranks have not submitted", "allreduce of 'x'", (1,), since,
+                                    key="x")])
+        time.sleep(0.6)
+        dog.publish("engine", [])
+        time.sleep(0.2)
+        assert dog.status() == {"oldest": 0.0, "waits": []}
+    dog.stop()
+    (report,) = [r.getMessage() for r in caplog.records]
+    assert report.startswith("psrt: stall: allreduce of 'x' has waited 5 s: rank 1 answers")
+
+
+def test_status_tells_a_prober_the_oldest_wait_and_what_it_is():
+    dog, _ = watch(0, {}, 60.0, 0.0)
+    with dog.waiting("a pipeline message", "pipeline rank 0's receive"):
+        time.sleep(0.1)
+        status = dog.status()
+    dog.stop()
+    assert status["waits"] == [["a pipeline message", "pipeline rank 0's receive"]] and status["oldest"] >= 0.1
 
 
 def test_short_waits_are_not_reported_and_stop_ends_the_thread():
-    ended: list[str] = []
-    watchdog = Watchdog(check_s=60.0, shutdown_s=0.0, end_job=ended.append)
-    with watchdog.waiting(lambda: "never described"):
+    dog, ended = watch(0, {1: None}, 60.0, 0.0)
+    with dog.waiting("a pipeline message", lambda: "never described", (1,)):
         pass
-    watchdog.stop()
-    assert not ended
+    dog.stop()
+    assert not ended and not dog._prober
     assert not any(t.name == "psrt-watchdog" and t.is_alive() for t in threading.enumerate())
+
+
+def test_rank_lists_are_written_as_ranges():
+    assert rank_ranges([5, 0, 2, 1]) == "0-2, 5"
+    assert rank_ranges([3]) == "3"

@@ -1,0 +1,113 @@
+"""Fault injection from outside a running job, as a cluster inflicts it: freeze a rank
+(SIGSTOP: a node stuck in I/O, a hung driver) or kill it, once the job is under way.
+
+:func:`run_with_fault` launches a script with psrun, waits for a line of its output,
+signals one rank (found by its job rank and a tag psrun forwards to every rank of
+this job only), and reports how and how fast the job ended, and whether any process
+of it outlived the job.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Mapping
+
+from conftest import REPO, SCRIPTS
+
+
+@dataclass
+class FaultedJob:
+    returncode: int | None  # None: still running at the timeout (then killed)
+    seconds_after_fault: float
+    stdout: str
+    stderr: str
+    left_behind: list[int]  # processes of the job alive after psrun returned
+
+    def diagnosis(self) -> str:
+        return (f"exit {self.returncode} {self.seconds_after_fault:.1f} s after the fault; left behind "
+                f"{self.left_behind}\n--- stdout ---\n{self.stdout[-2000:]}\n--- stderr ---\n{self.stderr[-4000:]}")
+
+
+def job_processes(tag: str, rank: int | None = None) -> list[int]:
+    """Live (not zombie) processes of the job tagged ``tag``: its ranks, or one of them."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if f"PSRT_TEST_JOB={tag}".encode() not in environ or state == b"Z":
+            continue
+        ranks = [v for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")]
+        if ranks and (rank is None or ranks[0] == f"OMPI_COMM_WORLD_RANK={rank}".encode()):
+            found.append(int(entry))
+    return found
+
+
+def run_with_fault(script: str, np: int, args: tuple[str, ...], env: Mapping[str, str], *, after: str,
+                   rank: int, signum: int, timeout_s: float = 90.0) -> FaultedJob:
+    """Run ``script`` on ``np`` ranks; once stdout has a line starting with ``after``, send
+    ``signum`` to job rank ``rank``; wait up to ``timeout_s`` for the job to end."""
+    tag = uuid.uuid4().hex
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRT_", "HOROVOD_"))}
+    full_env.update(env, PSRT_TEST_JOB=tag)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "launcher.cli", "-np", str(np), sys.executable, str(SCRIPTS / script), *args]
+    proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, errors="replace", start_new_session=True)
+    out: list[str] = []
+    err: list[str] = []
+    seen = threading.Event()
+
+    def read_stdout() -> None:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith(after):
+                seen.set()
+        seen.set()  # the job ended without it: the wait below stops at once
+
+    readers = [threading.Thread(target=read_stdout, daemon=True),
+               threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)]
+    for reader in readers:
+        reader.start()
+    faulted_at = time.monotonic()
+    try:
+        if seen.wait(timeout_s) and proc.poll() is None:
+            for pid in job_processes(tag, rank):
+                os.kill(pid, signum)
+            faulted_at = time.monotonic()
+        try:
+            returncode: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        seconds = time.monotonic() - faulted_at
+        left = _left_behind(tag)
+    finally:
+        for pid in job_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for reader in readers:
+        reader.join(timeout=5)
+    return FaultedJob(returncode, seconds, "".join(out), "".join(err), left)
+
+
+def _left_behind(tag: str, patience_s: float = 3.0) -> list[int]:
+    """The job's processes still alive a moment after psrun returned (killed ones need a
+    moment to be reaped)."""
+    deadline = time.monotonic() + patience_s
+    while (left := job_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left

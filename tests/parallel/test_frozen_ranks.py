@@ -1,0 +1,74 @@
+"""A rank that is alive but frozen, or that never starts, ends the job naming it.
+
+A rank is frozen from outside with SIGSTOP once training is under way (a node stuck in
+I/O, a hung driver: its process exists, its peers' collectives wait on it forever).
+Every job runs with PSRT_STALL_CHECK_TIME=3 and PSRT_STALL_SHUTDOWN_TIME=8 and must end
+within the shutdown time and a margin for probing and the abort, with one stall report
+that names the rank that does not respond, and with no process of it left behind.
+"""
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from conftest import launch
+from faults import run_with_fault
+
+pytestmark = pytest.mark.parallel
+
+CHECK_S, SHUTDOWN_S = 3, 8
+ENV = {"PSRT_STALL_CHECK_TIME": str(CHECK_S), "PSRT_STALL_SHUTDOWN_TIME": str(SHUTDOWN_S)}
+# probing (answers within 2 s), the abort, and 4 ranks sharing 2 cores
+MARGIN_S = 8
+
+
+def test_a_frozen_rank_in_data_parallel_training_is_named_and_the_job_ends():
+    job = run_with_fault("frozen_training.py", 2, ("dp",), ENV, after="step 3", rank=1, signum=signal.SIGSTOP)
+    assert job.returncode not in (0, None), job.diagnosis()
+    assert job.seconds_after_fault < SHUTDOWN_S + MARGIN_S, job.diagnosis()
+    summary = job.stderr.strip().splitlines()[-1]
+    assert summary.startswith("psrun: rank 0 failed first: stall: rank 0's engine"), job.diagnosis()
+    assert "rank 1 does not respond" in summary and f"PSRT_STALL_SHUTDOWN_TIME={SHUTDOWN_S} s" in summary
+    assert not job.left_behind, job.diagnosis()
+
+
+def test_a_frozen_rank_0_is_named_by_one_other_rank_only():
+    job = run_with_fault("frozen_training.py", 4, ("dp",), ENV, after="step 3", rank=0, signum=signal.SIGSTOP)
+    assert job.returncode not in (0, None), job.diagnosis()
+    assert job.seconds_after_fault < SHUTDOWN_S + MARGIN_S, job.diagnosis()
+    assert "rank 0 does not respond" in job.stderr, job.diagnosis()
+    assert "psrun: rank 1 failed first: stall: rank 1's engine negotiation round" in job.stderr, job.diagnosis()
+    reports = re.findall(r"psrt: stall: rank (\d+)'s", job.stderr)
+    assert set(reports) == {"1"}, f"stall reports by ranks {reports}, expected rank 1 only\n{job.diagnosis()}"
+    assert not job.left_behind, job.diagnosis()
+
+
+def test_a_frozen_parameter_server_is_named_by_its_workers_and_the_job_ends():
+    job = run_with_fault("frozen_training.py", 3, ("ps",), {**ENV, "PSRT_NUM_SERVERS": "1"}, after="step 3",
+                         rank=2, signum=signal.SIGSTOP)
+    assert job.returncode not in (0, None), job.diagnosis()
+    assert job.seconds_after_fault < SHUTDOWN_S + MARGIN_S, job.diagnosis()
+    summary = job.stderr.strip().splitlines()[-1]
+    assert summary.startswith("psrun: rank 0 failed first: stall: worker 0's"), job.diagnosis()
+    assert "to parameter server 0 has waited" in summary, job.diagnosis()
+    assert "rank 2 (parameter server 0) does not respond" in summary, job.diagnosis()
+    assert not job.left_behind, job.diagnosis()
+
+
+def test_a_killed_rank_ends_the_job_at_once_naming_it():
+    job = run_with_fault("frozen_training.py", 2, ("dp",), ENV, after="step 3", rank=1, signum=signal.SIGKILL)
+    assert job.returncode not in (0, None), job.diagnosis()
+    assert job.seconds_after_fault < 10, job.diagnosis()
+    assert job.stderr.strip().splitlines()[-1] == "psrun: rank 1 failed first: killed by signal 9 (SIGKILL)", \
+        job.diagnosis()
+    assert not job.left_behind, job.diagnosis()
+
+
+def test_a_rank_that_never_calls_init_is_named_by_rank_0():
+    report = launch("frozen_training.py", 2, ENV, args=("late_init",), timeout_s=90)
+    assert report.returncode not in (0, None), report.diagnosis()
+    assert report.seconds < 60, report.diagnosis()
+    expected = "psrun: rank 0 failed first: stall: psrt.init() on rank 0 waiting for rank 1 to call psrt.init()"
+    assert expected in report.stderr, report.diagnosis()
