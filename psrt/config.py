@@ -6,6 +6,7 @@ same thing.  Defaults are documented on each field.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Mapping
@@ -38,11 +39,16 @@ class Config:
     # Named operations remembered by the response cache; a step whose
     # operations are all cached is negotiated with one tiny allreduce.
     cache_capacity: int = 1024
-    # A tensor submitted by some ranks but not others for this long (seconds)
-    # is reported with the ranks that are missing.
+    # Any wait on other ranks (a collective some ranks have not submitted, a
+    # negotiation round or a message a frozen or unreachable rank never answers, a
+    # parameter-server request) this long (seconds) is reported, naming the ranks
+    # to blame.
     stall_check_time_s: float = 60.0
-    # If positive: after this many seconds of such a stall the job aborts.
-    stall_shutdown_time_s: float = 0.0
+    # After this many seconds of such a stall the job ends with that report (0:
+    # never).  Ten minutes, as torch.distributed's default collective timeout with
+    # NCCL: long enough for one rank's checkpoint or evaluation while the others
+    # wait, short enough that a hung node does not hold an allocation for hours.
+    stall_shutdown_time_s: float = 600.0
     # Write a Chrome-trace timeline of every tensor's phases to this file (rank 0).
     timeline: str = ""
     # Mark each engine cycle in the timeline.
@@ -75,8 +81,20 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "ps_chunk_bytes": ("PSRT_PS_CHUNK_BYTES",),
     "tp_check_shapes": ("PSRT_TP_CHECK_SHAPES",),
 }
-# Sizes that make no sense at zero; every other number may be zero (0 = off).
-_POSITIVE = {"ring_threshold", "ring_segment", "stall_check_time_s", "ps_chunk_bytes"}
+_TiB = 1 << 40
+# The range each number may take: (lowest, highest, unit).  Sizes that make no sense at
+# zero start at 1; every other number may be zero (0 = off).
+_RANGES: dict[str, tuple[float, float, str]] = {
+    "ring_threshold": (1, _TiB, "bytes"),
+    "ring_segment": (1, _TiB, "bytes"),
+    "fusion_threshold": (0, _TiB, "bytes"),
+    "cycle_time_ms": (0, 10_000, "milliseconds"),
+    "cache_capacity": (0, 10_000_000, "entries"),
+    "stall_check_time_s": (0.001, 1e7, "seconds"),
+    "stall_shutdown_time_s": (0, 1e7, "seconds"),
+    "num_servers": (0, 1_000_000, "ranks"),
+    "ps_chunk_bytes": (1, _TiB, "bytes"),
+}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -97,9 +115,17 @@ def _parse(field: str, name: str, raw: str, kind: type) -> object:
     except ValueError:
         raise InvalidArgumentError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") \
             from None
-    if value < 0 or (value == 0 and field in _POSITIVE):
-        raise InvalidArgumentError(f"{name}={raw!r} must be {'positive' if field in _POSITIVE else '>= 0'}")
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"{name}={raw!r} must be a finite number")
+    lowest, highest, unit = _RANGES[field]
+    if not lowest <= value <= highest:
+        raise InvalidArgumentError(f"{name}={raw!r} is out of range: it must be between {_number(lowest)} and "
+                                   f"{_number(highest)} ({unit})")
     return value
+
+
+def _number(value: float) -> str:
+    return f"{int(value):,}" if value == int(value) else f"{value:g}"
 
 
 def config_from_env(env: Mapping[str, str] | None = None) -> Config:
@@ -111,4 +137,10 @@ def config_from_env(env: Mapping[str, str] | None = None) -> Config:
             if name in env:
                 values[field.name] = _parse(field.name, name, env[name], type(field.default))
                 break
-    return Config(**values)
+    config = Config(**values)
+    if 0 < config.stall_shutdown_time_s < config.stall_check_time_s:
+        raise InvalidArgumentError(
+            f"PSRT_STALL_SHUTDOWN_TIME={config.stall_shutdown_time_s:g} s is shorter than "
+            f"PSRT_STALL_CHECK_TIME={config.stall_check_time_s:g} s, after which a stall is first looked at: "
+            "make it at least as long, or 0 never to end the job on a stall")
+    return config

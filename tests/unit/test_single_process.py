@@ -5,6 +5,10 @@ these tests check shapes, dtypes, in-place semantics and argument errors.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -99,7 +103,8 @@ def test_bool_min_max_and_data_movement():
 
 def test_alltoall_and_reducescatter_of_one_rank():
     rows = torch.arange(10).reshape(5, 2)
-    received, splits = hvd.alltoall(rows)
+    assert torch.equal(hvd.alltoall(rows), rows)  # without splits: the tensor alone, as in Horovod
+    received, splits = hvd.alltoall(rows, splits=[5])
     assert torch.equal(received, rows) and splits.tolist() == [5]
     assert torch.equal(hvd.reducescatter(rows.float(), op=hvd.Sum), rows.float())
 
@@ -135,7 +140,8 @@ def test_fp16_compression_returns_the_original_dtype():
     (lambda: hvd.allreduce([1.0]), psrt.ArgumentTypeError, "torch.Tensor"),
     (lambda: hvd.allreduce(torch.ones(2), op="sum"), psrt.ArgumentTypeError, "op must be"),
     (lambda: hvd.allreduce(torch.ones(2), op=99), psrt.InvalidArgumentError, "unknown"),
-    (lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), psrt.InvalidArgumentError, "Adasum"),
+    (lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum), psrt.InvalidArgumentError,
+     "Adasum needs floating-point tensors, got torch.int32"),
     (lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum, average=True), psrt.InvalidArgumentError,
      "not both"),
     (lambda: hvd.allreduce(torch.ones(2), prescale_factor="2"), psrt.ArgumentTypeError,
@@ -193,3 +199,20 @@ def test_a_single_rank_job_cannot_be_all_servers(monkeypatch):
     monkeypatch.setenv("PSRT_NUM_SERVERS", "1")
     with pytest.raises(psrt.InvalidArgumentError, match="at least one server and one worker"):
         hvd.init()
+
+
+def test_a_process_no_launcher_started_opens_no_tcp_listener():
+    """A singleton talks to nobody: Open MPI's TCP transport must not listen on every
+    address (the settings must be in place before mpi4py is first imported)."""
+    script = (
+        "import os, psrt.torch as hvd, torch\n"
+        "hvd.init(); hvd.allreduce(torch.ones(1))\n"
+        "mine = {os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd')\n"
+        "        if os.path.exists(f'/proc/self/fd/{fd}')}\n"
+        "rows = [line.split() for table in ('/proc/net/tcp', '/proc/net/tcp6') if os.path.exists(table)\n"
+        "        for line in open(table).readlines()[1:]]\n"
+        "print([row[1] for row in rows if row[3] == '0A' and f'socket:[{row[9]}]' in mine])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

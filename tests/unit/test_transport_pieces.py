@@ -36,10 +36,37 @@ def test_config_reads_psrt_variables_and_rejects_bad_values():
         config_from_env({"PSRT_RING_SEGMENT": "big"})
     with pytest.raises(InvalidArgumentError, match="boolean"):
         config_from_env({"PSRT_ABORT_ON_EXCEPTION": "maybe"})
-    with pytest.raises(InvalidArgumentError, match="PSRT_RING_THRESHOLD='0' must be positive"):
+    with pytest.raises(InvalidArgumentError, match="PSRT_RING_THRESHOLD='0' is out of range: it must be between 1"):
         config_from_env({"PSRT_RING_THRESHOLD": "0"})
-    with pytest.raises(InvalidArgumentError, match="PSRT_STALL_SHUTDOWN_TIME='-1' must be >= 0"):
+    with pytest.raises(InvalidArgumentError, match="PSRT_STALL_SHUTDOWN_TIME='-1' is out of range"):
         config_from_env({"PSRT_STALL_SHUTDOWN_TIME": "-1"})
+
+
+@pytest.mark.parametrize("name", ["PSRT_CYCLE_TIME", "PSRT_STALL_CHECK_TIME", "PSRT_STALL_SHUTDOWN_TIME",
+                                  "HOROVOD_CYCLE_TIME"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "NaN", "1e308"])
+def test_every_number_must_be_finite_and_in_range(name, value):
+    with pytest.raises(InvalidArgumentError, match=f"{name}='{value}' (must be a finite number|is out of range)"):
+        config_from_env({name: value})
+
+
+def test_integer_settings_have_a_range_too():
+    with pytest.raises(InvalidArgumentError, match="PSRT_CACHE_CAPACITY='10000000000' is out of range: it must be "
+                                                    "between 0 and 10,000,000 .entries."):
+        config_from_env({"PSRT_CACHE_CAPACITY": "10000000000"})
+    with pytest.raises(InvalidArgumentError, match="PSRT_FUSION_THRESHOLD='1e9' is not an integer"):
+        config_from_env({"PSRT_FUSION_THRESHOLD": "1e9"})
+
+
+def test_a_stall_shutdown_time_shorter_than_the_check_time_is_refused():
+    with pytest.raises(InvalidArgumentError, match="PSRT_STALL_SHUTDOWN_TIME=10 s is shorter than "
+                                                    "PSRT_STALL_CHECK_TIME=60 s"):
+        config_from_env({"PSRT_STALL_SHUTDOWN_TIME": "10"})
+    assert config_from_env({"PSRT_STALL_SHUTDOWN_TIME": "0"}).stall_shutdown_time_s == 0
+
+
+def test_a_stall_ends_the_job_after_ten_minutes_by_default():
+    assert (Config().stall_check_time_s, Config().stall_shutdown_time_s) == (60.0, 600.0)
 
 
 def test_config_accepts_horovod_names_and_prefers_psrt_ones():
