@@ -7,18 +7,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
+from psrt import checkpoint_files
 from psrt.errors import PsrtError
 
 
 def _zero_to_full(args: argparse.Namespace) -> None:
+    """Every shard is checked against the checkpoint's records and read with ``weights_only``;
+    the output holds only tensors and plain data, so ``torch.load(OUT, weights_only=True)``
+    reads it, and it is written whole or not at all."""
     from psrt.zero.checkpoint import consolidate
     full = consolidate(args.checkpoint)
-    torch.save(full, args.output)
+    record = checkpoint_files.save_tensors(full, args.output)
     print(f"psrt: wrote {len(full['model'])} model entries and the optimizer state of "
           f"{len(full['optimizer']['state'])} parameters ({full['world_size']} shards, stage "
-          f"{full['stage']}) to {args.output}")
+          f"{full['stage']}) to {args.output} (sha256 {record.sha256})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,27 +2,31 @@
 
 Each file holds, for every KVStore on that server, each chunk's value,
 optimizer state and clocks, and the id of the save that wrote it; worker 0
-writes ``manifest.json`` with that id once every server has saved, so a save
-that crashed halfway is never taken for a checkpoint.  A job restarted with
-the same number of servers (and the same keys, initialised in the same order,
-and the same optimizer) restores every chunk in place.  Loading checks every
-server's file first and restores only if all of them are right; anything
-else is refused with the reason, before anything is changed.
+writes ``manifest.json`` with that id and each file's size and sha256 (which
+the servers' save replies carry) once every server has saved, so a save that
+crashed halfway is never taken for a checkpoint.  A job restarted with the
+same number of servers (and the same keys, initialised in the same order, and
+the same optimizer) restores every chunk in place.  Loading checks every
+server's file first (against the manifest before unpickling anything, and
+with ``weights_only``, so a file can never run code) and restores only if all
+of them are right; anything else is refused with the file and the reason,
+before anything is changed.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING
 
-import torch
-
+from psrt import checkpoint_files
 from psrt.errors import ParameterServerError
 
 if TYPE_CHECKING:
     from psrt.ps.store import Store
 
-FORMAT = "psrt-ps-checkpoint-1"
+FORMAT = "psrt-ps-checkpoint-2"
+# Written before the manifest recorded each file's size and sha256: still loaded (with
+# weights_only, as every file), without the check against the manifest.
+UNCHECKED_FORMAT = "psrt-ps-checkpoint-1"
 MANIFEST = "manifest.json"
 
 
@@ -30,29 +34,33 @@ def server_file(path: str, index: int, num_servers: int) -> str:
     return os.path.join(path, f"server-{index}-of-{num_servers}.pt")
 
 
-def write_manifest(path: str, save_id: str, num_servers: int) -> None:
-    target = os.path.join(path, MANIFEST)
-    with open(target + ".tmp", "w") as f:
-        json.dump({"format": FORMAT, "save_id": save_id, "num_servers": num_servers}, f)
-    os.replace(target + ".tmp", target)
+def write_manifest(path: str, save_id: str, num_servers: int, files: dict[str, dict] | None = None) -> None:
+    """Make the save ``save_id`` the checkpoint in ``path``.  ``files``: the records the servers'
+    saves returned; a server's file without one is refused at load."""
+    checkpoint_files.write_json({"format": FORMAT, "save_id": save_id, "num_servers": num_servers,
+                                 "files": files or {}}, os.path.join(path, MANIFEST))
 
 
 def read_manifest(path: str) -> dict | str:
     """The manifest of the last finished save in ``path``, or why there is none (a string,
-    so that worker 0 can hand the reason to every worker)."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
+    so that worker 0 can hand the reason to every worker: this never raises)."""
+    target = os.path.join(path, MANIFEST)
+    if not os.path.exists(target):
         return f"no finished parameter-server checkpoint in {path!r} ({MANIFEST} is missing)"
-    except (OSError, ValueError) as e:
-        return f"cannot read {os.path.join(path, MANIFEST)}: {e}"
-    if manifest.get("format") != FORMAT:
-        return f"{os.path.join(path, MANIFEST)} is not a psrt parameter-server manifest"
+    try:
+        manifest = checkpoint_files.read_json(target, ParameterServerError)
+    except ParameterServerError as e:
+        return str(e)
+    if manifest.get("format") not in (FORMAT, UNCHECKED_FORMAT):
+        return f"{target} is not a psrt parameter-server manifest (format {manifest.get('format')!r})"
+    if not isinstance(manifest.get("save_id"), str) or (
+            manifest["format"] == FORMAT and not isinstance(manifest.get("files"), dict)):
+        return f"{target} is damaged (no save id or no file records): restore it from a backup or save again"
     return manifest
 
 
-def save_server(path: str, index: int, num_servers: int, stores: dict[int, Store], save_id: str) -> None:
+def save_server(path: str, index: int, num_servers: int, stores: dict[int, Store], save_id: str) -> dict:
+    """Write this server's file of save ``save_id``; returns {file name: its record} for the manifest."""
     os.makedirs(path, exist_ok=True)
     document = {"format": FORMAT, "num_servers": num_servers, "save_id": save_id, "stores": {
         store_id: {"settings": list(store.settings),
@@ -61,27 +69,36 @@ def save_server(path: str, index: int, num_servers: int, stores: dict[int, Store
                    "shards": {chunk_id: shard.state() for chunk_id, shard in store.shards.items()}}
         for store_id, store in stores.items()}}
     target = server_file(path, index, num_servers)
-    torch.save(document, target + ".tmp")
-    os.replace(target + ".tmp", target)  # a crash mid-save leaves the previous checkpoint
+    record = checkpoint_files.save_tensors(document, target)  # a crash mid-save leaves the previous file
+    return {os.path.basename(target): record.to_json()}
 
 
 def load_server(path: str, index: int, num_servers: int, stores: dict[int, Store], save_id: str,
-                restore: bool = True) -> dict:
-    """Check this server's file of save ``save_id`` in ``path`` against ``stores`` and, with
-    ``restore``, restore every chunk from it; returns {"steps": {store: steps or None}}."""
+                restore: bool = True, *, files: dict | None = None) -> dict:
+    """Check this server's file of save ``save_id`` in ``path`` against its record in the
+    manifest's ``files`` (None only for a manifest of :data:`UNCHECKED_FORMAT`) and against
+    ``stores`` and, with ``restore``, restore every chunk from it; returns
+    {"steps": {store: steps or None}}."""
     target = server_file(path, index, num_servers)
     if not os.path.exists(target):
         found = sorted(f for f in os.listdir(path) if f.startswith("server-")) if os.path.isdir(path) else []
-        raise ParameterServerError(f"no checkpoint for server {index} of {num_servers} in {path!r}"
-                                   + (f" (found {found}: saved with another number of servers?)"
-                                      if found else ""))
-    document = torch.load(target, weights_only=False)
-    if document.get("format") != FORMAT:
+        raise ParameterServerError(f"no checkpoint for server {index} of {num_servers} in {path!r}: {target} "
+                                   "is missing" + (f" (found {found}: saved with another number of servers?)"
+                                                   if found else ""))
+    record = None if files is None else checkpoint_files.record_of(
+        files, target, os.path.join(path, MANIFEST), ParameterServerError)
+    document = checkpoint_files.load_tensors(target, record, ParameterServerError)
+    if not isinstance(document, dict) or document.get("format") not in (FORMAT, UNCHECKED_FORMAT):
         raise ParameterServerError(f"{target} is not a psrt parameter-server checkpoint")
-    if document["save_id"] != save_id:
+    if document.get("save_id") != save_id:
         raise ParameterServerError(f"{target} was written by another save than the one {MANIFEST} "
                                    "names (a save that did not finish?)")
-    _check_layout(document, stores, target)
+    try:
+        _check_layout(document, stores, target)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ParameterServerError(f"{target} is damaged: it lacks what a psrt parameter-server checkpoint "
+                                   f"holds ({type(e).__name__}: {e}); restore it from a backup or save "
+                                   "again") from None
     if not restore:
         return {}
     for store_id, store in stores.items():

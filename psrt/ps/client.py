@@ -242,21 +242,31 @@ class KVStore:
         path = str(path)
         save_id = hvd.broadcast_object(uuid.uuid4().hex if self._link.worker == 0 else None, root_rank=0,
                                        name=f"psrt.ps.save.{self.store_id}")
-        self._everywhere(Op.SAVE, document={"path": path, "save_id": save_id}).wait()
+        handle = self._everywhere(Op.SAVE, document={"path": path, "save_id": save_id})
+        handle.wait()
+        failure = None
         if self._link.worker == 0:  # every server has saved: now it is a checkpoint
-            checkpoint.write_manifest(path, save_id, self._link.num_servers)
-        hvd.barrier()
+            files = {name: record for payload in handle.payloads for name, record in payload["files"].items()}
+            try:
+                checkpoint.write_manifest(path, save_id, self._link.num_servers, files)
+            except OSError as e:  # every worker raises it, none is left waiting
+                failure = f"the servers saved to {path!r}, but writing its {checkpoint.MANIFEST} failed: {e}"
+        failure = hvd.broadcast_object(failure, root_rank=0, name=f"psrt.ps.saved.{self.store_id}")
+        if failure is not None:
+            raise ParameterServerError(failure)
 
     def load(self, path: str) -> int:
         """Restore what :meth:`save` wrote (every store on the servers; after the same inits and
         set_optimizer calls); returns the number of steps this store had taken.  Collective
-        over the workers.  Every server's file is checked before any is restored."""
+        over the workers.  Every server's file is checked (against the size and sha256 the
+        manifest records, then unpickled with ``weights_only``) before any is restored; a refused
+        load raises on every worker and leaves the servers as they were."""
         path = str(path)
         manifest = hvd.broadcast_object(checkpoint.read_manifest(path) if self._link.worker == 0 else None,
                                         root_rank=0, name=f"psrt.ps.load.{self.store_id}")
         if isinstance(manifest, str):
             raise ParameterServerError(manifest)
-        document = {"path": path, "save_id": manifest["save_id"]}
+        document = {"path": path, "save_id": manifest["save_id"], "files": manifest.get("files")}
         self._everywhere(Op.LOAD, document={**document, "check": True}).wait()
         handle = self._everywhere(Op.LOAD, document={**document, "check": False})
         handle.wait()

@@ -386,11 +386,11 @@ class Server:
                 raise ParameterServerError(f"workers asked for different {op.name.lower()}s: {sorted(documents)}")
             doc = json.loads(documents.pop())
             where = (doc["path"], self.index, len(self.roles.servers))
-            if op == Op.SAVE:
-                checkpoint.save_server(*where, self.stores, doc["save_id"])
-                reply = {}
+            if op == Op.SAVE:  # the reply carries the file's record to worker 0, for the manifest
+                reply = {"files": checkpoint.save_server(*where, self.stores, doc["save_id"])}
             else:
-                reply = checkpoint.load_server(*where, self.stores, doc["save_id"], restore=not doc["check"])
+                reply = checkpoint.load_server(*where, self.stores, doc["save_id"], restore=not doc["check"],
+                                               files=doc["files"])
                 self._touch_all()
         except _REPORTABLE as e:
             for worker, (tag, _, _) in requests.items():

@@ -5,9 +5,11 @@ A checkpoint directory holds ``shard_RRRRR.pt`` per shard (its master values, th
 state, the optimizer's hyperparameters and the loss scale), ``extras.pt`` (the model's buffers
 and frozen parameters, which are not sharded) and ``zero_meta.json``, written by rank 0 only
 after every rank has written its files, naming the layout (stage, parameters, flat groups,
-shard count) and a save id that every other file carries: a directory without it, or with a
-file from another save, is refused.  Stage 0 holds one shard (every rank has everything), so
-rank 0 alone writes it.
+shard count), every file's size and sha256, and a save id that every other file carries: a
+directory without it, or with a file from another save, is refused.  Each file is checked
+against its record before it is unpickled (with ``weights_only``, so it can never run code),
+and a damaged one is refused naming the file and what is wrong.  Stage 0 holds one shard
+(every rank has everything), so rank 0 alone writes it.
 
 Loading undoes the sharding of the checkpoint's layout and applies the current one, so a
 checkpoint written by N ranks loads on M.  Each rank reads every shard file to do so, and so
@@ -22,33 +24,40 @@ import uuid
 import torch
 
 import psrt.torch as hvd
-from psrt import runtime
+from psrt import checkpoint_files, runtime
 from psrt.errors import InvalidArgumentError
 from psrt.zero.partition import ParamInfo, Partition
 
-FORMAT = "psrt-zero/1"
+FORMAT = "psrt-zero/2"
+# Written before the metadata recorded each file's size and sha256: still loaded (with
+# weights_only, as every file), without the check against the metadata.
+UNCHECKED_FORMAT = "psrt-zero/1"
 META = "zero_meta.json"
 EXTRAS = "extras.pt"
+_META_KEYS = ("save_id", "stage", "num_shards", "optimizer_class", "params", "groups", "extra")
 
 
 def shard_file(directory: str, shard: int) -> str:
     return os.path.join(directory, f"shard_{shard:05d}.pt")
 
 
-def _atomic_save(obj: object, path: str) -> None:
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def _raise_if_any_failed(failure: Exception | None, what: str, zero) -> None:
+def _raise_if_any_failed(failure: Exception | None, what: str, zero, written: dict | None = None) -> dict:
     """Share each rank's outcome so that all raise together: a rank that failed raises its own
-    exception, the others an error naming every rank that failed."""
+    exception, the others an error naming every rank that failed.  Returns what every rank
+    passed as ``written`` (file name -> record), for the metadata."""
     mine = None if failure is None else f"rank {zero.process_set.rank()}: {type(failure).__name__}: {failure}"
-    errors = [e for e in hvd.allgather_object(mine, name=f"zero.{what}.outcome", process_set=zero.process_set) if e]
+    outcomes = hvd.allgather_object((mine, written or {}), name=f"zero.{what}.outcome",
+                                    process_set=zero.process_set)
+    errors = [error for error, _ in outcomes if error]
     if failure is not None:
         raise failure
     if errors:
         raise RuntimeError(f"ZeRO checkpoint {what} failed on other ranks: {'; '.join(errors)}")
+    return {name: record for _, files in outcomes for name, record in files.items()}
+
+
+def _save_file(document: dict, path: str) -> dict[str, dict]:
+    return {os.path.basename(path): checkpoint_files.save_tensors(document, path).to_json()}
 
 
 def save(zero, directory: str, extra: dict | None = None) -> None:
@@ -64,21 +73,19 @@ def save(zero, directory: str, extra: dict | None = None) -> None:
     save_id = hvd.broadcast_object(uuid.uuid4().hex, root_rank=root, name="zero.save.id",
                                    process_set=zero.process_set)
     set_rank = zero.process_set.rank()
-    failure = None
+    failure, written = None, {}
     try:
         os.makedirs(directory, exist_ok=True)
         if set_rank < zero.partition.num_shards:
-            _atomic_save(_shard_payload(zero, save_id), shard_file(directory, set_rank))
+            written.update(_save_file(_shard_payload(zero, save_id), shard_file(directory, set_rank)))
         if set_rank == 0:
-            _atomic_save({"save_id": save_id, "entries": _extras(zero)}, os.path.join(directory, EXTRAS))
+            written.update(_save_file({"save_id": save_id, "entries": _extras(zero)}, os.path.join(directory, EXTRAS)))
     except Exception as exc:  # reported on every rank below, never left on one
         failure = exc
-    _raise_if_any_failed(failure, "save", zero)
+    files = _raise_if_any_failed(failure, "save", zero, written)
     if set_rank == 0:
         try:
-            with open(os.path.join(directory, META) + ".tmp", "w") as out:
-                json.dump(_meta(zero, save_id, extra), out)
-            os.replace(os.path.join(directory, META) + ".tmp", os.path.join(directory, META))
+            checkpoint_files.write_json(_meta(zero, save_id, extra, files), os.path.join(directory, META))
         except Exception as exc:
             failure = exc
     _raise_if_any_failed(failure, "save", zero)
@@ -102,14 +109,17 @@ def load(zero, directory: str) -> dict | None:
 
 
 def read_meta(directory: str) -> dict:
+    """The commit record of the checkpoint in ``directory``; raises naming the file and what is wrong."""
     path = os.path.join(directory, META)
     if not os.path.exists(path):
         raise InvalidArgumentError(f"{directory!r} is not a complete psrt ZeRO checkpoint: {META} is missing "
                                    "(the directory is wrong, or the save did not finish)")
-    with open(path) as meta_file:
-        meta = json.load(meta_file)
-    if meta.get("format") != FORMAT:
+    meta = checkpoint_files.read_json(path, InvalidArgumentError)
+    if meta.get("format") not in (FORMAT, UNCHECKED_FORMAT):
         raise InvalidArgumentError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    missing = [key for key in _META_KEYS + (("files",) if meta["format"] == FORMAT else ()) if key not in meta]
+    if missing:
+        raise InvalidArgumentError(f"{path} is damaged: it lacks {missing}; restore it from a backup or save again")
     return meta
 
 
@@ -121,8 +131,8 @@ def consolidate(directory: str) -> dict:
     when all are trainable).  Master weights come back in the parameters' own dtype."""
     meta = read_meta(directory)
     partition = _partition(meta)
-    shards = [_read(shard_file(directory, shard), meta["save_id"]) for shard in range(meta["num_shards"])]
-    model = _read(os.path.join(directory, EXTRAS), meta["save_id"])["entries"]
+    shards = [_read(shard_file(directory, shard), meta) for shard in range(meta["num_shards"])]
+    model = _read(os.path.join(directory, EXTRAS), meta)["entries"]
     per_param_state: dict[int, dict] = {}
     per_element: set[str] = set()
     for g, flat in enumerate(partition.groups):
@@ -158,12 +168,12 @@ def _extras(zero) -> dict:
     return {name: tensor.detach().clone() for name, tensor in zero.unsharded_state_dict().items()}
 
 
-def _meta(zero, save_id: str, extra: dict | None) -> dict:
+def _meta(zero, save_id: str, extra: dict | None, files: dict[str, dict]) -> dict:
     partition = zero.partition
     return {"format": FORMAT, "save_id": save_id, "stage": zero.stage, "num_shards": partition.num_shards,
             "optimizer_class": _class_name(type(zero.optimizer)),
             "params": [[info.name, list(info.shape), info.dtype] for info in partition.params],
-            "groups": [list(flat.params) for flat in partition.groups], "extra": extra}
+            "groups": [list(flat.params) for flat in partition.groups], "extra": extra, "files": files}
 
 
 def _class_name(cls: type) -> str:
@@ -175,13 +185,19 @@ def _partition(meta: dict) -> Partition:
     return Partition.build(infos, meta["groups"], meta["num_shards"])
 
 
-def _read(path: str, save_id: str) -> dict:
+def _read(path: str, meta: dict) -> dict:
+    """A file of the checkpoint ``meta`` describes, checked against its record there."""
     if not os.path.exists(path):
         raise InvalidArgumentError(f"ZeRO checkpoint {os.path.dirname(path)!r} lacks {os.path.basename(path)}")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("save_id") != save_id:
+    record = None if meta["format"] == UNCHECKED_FORMAT else checkpoint_files.record_of(
+        meta["files"], path, os.path.join(os.path.dirname(path), META), InvalidArgumentError)
+    payload = checkpoint_files.load_tensors(path, record, InvalidArgumentError)
+    if not isinstance(payload, dict):
+        raise InvalidArgumentError(f"{path} is not a psrt ZeRO checkpoint file (it holds a "
+                                   f"{type(payload).__name__}); restore it from a backup or save again")
+    if payload.get("save_id") != meta["save_id"]:
         raise InvalidArgumentError(f"{path} belongs to another save than {META} (save id {payload.get('save_id')} "
-                                   f"!= {save_id}); the directory mixes two checkpoints")
+                                   f"!= {meta['save_id']}); the directory mixes two checkpoints")
     return payload
 
 

@@ -1,0 +1,141 @@
+"""Checkpoint files that are written whole and read back only if they are what was saved.
+
+Shared by the parameter-server and ZeRO checkpoints.  Each writes its tensor files with
+:func:`save_tensors`, which returns the file's size and sha256, and records them in its
+commit record (the PS ``manifest.json``, the ZeRO ``zero_meta.json``), written once every
+file is in place.  :func:`load_tensors` compares a file with its record before unpickling
+anything, and then unpickles with ``weights_only=True``: a damaged, truncated or swapped
+file is refused with the file named and what is wrong with it, and a crafted one can
+never run code, even when its commit record was rewritten to match.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+from dataclasses import dataclass
+
+import torch
+
+from psrt.errors import PsrtError
+
+_CHUNK_BYTES = 1 << 20
+_FIX = "restore it from a backup or save again"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What a checkpoint file was when it was saved."""
+
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"bytes": self.size, "sha256": self.sha256}
+
+
+def fingerprint(path: str) -> FileRecord:
+    """The size and sha256 of the file at ``path`` as it is now."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+    return FileRecord(size, digest.hexdigest())
+
+
+def save_tensors(document: object, path: str) -> FileRecord:
+    """Write ``document`` (tensors and plain data only) to ``path`` so that a crash never
+    leaves half a file under that name; returns the record to keep in the commit record."""
+    with open(path + ".tmp", "wb") as f:
+        torch.save(document, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the file
+    record = fingerprint(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return record
+
+
+def write_json(document: object, path: str) -> None:
+    """Write a commit record (or other small JSON file) so that it appears whole or not at all."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(document, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def read_json(path: str, error: type[PsrtError]) -> dict:
+    """The JSON object in ``path``; raises ``error`` naming the file and what is wrong.
+    The caller says what a missing file means, so this expects one to exist."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+    except ValueError as e:  # invalid JSON or UTF-8
+        raise error(f"cannot read {path}: it is damaged or was cut short (not valid JSON: {e}); "
+                    f"{_FIX}") from None
+    except OSError as e:
+        raise error(f"cannot read {path}: {e}") from None
+    if not isinstance(document, dict):
+        raise error(f"{path} holds a JSON {type(document).__name__}, not the object psrt writes: {_FIX}")
+    return document
+
+
+def record_of(records: object, path: str, commit_record: str, error: type[PsrtError]) -> FileRecord:
+    """The record ``commit_record`` holds (in ``records``: file name -> {"bytes", "sha256"})
+    for the file at ``path``."""
+    name = os.path.basename(path)
+    entry = records.get(name) if isinstance(records, dict) else None
+    try:
+        return FileRecord(int(entry["bytes"]), str(entry["sha256"]))
+    except (TypeError, KeyError, ValueError):
+        raise error(f"{commit_record} records no size and sha256 for {name} (got {entry!r}): the "
+                    f"commit record is damaged or belongs to another save; {_FIX}") from None
+
+
+def load_tensors(path: str, record: FileRecord | None, error: type[PsrtError]) -> object:
+    """What :func:`save_tensors` wrote to ``path``, after checking the file against ``record``
+    (``None``: a checkpoint from before records were kept, loaded unchecked); raises ``error``
+    naming the file and what is wrong.  Never runs code stored in the file."""
+    _check_file(path, record, error)
+    if not zipfile.is_zipfile(path):  # torch.save always writes a zip archive
+        raise error(f"{path} is not a torch checkpoint file (no zip archive: damaged, cut short, "
+                    f"or not written by psrt); nothing in it was read; {_FIX}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # whatever the file holds, the caller gets the file's name and a reason
+        raise error(f"{path} cannot be loaded as a psrt checkpoint file ({_reason(e)}); it was refused "
+                    "without running anything in it. psrt saves only tensors and plain data, so the "
+                    f"file is damaged or was not written by psrt: {_FIX}") from None
+
+
+def _check_file(path: str, record: FileRecord | None, error: type[PsrtError]) -> None:
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise error(f"{path} is missing: {_FIX}") from None
+    except OSError as e:
+        raise error(f"cannot read {path}: {e}") from None
+    if size == 0:
+        raise error(f"{path} is empty (0 bytes): the save that wrote it did not finish, or the file "
+                    f"was truncated; {_FIX}")
+    if record is None:
+        return
+    if size != record.size:
+        raise error(f"{path} has {size} bytes, {record.size} were saved: it was cut short after it was "
+                    f"saved, or belongs to another save; {_FIX}")
+    try:
+        actual = fingerprint(path).sha256
+    except OSError as e:
+        raise error(f"cannot read {path}: {e}") from None
+    if actual != record.sha256:
+        raise error(f"{path} was modified after it was saved, or belongs to another save (sha256 "
+                    f"mismatch: {actual[:16]}… instead of {record.sha256[:16]}…): {_FIX}")
+
+
+def _reason(exc: Exception) -> str:
+    """torch's own reason for refusing a file, without its advice to load it unsafely."""
+    paragraphs = [p.strip() for p in str(exc).split("\n\n") if p.strip()]
+    kept = [p for p in paragraphs if "weights_only" not in p and "Weights only load failed" not in p]
+    return f"{type(exc).__name__}: {' '.join(kept)}" if kept else type(exc).__name__
