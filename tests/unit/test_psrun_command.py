@@ -21,6 +21,7 @@ from launcher.command import (
     find_mpirun,
     flavour_from_version,
     plan_launch,
+    version_from_text,
 )
 from launcher.failures import FailureKind, FailureScanner
 from launcher.hostfile import Host
@@ -81,7 +82,7 @@ def test_local_openmpi_job_command(capsys, openmpi, monkeypatch) -> None:
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
     cmd, err = dry_run(capsys, "--mpirun", openmpi, "-np", "2", "python", "train.py", "--lr", "1")
     assert cmd == [openmpi, "-np", "2", "-H", "localhost:2", "--bind-to", "none",
-                   "--allow-run-as-root", "--mca", "btl", "^ofi", "--mca", "mtl", "^ofi",
+                   "--allow-run-as-root", "--mca", "btl", "self,sm", "--mca", "mtl", "^ofi",
                    "-x", "HOROVOD_CYCLE_TIME", "-x", "PSRT_FUSION_MB", "python", "train.py", "--lr", "1"]
     assert err == ""
 
@@ -122,7 +123,7 @@ def test_ofi_defaults_respect_the_users_environment(capsys, openmpi, monkeypatch
 def test_ofi_defaults_respect_mpi_args(capsys, openmpi, mpi_args) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--mpi-args", mpi_args, "-np", "2", "python", "x.py")
     joined = " ".join(cmd)
-    assert "--mca mtl ^ofi" not in joined and "--mca btl ^ofi" in joined
+    assert "--mca mtl ^ofi" not in joined and "--mca btl self,sm" in joined
     assert joined.endswith(f"{mpi_args} python x.py")
 
 
@@ -130,7 +131,7 @@ def test_remote_hosts_get_no_ofi_defaults_and_forward_paths(capsys, openmpi, mon
     monkeypatch.setenv("PYTHONPATH", "/src")
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-np", "4", "-H", "node1:2,node2:2", "python", "x.py")
     joined = " ".join(cmd)
-    assert "-H node1:2,node2:2" in joined and "--mca" not in joined
+    assert "-H node1:2,node2:2" in joined and "^ofi" not in cmd and "btl" not in cmd
     assert "-x PATH" in joined and "-x PYTHONPATH" in joined
 
 
@@ -205,7 +206,138 @@ def test_build_command_is_pure_and_needs_no_mpi() -> None:
     built, _ = plan(num_proc=3, local_cpus=4, as_root=False)
     assert build_command(built, {"PSRT_A": "1", "OTHER": "x"}) == [
         "mpirun", "-np", "3", "-H", "localhost:4", "--bind-to", "none",
-        "--mca", "btl", "^ofi", "--mca", "mtl", "^ofi", "-x", "PSRT_A", "python", "t.py"]
+        "--mca", "btl", "self,sm", "--mca", "mtl", "^ofi", "-x", "PSRT_A", "python", "t.py"]
+
+
+# --- single-host transport, launch agent and networks ----------------------------------------
+
+def test_local_job_keeps_ranks_on_shared_memory_so_none_listens_on_tcp(capsys, openmpi) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-np", "2", "python", "x.py")
+    assert " --mca btl self,sm " in f" {' '.join(cmd)} "
+
+
+def test_open_mpi_4_calls_shared_memory_vader(capsys, tmp_path) -> None:
+    ompi4 = fake_mpirun(tmp_path / "ompi4", "mpirun (Open MPI) 4.1.5")
+    cmd, _ = dry_run(capsys, "--mpirun", ompi4, "-np", "2", "python", "x.py")
+    assert " --mca btl self,vader " in f" {' '.join(cmd)} "
+    built, _ = plan(version=(5, 0, 11))
+    assert "self,sm" in build_command(built, {})
+
+
+def test_users_btl_choice_wins_over_shared_memory(capsys, openmpi) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--mpi-args", "--mca btl tcp,self", "-np", "2",
+                     "python", "x.py")
+    assert cmd.count("btl") == 1 and "self,sm" not in cmd
+
+
+def test_remote_job_does_not_restrict_the_btl(capsys, openmpi) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-H", "n1:1,n2:1", "python", "x.py")
+    assert "btl" not in cmd
+
+
+def test_remote_job_delays_aborts_so_a_dead_rank_is_named_not_its_peer(capsys, openmpi, monkeypatch) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-H", "n1:1,n2:1", "python", "x.py")
+    assert " --mca mpi_abort_delay 1 " in f" {' '.join(cmd)} "
+    local, _ = dry_run(capsys, "--mpirun", openmpi, "-np", "2", "python", "x.py")
+    assert "mpi_abort_delay" not in local
+    monkeypatch.setenv("OMPI_MCA_mpi_abort_delay", "0")
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-H", "n1:1,n2:1", "python", "x.py")
+    assert "mpi_abort_delay" not in cmd
+
+
+@pytest.mark.parametrize(("text", "version"), [
+    (OPENMPI_VERSION, (5, 0, 11)),
+    ("mpirun (Open MPI) 4.1.5", (4, 1, 5)),
+    (MPICH_VERSION, (4, 1, 2)),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10 Build", (2021, 10)),
+    ("mpirun of no version", ()),
+])
+def test_version_from_text(text: str, version: tuple[int, ...]) -> None:
+    assert version_from_text(text) == version
+
+
+REMOTE = ("-np", "4", "-H", "n1:2,n2:2")
+
+
+def test_launch_agent_is_open_mpis_plm_rsh_agent(capsys, openmpi) -> None:
+    cmd, err = dry_run(capsys, "--mpirun", openmpi, *REMOTE, "--launch-agent", " ssh -p 2222 ",
+                       "python", "x.py")
+    assert shlex.join(cmd).count("--mca plm_rsh_agent 'ssh -p 2222' ") == 1 and err == ""
+
+
+def test_launch_agent_is_hydras_launcher_exec(capsys, mpich) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", mpich, *REMOTE, "--launch-agent", "/opt/agent", "python", "x.py")
+    assert cmd[:9] == [mpich, "-n", "4", "-hosts", "n1:2,n2:2", "-launcher", "ssh", "-launcher-exec",
+                       "/opt/agent"]
+
+
+def test_network_cidr_and_interface_select_mpi_and_runtime_networks(capsys, openmpi) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, *REMOTE, "--network-interface", "ib0",
+                     "--network-cidr", "10.0.0.7/24, 10.1.0.0/16", "--network-cidr", "192.168.1.0/24",
+                     "python", "x.py")
+    networks = "ib0,10.0.0.0/24,10.1.0.0/16,192.168.1.0/24"
+    assert f"--mca btl_tcp_if_include {networks} --mca oob_tcp_if_include {networks} " in " ".join(cmd)
+
+
+def test_network_interface_is_hydras_iface(capsys, mpich) -> None:
+    cmd, _ = dry_run(capsys, "--mpirun", mpich, *REMOTE, "--network-interface", "ib0", "python", "x.py")
+    assert cmd[5:7] == ["-iface", "ib0"]
+
+
+def test_plan_keeps_remote_settings_and_build_command_spells_them() -> None:
+    built, warnings = plan((Host("a", 1), Host("b", 1)), launch_agent="agent.sh map",
+                           network_interfaces=["eth1"], network_cidrs=["127.200.0.0/24"])
+    assert warnings == [] and built.launch_agent == "agent.sh map"
+    assert built.networks == ("eth1", "127.200.0.0/24")
+    assert build_command(built, {}) == [
+        "mpirun", "-np", "2", "-H", "a:1,b:1", "--bind-to", "none", "--mca", "mpi_abort_delay", "1",
+        "--mca", "plm_rsh_agent", "agent.sh map", "--mca", "btl_tcp_if_include", "eth1,127.200.0.0/24",
+        "--mca", "oob_tcp_if_include", "eth1,127.200.0.0/24", "python", "t.py"]
+
+
+def test_local_job_ignores_remote_flags_with_a_warning(capsys, openmpi) -> None:
+    cmd, err = dry_run(capsys, "--mpirun", openmpi, "-np", "2", "--launch-agent", "ssh",
+                       "--network-cidr", "10.0.0.0/8", "python", "x.py")
+    assert "plm_rsh_agent" not in cmd and "btl_tcp_if_include" not in cmd
+    assert err == ("psrun: warning: every host is this machine, so --launch-agent and --network-cidr "
+                   "not used (ranks on one machine talk through shared memory)\n")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--network-cidr", "10.0.0.0"), "--network-cidr '10.0.0.0' has no prefix length; write a network "
+                                     "as ADDRESS/BITS, e.g. 10.0.0.0/24"),
+    (("--network-cidr", "10.0.0.0/33"), "--network-cidr '10.0.0.0/33' is not a network"),
+    (("--network-cidr", "ten/8"), "--network-cidr 'ten/8' is not a network"),
+    (("--network-cidr", "fd00::/64"), "is an IPv6 network; Open MPI selects networks by CIDR for IPv4 only"),
+    (("--network-interface", "10.0.0.0/24"), "--network-interface '10.0.0.0/24' looks like a network; "
+                                             "pass it to --network-cidr"),
+    (("--network-interface", "eth0,,eth1"), "--network-interface '' is not an interface name"),
+    (("--launch-agent", " "), "--launch-agent is empty"),
+    (("--launch-agent", "ssh -o 'ProxyJump a'"), "Open MPI splits the agent at spaces and ignores quotes"),
+    (("--launch-agent", "ssh", "--mpi-args", "--mca plm_rsh_agent rsh"),
+     "--launch-agent and --mpi-args both set plm_rsh_agent"),
+    (("--launch-agent", "ssh", "--mpi-args", "--prtemca plm_ssh_agent rsh"),
+     "--launch-agent and --mpi-args both set plm_rsh_agent"),
+    (("--network-cidr", "10.0.0.0/8", "--mpi-args", "--mca btl_tcp_if_exclude lo"),
+     "--network-interface/--network-cidr and --mpi-args both choose the TCP networks"),
+])
+def test_bad_remote_settings_are_clear_errors_openmpi(capsys, openmpi, flags, message) -> None:
+    assert main(["--mpirun", openmpi, *REMOTE, *flags, "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("psrun: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--network-cidr", "10.0.0.0/8"), "--network-cidr needs Open MPI: MPICH's Hydra selects a network "
+                                       "by interface name only (-iface); use --network-interface NAME"),
+    (("--network-interface", "eth0,eth1"), "--network-interface eth0,eth1: MPICH's Hydra takes one interface"),
+    (("--launch-agent", "ssh -p 2222"), "MPICH's Hydra runs the agent as one executable without arguments"),
+    (("--launch-agent", "a", "--mpi-args", "-launcher-exec b"), "both choose the launch agent; keep one"),
+    (("--network-interface", "ib0", "--mpi-args", "-iface eth0"), "both choose the network; keep one"),
+])
+def test_bad_remote_settings_are_clear_errors_mpich(capsys, mpich, flags, message) -> None:
+    assert main(["--mpirun", mpich, *REMOTE, *flags, "python", "x.py"]) == 2
+    assert message in capsys.readouterr().err
 
 
 # --- finding and identifying mpirun ---------------------------------------------------------

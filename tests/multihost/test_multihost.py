@@ -1,0 +1,166 @@
+"""Real multi-host jobs through psrun: two "hosts" (network namespaces, see conftest.py) reached
+with ``--launch-agent`` over ``--network-cidr``, whose interfaces are named differently.
+
+Training across the hosts must give what the same job gives on one host: data-parallel,
+TP 2 x PP 2 and parameter-server jobs, with 2 ranks per host, compared rank by rank
+(losses and each rank's parameters). A remote rank that dies must end the job with psrun
+naming it; a partitioned host must end the job with a stall report naming its ranks.
+Plus, on one host: no rank opens a TCP listener. Launches are few, since every rank
+imports torch.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.parallel
+
+HERE = Path(__file__).resolve().parent
+JOB = str(HERE / "cross_host_job.py")
+JOB_TIMEOUT_S = 180.0
+# Open MPI ends a job within about a second of a rank's death; allow for a busy machine.
+PROMPT_END_S = 15.0
+STALL_CHECK_S, STALL_SHUTDOWN_S = 3, 8
+
+
+def results(job, code: int | None) -> dict[tuple[str, int], dict]:
+    """The JSON lines a job printed, by (part, rank); fails the test unless the job succeeded."""
+    assert code == 0, job.diagnosis()
+    found = {}
+    for line in job.out.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            found[record["part"], record["rank"]] = record
+    return found
+
+
+def assert_same_training(two_hosts: dict, one_host: dict, part: str, ranks: int) -> None:
+    for rank in range(ranks):
+        got, want = two_hosts.get((part, rank)), one_host.get((part, rank))
+        assert got is not None and want is not None, f"{part}: rank {rank} reported nothing"
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7), \
+            f"{part}: losses of rank {rank} on two hosts {got['losses']} vs one host {want['losses']}"
+        assert len(got["params"]) == len(want["params"]) > 0
+        assert got["params"] == pytest.approx(want["params"], rel=1e-4, abs=1e-6), \
+            f"{part}: parameters of rank {rank} differ between two hosts and one host"
+
+
+class Jobs:
+    """Each correctness job runs once per module, on first use, on the test bed and on one host."""
+
+    def __init__(self, testbed, one_host) -> None:
+        self.testbed, self.one_host = testbed, one_host
+        self._done: dict[tuple, dict] = {}
+
+    def get(self, where: str, parts: str, np: int, *extra: str) -> dict:
+        key = (where, parts, np, extra)
+        if key not in self._done:
+            args = ("-np", str(np), *extra, sys.executable, JOB, parts)
+            env = {"PSRT_STALL_CHECK_TIME": "60"}  # any PSRT_ setting, to see it forwarded
+            job = (self.testbed.psrun(*args, slots=2, env=env) if where == "two hosts"
+                   else self.one_host(*args, env=env))
+            self._done[key] = results(job, job.finish(JOB_TIMEOUT_S))
+        return self._done[key]
+
+
+@pytest.fixture(scope="module")
+def jobs(testbed, one_host) -> Jobs:
+    return Jobs(testbed, one_host)
+
+
+def test_data_parallel_training_across_two_hosts_matches_one_host(jobs, testbed) -> None:
+    two = jobs.get("two hosts", "dp,gpt", 4)
+    hosts = [two["dp", rank]["host"] for rank in range(4)]
+    # Ranks 2 and 3 ran on the second host, started by the agent from a bare environment,
+    # and got from psrun what they need: PATH, PYTHONPATH and the PSRT_ settings.
+    assert hosts == [socket.gethostname()] * 2 + [testbed.hosts[1].namespace] * 2
+    here = two["dp", 0]["env"]
+    assert here["PSRT_STALL_CHECK_TIME"] == "60" and here["PYTHONPATH"] and here["PATH"]
+    assert [two["dp", rank]["env"] for rank in (2, 3)] == [here, here]
+    assert_same_training(two, jobs.get("one host", "dp,gpt", 4), "dp", 4)
+
+
+def test_tp2_pp2_gpt_across_two_hosts_matches_one_host(jobs) -> None:
+    assert_same_training(jobs.get("two hosts", "dp,gpt", 4), jobs.get("one host", "dp,gpt", 4), "gpt", 4)
+
+
+def test_parameter_server_across_two_hosts_matches_one_host(jobs, testbed) -> None:
+    # 3 ranks, 2 on the first host: the server is its rank 1, worker 2 is on the second host.
+    two = jobs.get("two hosts", "ps", 3, "--num-servers", "1")
+    assert two["ps", 1]["host"] == testbed.hosts[1].namespace
+    assert_same_training(two, jobs.get("one host", "ps", 3, "--num-servers", "1"), "ps", 2)
+
+
+def test_killed_remote_rank_is_named_and_ends_the_job(testbed) -> None:
+    job = testbed.psrun("-np", "2", sys.executable, JOB, "dp", "--steps", "1000", "--step-sleep", "0.05",
+                        "--kill-rank", "1", "--kill-step", "5", slots=1)
+    code = job.finish(JOB_TIMEOUT_S)
+    assert code not in (0, None) and "killing rank 1 at " in job.out, job.diagnosis()
+    killed_at = float(job.out.split("killing rank 1 at ")[1].split()[0])
+    assert job.err.splitlines()[-1] == "psrun: rank 1 failed first: killed by signal 9 (SIGKILL)", \
+        job.diagnosis()
+    took = job.ended_at - killed_at
+    print(f"remote rank killed: the job ended {took:.1f} s later")
+    assert took < PROMPT_END_S, job.diagnosis()
+
+
+def test_partitioned_host_ends_the_job_with_a_stall_naming_its_ranks(testbed) -> None:
+    env = {"PSRT_STALL_CHECK_TIME": str(STALL_CHECK_S), "PSRT_STALL_SHUTDOWN_TIME": str(STALL_SHUTDOWN_S)}
+    job = testbed.psrun("-np", "2", sys.executable, JOB, "dp", "--steps", "100000", "--step-sleep", "0.05",
+                        slots=1, env=env)
+    try:
+        job.wait_for_line(r"^step 5$", JOB_TIMEOUT_S)
+        testbed.partition(testbed.hosts[1])
+        cut_at = time.time()
+        code = job.finish(STALL_SHUTDOWN_S + 60)
+    finally:
+        job.stop()
+    took = job.ended_at - cut_at
+    print(f"partition: the job ended {took:.1f} s after the link went down (exit code {code})")
+    assert code is not None, f"the job was still running {STALL_SHUTDOWN_S + 60} s after the partition"
+    assert took < STALL_SHUTDOWN_S + 30, job.diagnosis()
+    summary = job.err.strip().splitlines()[-1]
+    assert summary.startswith("psrun: rank 0 failed first: stall: "), job.diagnosis()
+    assert "rank 1 does not respond (stopped, hung, or cut off from this host)" in summary, job.diagnosis()
+
+
+LISTENERS = """\
+    import os
+    from mpi4py import MPI
+
+    def listening_inodes(path):
+        with open(path) as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+        return {(row[1], row[9]) for row in rows if row[3] == "0A"}  # 0A: LISTEN
+
+    def open_files():
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                yield os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # the directory listing's own descriptor, closed by now
+                pass
+
+    world = MPI.COMM_WORLD
+    world.allreduce(world.rank)  # the transports are up
+    mine = set(open_files())
+    found = [address for table in ("/proc/net/tcp", "/proc/net/tcp6")
+             for address, inode in listening_inodes(table) if f"socket:[{inode}]" in mine]
+    print(f"rank {world.rank} listens on {sorted(found)}", flush=True)
+    world.barrier()
+"""
+
+
+def test_single_host_ranks_open_no_tcp_listener(one_host, tmp_path) -> None:
+    """Without remote hosts, psrun keeps Open MPI's ranks on shared memory: before, every
+    rank's TCP transport listened on all addresses (0.0.0.0 and ::) for the whole job."""
+    script = tmp_path / "listeners.py"
+    script.write_text(textwrap.dedent(LISTENERS))
+    job = one_host("-np", "2", sys.executable, str(script))
+    assert job.finish(60) == 0, job.diagnosis()
+    assert sorted(job.out.splitlines()) == ["rank 0 listens on []", "rank 1 listens on []"], job.diagnosis()
