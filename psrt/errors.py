@@ -25,6 +25,18 @@ class InvalidArgumentError(PsrtError, ValueError):
     """A public API call received an argument with an impossible value."""
 
 
+class InvalidArgumentTypeError(ArgumentTypeError, InvalidArgumentError):
+    """An argument holds values of the wrong type where Horovod raises ``ValueError``
+    (alltoall splits that are not integers): catchable as ``TypeError`` or ``ValueError``."""
+
+
+class UnsupportedOperationError(InvalidArgumentError, NotImplementedError):
+    """A valid op that cannot run on these arguments: Adasum on reducescatter, on integer
+    tensors, or on a process set whose size is not a power of two.  A ``ValueError`` (a bad
+    argument, raised before any communication) and, as in Horovod, a ``RuntimeError``
+    (through ``NotImplementedError``)."""
+
+
 class UnsupportedDeviceError(InvalidArgumentError):
     """A tensor lives on a device no initialised backend can carry."""
 

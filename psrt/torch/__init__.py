@@ -6,7 +6,7 @@ form returning a handle for :func:`poll` and :func:`synchronize`, and a
 """
 from psrt.errors import CollectiveMismatchError as HorovodInternalError
 from psrt.runtime import (add_process_set, cross_rank, cross_size, global_process_set, init,
-                          is_initialized, join, local_rank, local_size, rank, remove_process_set,
+                          is_initialized, local_rank, local_size, rank, remove_process_set,
                           shutdown, size, start_timeline, stop_timeline)
 from psrt.topology import ProcessSet
 from psrt.torch.allreduce import (allreduce_, allreduce_async, allreduce_async_,
@@ -23,7 +23,7 @@ from psrt.torch.capabilities import (ccl_built, cuda_built, gloo_built, gloo_ena
                                      mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from psrt.torch.compression import Compression
 from psrt.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                                  broadcast_parameters)
+                                  broadcast_parameters, join)
 from psrt.torch.handles import poll, synchronize
 from psrt.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from psrt.torch.optimizer import DistributedOptimizer

@@ -66,10 +66,13 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
 def postscale_(tensor: torch.Tensor, average: bool, factor: float, set_size: int) -> None:
     """Apply the postscale factor and, for Average, the division by the set size.
 
-    Integer averages use floor division, as Horovod does.
+    An integer Average is rounded toward zero (-75 / 2 = -37), as Horovod's is: it scales
+    the sum by ``factor / size`` in float64 and truncates.  Here the division by the size
+    is exact integer arithmetic, so a sum that is a multiple of the size is never rounded
+    down by a float64 reciprocal (49 * (1 / 49) < 1).
     """
     if average and not tensor.is_floating_point():
         scale_(tensor, factor)
-        tensor.floor_divide_(set_size)
+        tensor.div_(set_size, rounding_mode="trunc")
     else:
         scale_(tensor, factor / set_size if average else factor)

@@ -4,7 +4,8 @@ Every call becomes a named work for the engine, which matches ranks by name
 (unnamed calls are named from a per-process counter), checks that shape,
 dtype, op and scale factors agree, and fuses allreduces that are ready
 together.  ``allreduce_`` on a contiguous tensor reduces in the tensor's own
-memory: no copy is added on that path.
+memory: no copy is added on that path.  ``op=Adasum`` is not elementwise: its
+work runs on its own, never fused (see :mod:`psrt.torch.adasum`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from psrt.engine import Piece, Reduction
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
-from psrt.torch import _common
+from psrt.torch import _common, adasum
 from psrt.torch.compression import compressor
 from psrt.torch.ops import ReduceOp, resolve_op, transport_op
 from psrt.torch.validation import check_name, check_scale, check_tensor, check_tensor_list
@@ -44,7 +45,10 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | Non
                     grouped: bool):
     """The engine work reducing ``tensors`` (one, or a grouped call's): prescaled now;
     Average and postscale folded into the reduction for floating-point tensors, applied when
-    finishing for integers.  Its output is the reduced tensor, or the list for ``grouped``."""
+    finishing for integers and for Adasum (an executed work: see ``psrt.torch.adasum``).
+    Its output is the reduced tensor, or the list for ``grouped``."""
+    if op is ReduceOp.Adasum:
+        adasum.check_arguments(tensors, len(ranks), "grouped_allreduce" if grouped else "allreduce")
     if in_place:
         buffers = [_common.contiguous_buffer(t) for t in tensors]
     else:
@@ -52,9 +56,6 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | Non
     folds = [_folded_scale(t, op, post, len(ranks)) for t in tensors]
     for buffer in buffers:
         _common.scale_(buffer, pre)
-    reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
-                          tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
-                                for t, f in zip(tensors, folds)))
 
     def finish(_: object) -> torch.Tensor | list[torch.Tensor]:
         for buffer, fold in zip(buffers, folds):
@@ -70,6 +71,12 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | Non
                   ("shapes", tuple(tuple(t.shape) for t in tensors)))
     descriptor = (*layout, ("device", tensors[0].device.type), ("op", op.name),
                   ("prescale_factor", pre), ("postscale_factor", post))
+    if op is ReduceOp.Adasum:  # not elementwise: the engine cannot fuse it, it runs on its own
+        return _common.make_work("allreduce", name, process_set, ranks, descriptor, tensors[0].device,
+                                 execute=lambda host, _: adasum.allreduce_(host, buffers), finish=finish)
+    reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
+                          tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
+                                for t, f in zip(tensors, folds)))
     return _common.make_work("allreduce", name, process_set, ranks, descriptor, tensors[0].device,
                              buffers=buffers, reduction=reduction, finish=finish)
 
@@ -86,8 +93,9 @@ def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
 
 def _folded_scale(tensor: torch.Tensor, op: ReduceOp, post: float, set_size: int) -> float | None:
     """The factor the transport can fold into a floating-point reduction (None for integers,
-    whose Average is a floor division applied afterwards)."""
-    if not tensor.is_floating_point():
+    whose Average is a division rounded toward zero applied afterwards, and for Adasum,
+    which the transport does not run)."""
+    if not tensor.is_floating_point() or op is ReduceOp.Adasum:
         return None
     return post / set_size if op is ReduceOp.Average else post
 

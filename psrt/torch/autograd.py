@@ -31,9 +31,8 @@ and Product have no gradient here: their backward raises rather than return
 Horovod's (wrong) allreduce of ``g``.
 
 Broadcast's ``root_rank`` is a world rank, as in Horovod and psrt's plain
-broadcast.  ``alltoall`` returns (output, received splits) whether or not
-splits were given, as psrt's plain alltoall does (Horovod returns the output
-alone without splits).
+broadcast.  ``alltoall`` returns (output, received splits) when splits are
+given and the output alone without them, as Horovod's does.
 
 Calls where no input requires a gradient go straight to the plain
 collectives, skipping autograd's overhead (about 15 µs a call).
@@ -41,6 +40,7 @@ collectives, skipping autograd's overhead (about 15 µs a call).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from typing import Callable, Sequence
 
@@ -303,14 +303,16 @@ class HorovodAlltoall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        output, received = _collectives_mod.alltoall(tensor, splits, name=name,
-                                                     process_set=process_set)
+        output, received = synchronize(_collectives_mod.alltoall_async(
+            tensor, splits, name=name, process_set=process_set))
         ctx.received, ctx.name, ctx.process_set = received, name, process_set
+        if splits is None:
+            return output
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
-    def backward(ctx, grad, _received_grad):
+    def backward(ctx, grad, *_received_grad):
         returned, _ = _collectives_mod.alltoall(grad, splits=ctx.received,
                                                 name=_derived(ctx.name, "grad"),
                                                 process_set=ctx.process_set)
@@ -318,9 +320,10 @@ class HorovodAlltoall(torch.autograd.Function):
 
 
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send ``splits[r]`` rows to rank r, differentiably; returns (received rows, received
-    splits), the splits also when none were given (psrt's convention, unlike Horovod's)."""
+             process_set: ProcessSet = global_process_set
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Send ``splits[r]`` rows to rank r, differentiably; returns the received rows and,
+    when ``splits`` is given, the received splits (Horovod's return)."""
     if not _tracked((tensor,)):
         return _collectives_mod.alltoall(tensor, splits, name, process_set)
     return HorovodAlltoall.apply(tensor, splits, name, process_set)
@@ -421,12 +424,15 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 
 # -- sparse allreduce ---------------------------------------------------------------------
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp | None,
-                           process_set: ProcessSet = global_process_set) -> int:
-    """Start a Sum or Average of a sparse COO tensor over the set (Horovod's way: allgather
-    the indices, as ``name.indices``, and the values, as ``name.values``).
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
+    """Start a Sum or Average of a sparse COO tensor over the set, Horovod's way: allgather
+    the indices (as ``name.indices``) and the values (as ``name.values``).
 
-    ``synchronize(handle)`` returns the coalesced sparse result; every rank must
-    pass tensors of the same size and dtype, with any number of entries.
+    Returns a function that waits and returns the result (``handle()``, as in Horovod):
+    every rank's entries side by side, not coalesced, the values divided by the set size
+    for Average.  An integer Average is coalesced first, so that each sum is rounded toward
+    zero once, as a dense integer Average is.  Every rank must pass a tensor of the same
+    size and dtype, with any number of entries.
     """
     if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo:
         kind = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -443,15 +449,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
 
     def combine(gathered: list[torch.Tensor]) -> torch.Tensor:
         indices, values = gathered
-        summed = torch.sparse_coo_tensor(indices.t(), values, tensor.shape,
-                                         check_invariants=True).coalesce()
-        if op is ReduceOp.Average:
-            totals = summed._values()  # the coalesced tensor's own values, divided in place
-            if totals.is_floating_point():
-                totals.div_(set_size)
-            else:
-                totals.floor_divide_(set_size)  # integer Average floors, as for dense tensors
-        return summed
+        if op is ReduceOp.Average and values.is_floating_point():
+            values = values / set_size
+        result = torch.sparse_coo_tensor(indices.t(), values, tensor.shape, check_invariants=True)
+        if op is ReduceOp.Average and not values.is_floating_point():
+            result = result.coalesce()
+            result._values().div_(set_size, rounding_mode="trunc")
+        return result
 
-    return _issue_each(lambda i, t: _collectives_mod.allgather_async(
+    handle = _issue_each(lambda i, t: _collectives_mod.allgather_async(
         t, name=_derived(name, suffixes[i]), process_set=process_set), parts, combine)
+    return functools.partial(synchronize, handle)

@@ -13,7 +13,7 @@ import math
 import torch
 
 from psrt.comm.base import Communicator
-from psrt.errors import InvalidArgumentError
+from psrt.errors import InvalidArgumentError, UnsupportedOperationError
 from psrt import runtime
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
@@ -165,16 +165,21 @@ def _alltoall(tensor, splits, name, process_set, blocking):
 
 
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send ``splits[r]`` rows to rank r; returns (received rows, received splits).
+             process_set: ProcessSet = global_process_set
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Send ``splits[r]`` rows to rank r; returns the received rows and, when ``splits`` is
+    given, the received splits (an int32 tensor), as Horovod's ``alltoall`` does.
 
     Without ``splits`` the first dimension is divided evenly.
     """
-    return _alltoall(tensor, splits, name, process_set, True)
+    output, received = _alltoall(tensor, splits, name, process_set, True)
+    return output if splits is None else (output, received)
 
 
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> int:
+    """Start :func:`alltoall`; ``synchronize(handle)`` returns (received rows, received
+    splits) whether or not splits were given, as Horovod's does."""
     return _alltoall(tensor, splits, name, process_set, False)
 
 
@@ -217,7 +222,7 @@ def _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_fac
     if tensor.dtype == torch.bool:
         raise InvalidArgumentError("reducescatter is not defined for bool tensors")
     if op not in (ReduceOp.Sum, ReduceOp.Average):
-        raise InvalidArgumentError(f"reducescatter supports only Sum and Average, got {op.name}")
+        raise UnsupportedOperationError(f"reducescatter supports only Sum and Average, got {op.name}")
     pre = check_scale(prescale_factor, "prescale_factor")
     post = check_scale(postscale_factor, "postscale_factor")
     work = _reducescatter_work(tensor, name, op, pre, post, process_set, ranks)

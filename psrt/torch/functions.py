@@ -1,4 +1,4 @@
-"""Broadcast of parameters, optimizer state and Python objects, and allgather of objects.
+"""Broadcast of parameters, optimizer state and Python objects, allgather of objects, join.
 
 Horovod's helpers for starting every rank from the same state.  Each is a
 collective: every rank of the process set must call it, in the same order,
@@ -14,10 +14,13 @@ from typing import Any, Iterable, Mapping
 import torch
 
 import psrt.torch as hvd
+from psrt import runtime
+from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
+from psrt.torch.optimizer import _DistributedOptimizer
 
-__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "join"]
 
 
 def broadcast_parameters(params, root_rank: int, prefix: str = "Parameter.",
@@ -71,27 +74,59 @@ class _TensorSpec:
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: torch.nn.Module | None = None,
                               process_set: ProcessSet = global_process_set) -> None:
     """Make ``optimizer``'s hyper-parameters (``param_groups`` options such as ``lr``) and
-    per-parameter state equal to ``root_rank``'s, in place.
+    per-parameter state equal to ``root_rank``'s (a global rank), in place.
 
-    State the root has but this rank lacks (Adam creates it lazily, at the first step) is
-    allocated here and filled by the broadcast, and state the root lacks is dropped, so no
-    dummy step is taken and parameters are not touched.  Options keep their Python types.
-    Every rank's optimizer must have the same parameter groups with the same sizes.
+    If the root's optimizer has no state yet (torch creates it at the first step), every
+    rank whose optimizer has none either creates it as Horovod does, so that scripts find
+    state and gradients afterwards: each trainable parameter's gradient is replaced by
+    zeros (sparse for ``SparseAdam`` and for the sparse embeddings of ``model``) and the
+    wrapped optimizer takes one step, without any allreduce; on zero gradients that step
+    moves parameters only through weight decay.  Otherwise no step is taken, so a rank
+    resuming from the root's checkpoint keeps its parameters: state the root has but this
+    rank lacks is allocated here and filled by the broadcast, and state the root lacks is
+    dropped.  Options keep their Python types.  Every rank's optimizer must have the same
+    parameter groups with the same sizes.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    is_root = process_set.rank() == root_rank
-    layout = broadcast_object(_describe(optimizer, params) if is_root else None, root_rank,
-                              name="broadcast_optimizer_state.layout", process_set=process_set)
+    layout = _root_layout(optimizer, params, root_rank, process_set)
+    if not any(layout["state"].values()):
+        if not any(optimizer.state.values()):
+            _initialize_state(optimizer, model)
+        layout = _root_layout(optimizer, params, root_rank, process_set)
     sizes = [len(group["params"]) for group in optimizer.param_groups]
     if sizes != layout["group_sizes"]:
-        raise ValueError(f"rank {process_set.rank()}: the optimizer's parameter groups have "
+        raise ValueError(f"rank {hvd.rank()}: the optimizer's parameter groups have "
                          f"{sizes} parameters, root rank {root_rank}'s have {layout['group_sizes']}")
     for group, options in zip(optimizer.param_groups, layout["options"]):
         group.update(options)
     tensors = _match_state(optimizer, params, layout["state"])
     _broadcast_all(tensors, root_rank, process_set)
+
+
+def _root_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], root_rank: int,
+                 process_set: ProcessSet) -> dict:
+    """The root's :func:`_describe`, on every rank."""
+    return broadcast_object(_describe(optimizer, params) if hvd.rank() == root_rank else None,
+                            root_rank, name="broadcast_optimizer_state.layout", process_set=process_set)
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """Horovod's state initialization: a step of the wrapped optimizer on zero gradients.
+    A ``DistributedOptimizer`` steps as its plain class, since other ranks may not step."""
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+                if isinstance(optimizer, torch.optim.SparseAdam) or id(param) in sparse:
+                    param.grad = param.grad.to_sparse()
+    step = super(_DistributedOptimizer, optimizer).step if isinstance(optimizer, _DistributedOptimizer) \
+        else optimizer.step
+    step(lambda: 0.0)  # a closure, which LBFGS requires; others evaluate and ignore it
 
 
 def _describe(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict:
@@ -139,9 +174,10 @@ def _reuse_or_allocate(current: object, spec: _TensorSpec, param_device: torch.d
 # -- Python objects ----------------------------------------------------------------------------
 def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> object:
-    """Return ``root_rank``'s ``obj`` on every rank (pickled; other ranks may pass anything)."""
+    """Return ``root_rank``'s ``obj`` on every rank (pickled; other ranks may pass anything).
+    ``root_rank`` is a global rank, as for every broadcast, and must belong to the set."""
     name = name or "broadcast_object"
-    is_root = process_set.rank() == root_rank
+    is_root = hvd.rank() == root_rank
     payload = _to_bytes(obj) if is_root else None
     length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
     hvd.broadcast_(length, root_rank, name=f"{name}.length", process_set=process_set)
@@ -168,3 +204,21 @@ def _to_bytes(obj: object) -> torch.Tensor:
 
 def _from_bytes(payload: torch.Tensor) -> object:
     return pickle.loads(memoryview(payload.numpy()))
+
+
+# -- join --------------------------------------------------------------------------------------
+def join(device: int = -1) -> int:
+    """This rank has run out of data: until every rank has joined, contribute zeros to the
+    other ranks' allreduces (Average still divides by the full set size).  Returns the last
+    rank to join, the same on every rank, after which every collective works again.
+
+    ``device`` is Horovod's: the device for the zeros (-1 for the CPU, else a CUDA index).
+    psrt makes each allreduce's zeros on the device that allreduce names, so it is only
+    checked.
+    """
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise ArgumentTypeError(f"join: device must be an int (-1 for the CPU, else a CUDA device "
+                                f"index), got {device!r} ({type(device).__name__})")
+    if device < -1:
+        raise InvalidArgumentError(f"join: device must be -1 (the CPU) or a CUDA device index, got {device}")
+    return runtime.join()

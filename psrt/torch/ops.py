@@ -38,17 +38,15 @@ def resolve_op(op: object, average: object = None,
     if op is None:
         return default
     if isinstance(op, bool) or not isinstance(op, int):
-        raise ArgumentTypeError(f"op must be one of hvd.Average, Sum, Min, Max, Product; got "
-                                f"{op!r} ({type(op).__name__})")
+        raise ArgumentTypeError(f"op must be one of hvd.Average, Sum, Adasum, Min, Max, Product; "
+                                f"got {op!r} ({type(op).__name__})")
     try:
-        op = ReduceOp(op)
+        return ReduceOp(op)
     except ValueError:
-        raise InvalidArgumentError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, "
-                                   "Max or Product") from None
-    if op is ReduceOp.Adasum:
-        raise InvalidArgumentError("op=Adasum is not supported by psrt; use Average or Sum")
-    return op
+        raise InvalidArgumentError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Adasum, "
+                                   "Min, Max or Product") from None
 
 
 def transport_op(op: ReduceOp) -> TransportOp:
+    """The transport's reduction for ``op``; Adasum has none (it is not an elementwise op)."""
     return _TRANSPORT[op]

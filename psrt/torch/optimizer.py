@@ -15,9 +15,17 @@ existing ``.grad`` instead of just taking the fresh gradient tensor), which
 is more than the engine spends on a grouped call, where it reduces large
 tensors where they lie and copies (packs) only the small ones.
 
+Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as Horovod
+reduces them: by default each is allgathered (indices and values) and stays
+sparse; with ``sparse_as_dense`` it is reduced densely in its bucket and
+given back sparse.  With ``op=hvd.Adasum`` the wrapper is Horovod's Adasum
+optimizer: ``step()`` takes a local step and moves the parameters by the
+Adasum of every rank's change.
+
 Every rank must build the same model and wrap it the same way (the same
 parameters, named the same, in the same order): bucket names and contents
-must agree across ranks.
+must agree across ranks, and a parameter's gradient must be sparse on every
+rank or on none.
 """
 from __future__ import annotations
 
@@ -28,13 +36,14 @@ import warnings
 import weakref
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 import psrt.torch as hvd
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
+from psrt.torch import adasum
 from psrt.torch._buckets import Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
 from psrt.torch.compression import Compression, compressor
 from psrt.torch.ops import Adasum, Average, Sum
@@ -57,13 +66,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     ``process_set``; returns an instance of the optimizer's own class.
 
     Horovod's arguments and meaning.  ``named_parameters`` (e.g. ``model.named_parameters()``)
-    must name every parameter of the optimizer.  ``backward_passes_per_step`` backward passes are
-    accumulated locally before one allreduce.  ``groups`` is a number of groups or a list of lists
-    of parameters, each group reduced as one.  ``sparse_as_dense`` is accepted for compatibility:
-    psrt always reduces densely (a sparse gradient is replaced by its dense form, ``p.grad =
-    p.grad.to_dense()``, before its bucket is reduced).  ``bucketing`` (psrt's addition) sets the
-    bucket sizes and whether communication overlaps backward (by default: where it can pay,
-    see ``psrt.torch._buckets.overlap_pays``).
+    must name every parameter of the optimizer; ``_parameter_names`` maps each parameter to its
+    name (Horovod's ``allreduce.noname.<group>.<index>`` without ``named_parameters``).
+    ``backward_passes_per_step`` backward passes are accumulated locally before one allreduce.
+    ``groups`` is a number of groups or a list of lists of parameters, each group reduced as one.
+    A sparse gradient is allgathered and stays sparse (Average divides its values by the set
+    size; entries are not coalesced), or with ``sparse_as_dense`` is reduced densely and given
+    back sparse.  ``op=hvd.Adasum`` makes ``step()`` Horovod's Adasum step: a local step of the
+    wrapped optimizer, then the parameters move by the Adasum of the ranks' parameter changes
+    (it needs floating-point parameters and a process set whose size is a power of two).
+    ``bucketing`` (psrt's addition) sets the bucket sizes and whether communication overlaps
+    backward (by default: where it can pay, see ``psrt.torch._buckets.overlap_pays``).
 
     The wrapper shares ``param_groups``, ``state`` and ``defaults`` with ``optimizer``: use the
     returned object from then on.  Parameters must be in the optimizer, and trainable, when it is
@@ -77,7 +90,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     # An LR scheduler patches ``step`` on the instance it was given; that patch belongs to the original.
     wrapped.__dict__.update((key, value) for key, value in vars(optimizer).items() if key != "step")
     wrapped._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
-                               gradient_predivide_factor, groups, process_set, bucketing)
+                               gradient_predivide_factor, groups, sparse_as_dense, process_set, bucketing)
     return wrapped
 
 
@@ -91,10 +104,8 @@ def _check_arguments(optimizer, compression, backward_passes_per_step, op, gradi
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
-    if op == Adasum:
-        raise ValueError("op=Adasum is not supported by psrt; use hvd.Average or hvd.Sum")
-    if op not in (Average, Sum):
-        raise ValueError(f"op must be hvd.Average or hvd.Sum for gradients, got {op!r}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum for gradients, got {op!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if not isinstance(sparse_as_dense, bool):
@@ -110,38 +121,48 @@ def _wrapped_class(base: type) -> type:
 
 
 class _GradientBucket:
-    """One bucket's parameters (ready-order positions) and the state of its allreduce in this step."""
+    """One bucket's parameters (ready-order positions) and the state of its reduction in this step."""
 
-    __slots__ = ("name", "members", "waiting", "handle", "grads", "ctxs")
+    __slots__ = ("name", "members", "waiting", "started", "handle", "grads", "ctxs", "targets", "sparse")
 
     def __init__(self, name: str, members: tuple[int, ...]) -> None:
         self.name, self.members = name, members
-        self.waiting = len(members)  # members whose gradient is not complete for this step
-        self.handle: int | None = None
-        self.grads: list[torch.Tensor] = []  # the gradients submitted, which receive the result
-        self.ctxs: list[object] = []  # compression contexts, one per gradient
+        self.reset()
 
     def reset(self) -> None:
-        self.waiting, self.handle, self.grads, self.ctxs = len(self.members), None, [], []
+        self.waiting = len(self.members)  # members whose gradient is not complete for this step
+        self.started = False
+        self.handle: int | None = None  # the grouped allreduce of the dense gradients, if any
+        self.grads: list[torch.Tensor] = []  # the dense gradients submitted, which receive the result
+        self.ctxs: list[object] = []  # compression contexts, one per dense gradient
+        self.targets: list[torch.Tensor | None] = []  # per dense gradient: the sparse one it stands for
+        self.sparse: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []  # allgathered gradients
 
 
 class _DistributedOptimizer:
     """The methods a wrapped optimizer's class gets in front of its own (see DistributedOptimizer)."""
 
     def _setup_distributed(self, named_parameters, compression, backward_passes_per_step, op,
-                           gradient_predivide_factor, groups, process_set, bucketing) -> None:
-        ordered = _ready_order(self.param_groups, named_parameters)
+                           gradient_predivide_factor, groups, sparse_as_dense, process_set, bucketing) -> None:
+        named = None if named_parameters is None else list(named_parameters)
+        ordered = _ready_order(self.param_groups, named)
         explicit = _resolve_groups(groups, ordered)
         if not process_set.included():  # as in Horovod: a plain local optimizer on other ranks
             ordered, explicit = [], None
+        elif op == Adasum:
+            adasum.check_arguments(ordered, process_set.size(), "DistributedOptimizer")
+        self._parameter_names = _parameter_names(self.param_groups, named)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
+        self.sparse_as_dense = sparse_as_dense
         self._scales = ((1.0 / gradient_predivide_factor, gradient_predivide_factor) if op == Average
                         else (1.0, 1.0))
         self.process_set = process_set
         self._overlap = bucketing.overlap
-        if self._overlap is None:
+        if op == Adasum:  # the parameter changes exist only once step() has run
+            self._overlap = False
+        elif self._overlap is None:
             self._overlap = overlap_pays({p.device for p in ordered}, hvd.local_size(), _usable_cores(),
                                          torch.get_num_threads())
         self._synchronized = False
@@ -178,21 +199,32 @@ class _DistributedOptimizer:
                 self._submit(bucket)
 
     def _submit(self, bucket: _GradientBucket) -> None:
-        """Start the bucket's grouped allreduce on its parameters' gradients, in place.
+        """Start reducing the bucket's gradients: one grouped allreduce of the dense ones, in
+        place, and an allgather of each sparse one (Horovod's ``sparse_allreduce_async``).
 
         A parameter without a gradient gets zeros (every rank then submits the same names and
-        shapes); a sparse gradient is replaced by its dense form.
+        shapes); with ``sparse_as_dense`` a sparse gradient is reduced as a dense copy.
         """
-        grads = []
+        bucket.started = True
         for index in bucket.members:
             param = self._params[index]
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            elif param.grad.layout != torch.strided:
-                param.grad = param.grad.to_dense()
-            grads.append(param.grad)
-        packed = [self._compression.compress(grad) for grad in grads]
-        bucket.grads, bucket.ctxs = grads, [ctx for _, ctx in packed]
+            grad = param.grad
+            if not grad.is_sparse:
+                bucket.grads.append(grad)
+                bucket.targets.append(None)
+            elif self.sparse_as_dense:
+                bucket.grads.append(grad.to_dense())
+                bucket.targets.append(grad)
+            else:
+                name = f"{bucket.name}.{self._parameter_names[param]}"
+                bucket.sparse.append((grad, hvd.sparse_allreduce_async(grad, name=name, op=self.op,
+                                                                       process_set=self.process_set)))
+        if not bucket.grads:
+            return
+        packed = [self._compression.compress(grad) for grad in bucket.grads]
+        bucket.ctxs = [ctx for _, ctx in packed]
         prescale, postscale = self._scales
         bucket.handle = hvd.grouped_allreduce_async_([wire for wire, _ in packed], name=bucket.name, op=self.op,
                                                      prescale_factor=prescale, postscale_factor=postscale,
@@ -202,18 +234,23 @@ class _DistributedOptimizer:
         """Finish reducing the gradients accumulated since the last step: start the buckets
         backward did not complete (a parameter without a gradient contributes zeros, so every
         rank starts the same buckets) and wait for all of them.  Every rank of the process set
-        must call it; calling it again before the next backward or step changes nothing."""
-        if self._synchronized:
+        must call it; calling it again before the next backward or step changes nothing.
+        With ``op=hvd.Adasum`` there is nothing to do before ``step()``, as in Horovod."""
+        if self._synchronized or self.op == Adasum:
             return
         for bucket in self._buckets:
-            if bucket.handle is None:
+            if not bucket.started:
                 self._submit(bucket)
         for bucket in self._buckets:
-            outputs = hvd.synchronize(bucket.handle)
-            for grad, wire, ctx in zip(bucket.grads, outputs, bucket.ctxs):
+            outputs = hvd.synchronize(bucket.handle) if bucket.handle is not None else []
+            for grad, target, wire, ctx in zip(bucket.grads, bucket.targets, outputs, bucket.ctxs):
                 reduced = self._compression.decompress(wire, ctx)
-                if reduced is not grad:
+                if target is not None:  # sparse_as_dense: given back sparse, as in Horovod
+                    target.zero_().add_(reduced.to_sparse(target.sparse_dim()))
+                elif reduced is not grad:
                     grad.copy_(reduced)
+            for grad, handle in bucket.sparse:
+                grad.zero_().add_(handle())
             bucket.reset()
         self._counts = [0] * len(self._params)
         self._synchronized = True
@@ -221,7 +258,10 @@ class _DistributedOptimizer:
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Let ``step()`` use the gradients as they are, after an explicit ``synchronize()``
-        (e.g. to clip the reduced gradients in between)."""
+        (e.g. to clip the reduced gradients in between).  Not with ``op=hvd.Adasum``, whose
+        step reduces parameter changes, not gradients (Horovod raises alike)."""
+        if self.op == Adasum:
+            raise AssertionError("Skipping synchronization is not supported when using Adasum optimizer.")
         self._should_synchronize = False
         try:
             yield
@@ -229,6 +269,8 @@ class _DistributedOptimizer:
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if self.op == Adasum:
+            return self._adasum_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -238,10 +280,37 @@ class _DistributedOptimizer:
         self._synchronized = False
         return super().step(closure)
 
+    def _adasum_step(self, closure):
+        """Horovod's Adasum optimizer: a local step of the wrapped optimizer, then every
+        parameter moves from where it started by the Adasum of the ranks' changes (each
+        bucket one grouped Adasum allreduce, each tensor its own coefficients) instead of by
+        a step on averaged gradients."""
+        starts = [param.detach().clone() for param in self._params]
+        loss = super().step(closure)
+        # The parameters hold their changes while these are reduced, in place.
+        deltas = [param.detach().sub_(start) for param, start in zip(self._params, starts)]
+        started = []
+        for bucket in self._buckets:
+            members = [deltas[index] for index in bucket.members]
+            packed = [self._compression.compress(delta) for delta in members]
+            started.append((members, packed, hvd.grouped_allreduce_async_(
+                [wire for wire, _ in packed], name=bucket.name, op=Adasum, process_set=self.process_set)))
+        for members, packed, handle in started:
+            for delta, wire, (_, ctx) in zip(members, hvd.synchronize(handle), packed):
+                reduced = self._compression.decompress(wire, ctx)
+                if reduced is not delta:
+                    delta.copy_(reduced)
+        for delta, start in zip(deltas, starts):
+            delta.add_(start)
+        self._counts = [0] * len(self._params)
+        for bucket in self._buckets:
+            bucket.reset()
+        return loss
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: set every gradient to None, or with ``set_to_none=False`` zero it in place.
         Raises, as Horovod does, while allreduces of this step are outstanding."""
-        if any(bucket.handle is not None for bucket in self._buckets):
+        if any(bucket.started for bucket in self._buckets):
             raise AssertionError(_ZERO_GRAD_IN_FLIGHT)
         super().zero_grad(set_to_none)
 
@@ -276,6 +345,15 @@ def _grad_ready_hook(optimizer_ref: weakref.ref, index: int):
         if optimizer is not None:
             optimizer._on_grad_ready(index)
     return hook
+
+
+def _parameter_names(param_groups, named: list | None) -> dict[torch.Tensor, str]:
+    """Horovod's ``_parameter_names``: each parameter's name in ``named_parameters`` or, without
+    them, ``allreduce.noname.<group>.<index>``; names order the mapping, as in Horovod."""
+    if named is None:
+        named = [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(param_groups)
+                 for j, p in enumerate(group["params"])]
+    return {param: name for name, param in sorted(named, key=lambda item: item[0])}
 
 
 def _ready_order(param_groups, named_parameters) -> list[torch.Tensor]:

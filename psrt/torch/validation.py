@@ -7,7 +7,8 @@ from typing import Sequence
 import torch
 
 from psrt.comm.nccl import nccl_available
-from psrt.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedDeviceError
+from psrt.errors import (ArgumentTypeError, InvalidArgumentError, InvalidArgumentTypeError,
+                         UnsupportedDeviceError)
 
 #: dtypes carried by the collectives (bool for data movement and Min/Max).
 SUPPORTED_DTYPES = frozenset({
@@ -66,7 +67,11 @@ def check_root(root_rank: object, set_ranks: Sequence[int]) -> int:
 
 
 def check_splits(splits: object, rows: int, set_size: int) -> list[int]:
-    """Per-destination row counts for alltoall (even split when ``splits`` is None)."""
+    """Per-destination row counts for alltoall (even split when ``splits`` is None).
+
+    Splits that are not integers raise :class:`InvalidArgumentTypeError`: Horovod raises
+    ``ValueError`` there, and psrt's convention for a wrong type is ``TypeError``.
+    """
     if splits is None:
         if rows % set_size:
             raise InvalidArgumentError(f"alltoall without splits needs the first dimension "
@@ -75,15 +80,16 @@ def check_splits(splits: object, rows: int, set_size: int) -> list[int]:
         return [rows // set_size] * set_size
     if isinstance(splits, torch.Tensor):
         if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype == torch.bool:
-            raise ArgumentTypeError("splits must be a 1-D integer tensor or a list of ints")
+            raise InvalidArgumentTypeError(f"splits must be a 1-D integer tensor or a list of ints, "
+                                           f"got a {splits.dim()}-D {splits.dtype} tensor")
         values: Sequence = splits.tolist()
     elif isinstance(splits, (list, tuple)):
         values = splits
     else:
-        raise ArgumentTypeError(f"splits must be a list of ints or a 1-D integer tensor, got "
-                                f"{type(splits).__name__}")
+        raise InvalidArgumentTypeError(f"splits must be a list of ints or a 1-D integer tensor, "
+                                       f"got {type(splits).__name__}")
     if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values):
-        raise ArgumentTypeError(f"splits must contain ints, got {list(values)}")
+        raise InvalidArgumentTypeError(f"splits must contain ints, got {list(values)}")
     if len(values) != set_size:
         raise InvalidArgumentError(f"splits has {len(values)} entries but the process set has "
                                    f"{set_size} ranks")

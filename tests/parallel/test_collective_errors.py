@@ -28,8 +28,9 @@ WRONG_TYPES = [
     "broadcast_root_string",
 ]
 BAD_VALUES = [
-    "value/grouped_allreduce_empty_list", "value/op_unknown", "value/op_adasum",
-    "value/grouped_op_adasum", "value/reducescatter_op_unknown", "value/reducescatter_op_min",
+    "value/grouped_allreduce_empty_list", "value/op_unknown", "value/op_adasum_int",
+    "value/grouped_op_adasum_int", "value/reducescatter_op_adasum", "value/reducescatter_op_unknown",
+    "value/reducescatter_op_min",
     "value/op_and_average",
     "value/broadcast_root_out_of_range", "value/broadcast_root_negative",
     "value/broadcast_inplace_root_out_of_range", "value/broadcast_async_root_out_of_range",

@@ -215,20 +215,23 @@ def test_fp16_compression_reduces_into_the_gradient_tensors(world_of_one, groupe
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_sparse_gradients_are_made_dense_when_their_bucket_starts(world_of_one, overlap):
+@pytest.mark.parametrize("sparse_as_dense", [True, False])
+def test_sparse_gradients_are_reduced_and_stay_sparse_as_in_horovod(world_of_one, overlap, sparse_as_dense,
+                                                                   grouped_calls):
     embedding = torch.nn.Embedding(5, 2, sparse=True)
-    optimizer = wrapped(embedding, sparse_as_dense=True, bucketing=Bucketing(overlap=overlap))
+    optimizer = wrapped(embedding, sparse_as_dense=sparse_as_dense, bucketing=Bucketing(overlap=overlap))
     embedding(torch.tensor([1, 1, 3])).sum().backward()
-    assert embedding.weight.grad.is_sparse == (not overlap), "overlap starts the bucket in backward"
+    grad = embedding.weight.grad
     optimizer.step()
-    assert not embedding.weight.grad.is_sparse
-    assert embedding.weight.grad[:, 0].tolist() == [0, 2, 0, 1, 0]
+    assert embedding.weight.grad is grad and grad.is_sparse
+    assert grad.to_dense()[:, 0].tolist() == [0, 2, 0, 1, 0]
+    assert len(grouped_calls) == (1 if sparse_as_dense else 0), "only sparse_as_dense reduces it densely"
 
 
 def test_wrapping_rejects_what_it_cannot_reduce(world_of_one):
     model = torch.nn.Linear(3, 2)
-    with pytest.raises(ValueError, match="Adasum"):
-        wrapped(model, op=hvd.Adasum)
+    with pytest.raises(ValueError, match="hvd.Adasum"):
+        wrapped(model, op=hvd.Min)
     with pytest.raises(ValueError, match="op != Average"):
         wrapped(model, op=hvd.Sum, gradient_predivide_factor=2.0)
     with pytest.raises(ValueError, match="backward_passes_per_step"):

@@ -84,7 +84,7 @@ def check_reduced(got: object, inputs: Sequence[torch.Tensor], op: str, what: st
                   pre: float = 1.0, post: float = 1.0) -> None:
     """Assert ``got`` is the ``op`` reduction of ``inputs`` (one per rank), scaled as Horovod does:
     each input times ``pre``, the result times ``post`` (and divided by the count for Average;
-    floor division for integers)."""
+    rounded toward zero for integers)."""
     dtype, count = inputs[0].dtype, len(inputs)
     check_layout(got, inputs[0].shape, dtype, what)
     if dtype == torch.bool:
@@ -94,7 +94,7 @@ def check_reduced(got: object, inputs: Sequence[torch.Tensor], op: str, what: st
         acc = functools.reduce(_UFUNCS[op], [t.numpy().astype(np.int64) * int(pre) for t in inputs])
         acc = acc * int(post)
         if op == "Average":
-            acc = np.floor_divide(acc, count)
+            acc = np.sign(acc) * (np.abs(acc) // count)
         info = torch.iinfo(dtype)
         assert info.min <= np.min(acc, initial=0) and np.max(acc, initial=0) <= info.max, (
             f"{what}: test inputs overflow {dtype} (bad test, not a psrt bug)")

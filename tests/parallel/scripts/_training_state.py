@@ -101,11 +101,14 @@ def broadcast_adam_state(key: str) -> None:
 
 
 def broadcast_empty_adam_state(key: str) -> None:
-    """A root without state (rank 0, no step yet) leaves no state anywhere, only its options."""
+    """A root without state (rank 0, no step yet) creates it as Horovod does, by a step on zero
+    gradients; every rank then holds that state and the root's options."""
     model, optimizer = trained_adam(key, hvd.rank())
     broadcast_optimizer_state(optimizer, root_rank=0)
     want_model, want = trained_adam(key, 0)
-    assert not optimizer.state, f"{key}: state left for {len(optimizer.state)} parameters"
+    for param in want_model.parameters():
+        param.grad = torch.zeros_like(param)
+    want.step()
     assert_optimizer_equal(optimizer, want, list(model.parameters()), list(want_model.parameters()), key)
 
 
