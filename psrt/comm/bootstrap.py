@@ -43,16 +43,29 @@ def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
 
 
 def prepare_singleton() -> None:
-    """In a process no launcher started, choose the singleton's transports (unless the
-    user did); must run before mpi4py is first imported, which starts MPI."""
-    if not launched_by_mpi():
-        for name, value in _SINGLETON_MCA_DEFAULTS.items():
-            os.environ.setdefault(name, value)
+    """In a process no launcher started, start MPI now with the singleton's transports
+    (unless the user chose them): importing mpi4py starts MPI, reading the environment.
+
+    The settings are taken out of the environment again at once, so that programs this
+    process starts (a psrun launching a real job) never inherit a singleton's transports.
+    """
+    if launched_by_mpi():
+        return
+    saved = {name: os.environ.get(name) for name in _SINGLETON_MCA_DEFAULTS}
+    for name, value in _SINGLETON_MCA_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    try:
+        from mpi4py import MPI  # noqa: F401  (initialises MPI, thread level MULTIPLE)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _import_mpi():
-    prepare_singleton()  # in case mpi4py was not imported yet
-    from mpi4py import MPI  # initialises MPI (thread level MULTIPLE) on first import
+    from mpi4py import MPI  # started already by prepare_singleton, or by a launcher's import
 
     return MPI
 

@@ -216,3 +216,9 @@ def test_a_process_no_launcher_started_opens_no_tcp_listener():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def test_the_singletons_transport_settings_do_not_leak_to_programs_it_starts():
+    """A process that imported psrt and then launches a real job (psrun, a test harness)
+    must not hand its children a transport that cannot reach other ranks."""
+    assert "OMPI_MCA_btl" not in os.environ or os.environ["OMPI_MCA_btl"] != "self"
