@@ -44,16 +44,29 @@ Text = str | Callable[[], str]
 Ranks = Sequence[int] | Callable[[], Sequence[int]]
 
 
-@dataclass
 class Wait:
     """Something this rank waits for on other ranks: a short ``kind`` to group ranks by
-    ("engine negotiation"), a description, the ranks it waits on, and since when."""
+    ("an engine negotiation round"), a description, the ranks it waits on, and since when.
 
-    kind: str
-    what: Text
-    peers: Ranks  # job ranks, or a function giving them (evaluated only once stalled)
-    since: float  # time.monotonic()
-    key: object = None  # identity across publications of a held request
+    As the context :meth:`Watchdog.waiting` returns, it marks the calling thread for the
+    block's duration; it is cheap enough for every engine round and TP collective: the
+    description and the ranks are looked at only once the wait has become a stall.
+    """
+
+    __slots__ = ("kind", "what", "peers", "since", "key", "_to_job", "_stack")
+
+    def __init__(self, kind: str, what: Text, peers: Ranks, since: float = 0.0, key: object = None,
+                 to_job: Callable[[Iterable[int]], tuple[int, ...]] | None = None,
+                 stack: list[Wait] | None = None) -> None:
+        self.kind, self.what, self.peers, self.since, self.key = kind, what, peers, since, key
+        self._to_job, self._stack = to_job, stack  # peers in psrt's world, mapped to job ranks
+
+    def __enter__(self) -> None:
+        self.since = time.monotonic()
+        self._stack.append(self)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.pop()
 
     def describe(self) -> str:
         try:
@@ -63,8 +76,10 @@ class Wait:
         return text
 
     def peer_ranks(self) -> tuple[int, ...]:
+        """The job ranks waited on."""
         try:
-            return tuple(self.peers() if callable(self.peers) else self.peers)
+            peers = self.peers() if callable(self.peers) else self.peers
+            return tuple(peers) if self._to_job is None else self._to_job(peers)
         except Exception:
             return ()
 
@@ -82,22 +97,6 @@ class Prober(Protocol):
     def answers(self) -> dict[int, tuple[float, dict]]: ...
 
     def close(self) -> None: ...
-
-
-class _Mark:
-    """The context :meth:`Watchdog.waiting` returns: cheap enough for every engine round."""
-
-    __slots__ = ("_stack", "_wait")
-
-    def __init__(self, stack: list[Wait], wait: Wait) -> None:
-        self._stack, self._wait = stack, wait
-
-    def __enter__(self) -> None:
-        self._wait.since = time.monotonic()
-        self._stack.append(self._wait)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.pop()
 
 
 @dataclass
@@ -145,21 +144,22 @@ class Watchdog:
         return tuple(world_ranks) if mapping is None else tuple(mapping[r] for r in world_ranks)
 
     # -- what callers mark ------------------------------------------------------------------------
-    def waiting(self, kind: str, what: Text, world_peers: Ranks = (), *, job_peers: Ranks = ()) -> _Mark:
+    def waiting(self, kind: str, what: Text, world_peers: Ranks = (), *, job_peers: Ranks = ()) -> Wait:
         """Mark the calling thread as waiting on other ranks for ``what`` (a string, or a
         function evaluated only if the wait becomes a stall) until the block ends.
 
         The ranks waited on are given as psrt world ranks (``world_peers``) or, for
         parameter-server traffic, job ranks (``job_peers``); either may be a function.
+        The returned wait may be entered again and again by the thread that made it (the
+        engine thread keeps one for all its negotiation rounds), never by another thread.
         """
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
+        try:
+            stack = self._local.stack
+        except AttributeError:
             stack = self._local.stack = self._stacks.setdefault(threading.get_ident(), [])
         if world_peers:
-            peers: Ranks = (lambda: self.job_ranks(world_peers() if callable(world_peers) else world_peers))
-        else:
-            peers = job_peers
-        return _Mark(stack, Wait(kind, what, peers, 0.0))
+            return Wait(kind, what, world_peers, 0.0, None, self.job_ranks, stack)
+        return Wait(kind, what, job_peers, 0.0, None, None, stack)
 
     def publish(self, source: str, waits: Sequence[Wait]) -> None:
         """Replace what ``source`` (a loop on this rank) holds; each wait's ``key`` must stay

@@ -166,6 +166,7 @@ class Engine:
         pause = 0.0
         join_sent = stop_sent = False
         cycle_s = self._config.cycle_time_ms / 1000
+        in_round = self._watchdog.waiting("an engine negotiation round", self._describe_round, self._everyone)
         while True:
             if pause:
                 self._wake.wait(pause)
@@ -178,7 +179,7 @@ class Engine:
                 join = self._join_requested and not join_sent
                 stop = self._stop_requested and not stop_sent
             fresh = self._accept(arrived)
-            with self._watchdog.waiting("an engine negotiation round", self._describe_round, self._everyone):
+            with in_round:
                 result = self._negotiator.round(self._local, fresh, join, stop, _wait_politely)
             join_sent, stop_sent = join_sent or join, stop_sent or stop
             now = time.perf_counter()
