@@ -1,4 +1,4 @@
-"""Real multi-host jobs through psrun: two "hosts" (network namespaces, see conftest.py) reached
+"""Real multi-host jobs through psrun: two "hosts" (network namespaces, see netns.py) reached
 with ``--launch-agent`` over ``--network-cidr``, whose interfaces are named differently.
 
 Training across the hosts must give what the same job gives on one host: data-parallel,

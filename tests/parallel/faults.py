@@ -16,9 +16,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
-from conftest import REPO, SCRIPTS
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 @dataclass

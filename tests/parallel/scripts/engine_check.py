@@ -203,10 +203,10 @@ def timeline_records_each_phase(key: str) -> None:
     rank = hvd.rank()
     path = os.path.join(tempfile.gettempdir(), f"psrt-timeline-{os.getppid()}.json")
     hvd.start_timeline(path)
-    tensors = [torch.ones(i + 1) for i in range(4)]  # separate tensors: packed, so copies show
-    handles = [hvd.allreduce_async(t, name=f"{key}/{i}") for i, t in enumerate(tensors)]
-    for handle in handles:
-        hvd.synchronize(handle)
+    # Separate tensors in one grouped work are always packed, so the copies show (separate
+    # async allreduces are fused only if they happen to reach the same negotiation round).
+    tensors = [torch.ones(i + 1) for i in range(4)]
+    hvd.grouped_allreduce(tensors, name=f"{key}/0")
     hvd.broadcast(torch.ones(2), root_rank=0, name=key + "/broadcast")
     hvd.stop_timeline()
     if rank != 0:
