@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
 
 .PHONY: demo demo-collectives demo-ps demo-zero demo-gpt test bench bench-train bench-ps bench-zero \
-        bench-pp bench-tp clean
+        bench-pp bench-tp bench-faults clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,9 @@ bench-pp: $(STAMP)
 bench-tp: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/tp.py
 	$(VENV)/bin/psrun -np 4 $(PY) benchmarks/tp.py
+
+bench-faults: $(STAMP)
+	$(PY) benchmarks/faults.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
