@@ -13,10 +13,15 @@ they are doing, over a communicator of its own (see :class:`Prober`).  A rank th
 stopped, hung with the GIL held, or cut off by the network cannot answer; one that
 answers says what it waits for itself, or that it waits for nothing in psrt (it is
 busy in its own code).  So the report names the rank to blame, not only the one that
-noticed.  A rank reports its stall only if no lower rank it asked (rank 0 always is)
-answered that it is stalled too, so that one frozen rank among many gives one report,
-not one per rank.  A wait older than ``PSRT_STALL_SHUTDOWN_TIME`` ends the job
-with its report, which psrun prints as the failure.
+noticed.  Probing has two steps, so that a stall of a thousand ranks costs no thousand
+squared messages: a stalled rank first asks rank 0 and the ranks 1, 2, 4, 8, ... below
+it, and speaks for the job only if none of them is stalled too (one frozen rank among
+many gives one report); only the rank that speaks then asks the ranks it waits on.  A
+wait older than ``PSRT_STALL_SHUTDOWN_TIME`` ends the job with its report, which psrun
+prints as the failure; a rank that does not speak ends it itself only if nobody has by
+then, a check period later.  A wait that is one by design (a join) is reported, never
+fatal: past the shutdown time a busy rank cannot be told from a stuck one (a node stuck
+in I/O answers probes), but a join's imbalance is the user's data, not a fault.
 """
 from __future__ import annotations
 
@@ -53,12 +58,13 @@ class Wait:
     description and the ranks are looked at only once the wait has become a stall.
     """
 
-    __slots__ = ("kind", "what", "peers", "since", "key", "_to_job", "_stack")
+    __slots__ = ("kind", "what", "peers", "since", "key", "ends_job", "_to_job", "_stack")
 
     def __init__(self, kind: str, what: Text, peers: Ranks, since: float = 0.0, key: object = None,
                  to_job: Callable[[Iterable[int]], tuple[int, ...]] | None = None,
-                 stack: list[Wait] | None = None) -> None:
+                 stack: list[Wait] | None = None, ends_job: bool = True) -> None:
         self.kind, self.what, self.peers, self.since, self.key = kind, what, peers, since, key
+        self.ends_job = ends_job  # False: a wait by design, reported but never ending the job
         self._to_job, self._stack = to_job, stack  # peers in psrt's world, mapped to job ranks
 
     def __enter__(self) -> None:
@@ -99,12 +105,26 @@ class Prober(Protocol):
     def close(self) -> None: ...
 
 
+def combined(kind: str, waits: Sequence[Wait], key: object, ends_job: bool = True, prefix: str = "") -> list[Wait]:
+    """One wait standing for all of ``waits`` (what one loop holds): since the oldest, the
+    first three described (after ``prefix``) and the rest counted, on every rank any of them
+    waits on.  So a stall of a model's hundred gradients is one report and one probe."""
+    if not waits:
+        return []
+    ordered = sorted(waits, key=lambda w: w.since)
+    text = prefix + "; ".join(w.describe() for w in ordered[:3]) + (f"; and {len(ordered) - 3} more"
+                                                                  if len(ordered) > 3 else "")
+    peers = tuple(sorted({r for w in ordered for r in w.peer_ranks()}))
+    return [Wait(kind, text, peers, ordered[0].since, key, ends_job=ends_job)]
+
+
 @dataclass
 class _Probe:
-    """The latest probe sent about one wait, and the answers of the last one that settled."""
+    """The latest probe about one wait: when each target was asked; and the answers of the
+    last probe that settled."""
 
-    asked: float
-    targets: tuple[int, ...]
+    asked: dict[int, float]
+    started: float
     settled: bool = False
     heard: dict[int, dict] | None = None
 
@@ -123,7 +143,10 @@ class Watchdog:
         self._local = threading.local()
         self._published: dict[str, tuple[Wait, ...]] = {}
         self._probes: dict[object, _Probe] = {}
+        self._asked_at: dict[int, float] = {}  # when each rank was last pinged
         self._reported: set[object] = set()
+        # Who speaks while no probe is possible (start-up); see bootstrap.Arrivals.speaks.
+        self.speaks_unprobed: Callable[[], bool] = lambda: self.rank == 0
         self._ended = False
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="psrt-watchdog", daemon=True)
@@ -210,7 +233,7 @@ class Watchdog:
         now = time.monotonic()
         current = self._current()
         live = {self._key(w) for w in current}
-        self._probes = {k: p for k, p in self._probes.items() if k in live}
+        self._probes = {k: p for k, p in self._probes.items() if k[1] in live}  # k: (step, the wait's key)
         self._reported &= live
         for wait in current:
             waited = now - wait.since
@@ -223,43 +246,61 @@ class Watchdog:
 
     def _inspect(self, wait: Wait, waited: float, now: float, prober: Prober | None) -> None:
         key = self._key(wait)
-        peers = [r for r in wait.peer_ranks() if r != self.rank]
-        heard = self._probe(key, peers, now, prober)
-        if heard is None:
-            return  # answers are still on their way
+        late = self._shutdown_s > 0 and waited >= self._shutdown_s + self._check_s
+        if prober is None:
+            speaks, heard, peers = self.speaks_unprobed(), {}, []
+        else:
+            # Step one: does a lower rank speak for the job?
+            verdict = self._probe(("decide", key), self._deciders(), now, prober)
+            if verdict is None:
+                return  # answers are still on their way
+            speaks = not any(status["oldest"] >= self._check_s / 2 for status in verdict.values())
+            if not (speaks or late):
+                return
+            # Step two, for the rank that speaks: what do the ranks waited on say?
+            peers = [r for r in wait.peer_ranks() if r != self.rank]
+            heard = self._probe(("peers", key), peers, now, prober)
+            if heard is None:
+                return
         report = f"stall: {wait.describe()} has waited {waited:.0f} s" + self._peers_report(peers, heard)
-        # The lowest stalled rank speaks for the job (rank 0 is always asked); before probes
-        # are possible, at start-up, only rank 0 does and the others keep quiet until late.
-        speaks = self.rank == 0 or (prober is not None and not any(
-            r < self.rank and status["oldest"] >= self._check_s / 2 for r, status in heard.items()))
-        if self._shutdown_s > 0 and waited >= self._shutdown_s and (speaks or waited >= self._shutdown_s + self._check_s):
+        if wait.ends_job and self._shutdown_s > 0 and waited >= self._shutdown_s and (speaks or late):
             self._ended = True
             self._end_job(f"{report} (PSRT_STALL_SHUTDOWN_TIME={self._shutdown_s:g} s)")
         elif speaks and key not in self._reported:
             self._reported.add(key)
             logger.warning("psrt: %s", report)
 
-    def _probe(self, key: object, peers: list[int], now: float, prober: Prober | None) -> dict[int, dict] | None:
-        """The answers about a stalled wait: of its peers, and of rank 0, which decides who
-        reports.  Probes again every check period, reporting from the last settled probe
-        meanwhile; None until the first one settles."""
-        if prober is None:
-            return {}
+    def _deciders(self) -> tuple[int, ...]:
+        """The lower ranks a stalled rank asks before speaking: 0 and the powers of two below
+        it, so that the lowest stalled rank speaks while each asks only log2(size) ranks."""
+        lower, power = {0}, 1
+        while power < self.rank:
+            lower.add(power)
+            power *= 2
+        return tuple(sorted(lower - {self.rank}))
+
+    def _probe(self, key: object, targets: Sequence[int], now: float, prober: Prober) -> dict[int, dict] | None:
+        """What ``targets`` answered: probes again every check period (a rank another probe
+        asked in this period is not asked again: its answer, or its silence, counts),
+        reporting from the last settled probe meanwhile; None until the first one settles."""
+        period = max(self._check_s, 2 * ANSWER_WITHIN_S)
         probe = self._probes.get(key)
-        if probe is None or (probe.settled and now - probe.asked >= max(self._check_s, 2 * ANSWER_WITHIN_S)):
-            targets = tuple(sorted(set(peers) | ({0} - {self.rank})))
-            prober.ask(targets)
-            probe = self._probes[key] = _Probe(now, targets, heard=None if probe is None else probe.heard)
+        if probe is None or (probe.settled and now - probe.started >= period):
+            fresh = [r for r in targets if now - self._asked_at.get(r, -1e18) >= period]
+            prober.ask(fresh)
+            self._asked_at.update((r, now) for r in fresh)
+            probe = self._probes[key] = _Probe({r: self._asked_at[r] for r in targets}, now,
+                                               heard=None if probe is None else probe.heard)
         if not probe.settled:
             answers = {r: status for r, (at, status) in prober.answers().items()
-                       if at >= probe.asked and r in probe.targets}
-            if len(answers) == len(probe.targets) or now - probe.asked >= ANSWER_WITHIN_S:
+                       if r in probe.asked and at >= probe.asked[r]}
+            if all(r in answers or now - asked >= ANSWER_WITHIN_S for r, asked in probe.asked.items()):
                 probe.settled, probe.heard = True, answers
         return probe.heard
 
     def _peers_report(self, peers: list[int], heard: dict[int, dict]) -> str:
         """What each rank waited on said (or that it said nothing), grouped."""
-        if not peers or self._prober is None:
+        if not peers:
             return ""
         silent = [r for r in peers if r not in heard]
         idle = [r for r in peers if r in heard and not heard[r]["waits"]]
@@ -342,7 +383,12 @@ class MpiProber:
         return dict(self._answers)
 
     def close(self) -> None:
-        for request, _ in self._sends:
-            request.Free()  # a send to a rank that never answered completes, or dies with the job
+        """Stop using the communicator.  It is kept, with every send still under way and its
+        buffer, until the process ends: another rank may still ping this one, or not have
+        received an answer yet, and freeing either could hand MPI freed memory."""
+        _CLOSED.append((self._comm, self._sends))
         self._sends = []
-        self._comm.Free()
+
+
+#: Probers' communicators and unfinished sends, kept alive until the process ends.
+_CLOSED: list[tuple[object, list]] = []

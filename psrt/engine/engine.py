@@ -26,7 +26,7 @@ import torch
 
 from psrt.comm import bootstrap
 from psrt.comm.base import Communicator, ReduceOp, Request
-from psrt.comm.watchdog import Wait, Watchdog, rank_ranges
+from psrt.comm.watchdog import Wait, Watchdog, combined, rank_ranges
 from psrt.config import Config
 from psrt.engine import fusion
 from psrt.engine.negotiation import Negotiator, Response
@@ -40,6 +40,7 @@ logger = logging.getLogger("psrt")
 # slow path, so that the shared table (and the stall report) knows of it.
 _REPORT_AFTER_S = 1.0
 _STALL_CHECK_INTERVAL_S = 0.5
+_UNSUBMITTED = "a collective some ranks have not submitted"
 _BRIEF_WAIT_CYCLES = 10
 # When no rank has anything pending, rounds happen every this many cycles (a
 # submission starts one at once); they keep stall reports and joined or
@@ -335,17 +336,23 @@ class Engine:
     # -- stalls and stopping ----------------------------------------------------------------------
     def _inspect_stalls(self) -> None:
         """On rank 0: publish the works some ranks have not submitted (the table is the same
-        on every rank) for the watchdog to report, naming what the missing ranks do."""
+        on every rank) for the watchdog to report, naming what the missing ranks do: all of
+        them as one wait, and a join apart, since waiting for the others to join is by design
+        and never ends the job."""
         now = time.monotonic()
         if self.rank != 0 or now < self._next_stall_check:
             return
         self._next_stall_check = now + min(_STALL_CHECK_INTERVAL_S, self._config.stall_check_time_s / 4)
-        held = [Wait("a collective some ranks have not submitted",
-                     f"{what}, submitted by ranks {have} but not by missing ranks {missing} (a rank may be stuck, "
-                     "or ranks are calling different collectives),", self._watchdog.job_ranks(missing),
-                     now - age, key=("engine", what))
-                for what, age, have, missing in self._negotiator.stalled(self._config.stall_check_time_s / 2)]
-        self._watchdog.publish("engine", held)
+        stalled = self._negotiator.stalled(self._config.stall_check_time_s / 2)
+        unsubmitted = [self._unsubmitted(*item, now) for item in stalled if item[0] != "join"]
+        joins = [self._unsubmitted(*item, now) for item in stalled if item[0] == "join"]
+        self._watchdog.publish("engine", combined(_UNSUBMITTED, unsubmitted, key="unsubmitted")
+                               + combined(_UNSUBMITTED, joins, key="join", ends_job=False))
+
+    def _unsubmitted(self, what: str, age: float, have: list[int], missing: list[int], now: float) -> Wait:
+        return Wait(_UNSUBMITTED, f"{what}, submitted by ranks {have} but not by missing ranks {missing} (a rank "
+                                  "may be stuck, or ranks are calling different collectives),",
+                    self._watchdog.job_ranks(missing), now - age)
 
     def _shut_down(self, stopping: list[int]) -> bool:
         """Note ranks that called shutdown; fail the works that need them.  True once every

@@ -22,7 +22,7 @@ import torch
 
 from psrt.comm.base import Communicator, Request
 from psrt.comm.buffers import host_buffer
-from psrt.comm.watchdog import Wait, Watchdog
+from psrt.comm.watchdog import Wait, Watchdog, combined
 from psrt.config import Config
 from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint, protocol, stalls
@@ -406,12 +406,12 @@ class Server:
         now = time.monotonic()
         self._next_stall_scan = now + _STALL_SCAN_S
         workers = self.roles.workers
-        held = list(stalls.waits(self.name, self.stores, self._gathering, self._active, workers))
-        held += [Wait(stalls.KIND, f"{self.name}: {direction} of a message with worker {worker}",
-                      [workers[worker]], since, key=id(request))
+        held = list(stalls.waits(self.stores, self._gathering, self._active, workers))
+        held += [Wait(stalls.KIND, f"a {direction} of a message with worker {worker}", [workers[worker]], since)
                  for request, _, since, worker, direction in self._inflight
                  if now - since >= self.config.stall_check_time_s / 2]
-        self._watchdog.publish("parameter server", held)
+        self._watchdog.publish("parameter server", combined(stalls.KIND, held, key="parameter server",
+                                                            prefix=f"{self.name} holds "))
 
     def _report_unfinished_steps(self) -> None:
         for store in self.stores.values():

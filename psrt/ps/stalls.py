@@ -29,28 +29,26 @@ def _workers(missing: Sequence[int]) -> str:
     return f"worker{'s' if len(missing) > 1 else ''} {names(missing)}"
 
 
-def waits(server: str, stores: dict[int, Store], gathering: dict[Op, dict[int, tuple[int, dict, float]]],
+def waits(stores: dict[int, Store], gathering: dict[Op, dict[int, tuple[int, dict, float]]],
           active: Sequence[int], job_rank: Sequence[int]) -> Iterator[Wait]:
-    """Every request ``server`` (its name in reports) is holding back; ``job_rank[w]`` is
-    worker w's rank in the job."""
+    """Every request the server is holding back; ``job_rank[w]`` is worker w's rank in the job."""
     for store in stores.values():
         for shard in store.shards.values():
             for pull in shard.pulls:
                 missing = shard.missing_for(pull, active)
                 because = f"it needs pushes from {_workers(missing)}" if missing else \
                     "its own pushes have not arrived"
-                yield Wait(KIND, f"{server}: worker {pull.worker}'s pull of {shard.meta.describe()} for step "
-                                 f"{pull.target} ({because})",
-                           [job_rank[w] for w in (missing or [pull.worker])], pull.since, key=id(pull))
+                yield Wait(KIND, f"worker {pull.worker}'s pull of {shard.meta.describe()} for step {pull.target} "
+                                 f"({because})", [job_rank[w] for w in (missing or [pull.worker])], pull.since)
         for chunk_id, inits in store.init_waiting.items():
             for who, _, meta, since in inits:
-                yield Wait(KIND, f"{server}: worker {who}'s init of key {meta.key!r} (waiting for worker 0's)",
-                           [job_rank[0]], since, key=("init", id(store), chunk_id, who))
+                yield Wait(KIND, f"worker {who}'s init of key {meta.key!r} (waiting for worker 0's)",
+                           [job_rank[0]], since)
     for op, requests in gathering.items():
         if requests:
             missing = [w for w in active if w not in requests]
             because = (f"{_workers(missing)} did not ask (every worker must call it at the same point)"
                        if missing else "pushes are still being applied")
             since = min(t for _, _, t in requests.values())
-            yield Wait(KIND, f"{server}: {op.name.lower()} asked for by workers {names(sorted(requests))} "
-                             f"({because})", [job_rank[w] for w in missing], since, key=(op, since))
+            yield Wait(KIND, f"{op.name.lower()} asked for by workers {names(sorted(requests))} ({because})",
+                       [job_rank[w] for w in missing], since)

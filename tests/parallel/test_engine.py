@@ -60,15 +60,14 @@ def test_a_stall_names_the_tensor_and_missing_rank_then_aborts_the_job():
     assert not _results(report), "the stalled allreduce returned"
 
 
-def test_a_join_that_some_rank_never_makes_is_reported_and_aborts_the_job():
+def test_a_late_join_is_reported_but_never_ends_the_job():
     report = launch("engine_failures.py", 2, {"PSRT_STALL_CHECK_TIME": "1",
                                               "PSRT_STALL_SHUTDOWN_TIME": "3"},
                     args=("join_stall",), timeout_s=90)
-    assert report.returncode not in (0, None), report.diagnosis()
-    assert report.seconds < 60, f"the stalled join took {report.seconds:.0f} s to end"
+    assert report.returncode == 0, report.diagnosis()
     assert "stall: join, submitted by ranks [0] but not by missing ranks [1]" in report.stderr, report.diagnosis()
     assert "rank 1 answers but waits for nothing in psrt" in report.stderr, report.diagnosis()
-    assert not _results(report), "join returned although rank 1 never joined"
+    assert [r["last_to_join"] for r in _results(report)] == [1, 1], report.diagnosis()
 
 
 def test_a_late_rank_gets_a_stall_warning_and_the_job_still_succeeds():

@@ -49,11 +49,12 @@ def test_a_worker_that_stops_pushing_in_sync_mode_is_named_then_the_job_ends():
     report = launch("ps_failures.py", 3, FAILURE_ENV, args=("stall",), timeout_s=90)
     assert report.returncode not in (0, None), report.diagnosis()
     assert report.seconds < 60, f"the stalled job took {report.seconds:.0f} s to end"
+    # Worker 0 reports (it waits on the server, which holds its pull), or, should worker 0's
+    # watchdog be late on a loaded machine, the server does: either names the pull and worker 1.
     summary = report.stderr.strip().splitlines()[-1]
-    assert summary.startswith("psrun: rank 0 failed first: stall: worker 0's push and pull of key 'weights' to "
-                              "parameter server 0 has waited"), report.diagnosis()
-    assert "rank 2 (parameter server 0) waits: parameter server 0 (rank 2): worker 0's pull of key 'weights'" \
-        in summary and "it needs pushes from worker 1" in summary, report.diagnosis()
+    assert summary.startswith("psrun: rank ") and " failed first: stall: " in summary, report.diagnosis()
+    assert "worker 0's pull of key 'weights'" in summary and "it needs pushes from worker 1" in summary, \
+        report.diagnosis()
 
 
 def test_a_worker_that_shuts_down_early_fails_the_others_sync_step_naming_it():

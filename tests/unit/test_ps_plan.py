@@ -314,7 +314,7 @@ def test_stall_descriptions_name_the_missing_workers():
     push(store.shards[0], 0, 1.0)
     store.shards[0].add_pull(0, tag=13)
     gathering = {Op.SAVE: {0: (16, {"path": "x"}, 50.0)}, Op.LOAD: {}}
-    held = list(waits("parameter server 0", {0: store}, gathering, [0, 1], job_rank=[0, 2]))
+    held = list(waits({0: store}, gathering, [0, 1], job_rank=[0, 2]))
     assert "needs pushes from worker 1" in held[0].describe() and held[0].peer_ranks() == (2,)
-    assert held[1].describe().startswith("parameter server 0: save asked for by workers 0")
+    assert held[1].describe().startswith("save asked for by workers 0")
     assert "worker 1 did not ask" in held[1].describe() and held[1].peer_ranks() == (2,)
