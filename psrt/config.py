@@ -48,6 +48,7 @@ class Config:
     # never).  Ten minutes, as torch.distributed's default collective timeout with
     # NCCL: long enough for one rank's checkpoint or evaluation while the others
     # wait, short enough that a hung node does not hold an allocation for hours.
+    # Unset, it is at least the check time.
     stall_shutdown_time_s: float = 600.0
     # Write a Chrome-trace timeline of every tensor's phases to this file (rank 0).
     timeline: str = ""
@@ -82,6 +83,8 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "tp_check_shapes": ("PSRT_TP_CHECK_SHAPES",),
 }
 _TiB = 1 << 40
+# The stall check time must span at least this many engine cycles.
+_CYCLES_PER_CHECK = 20
 # The range each number may take: (lowest, highest, unit).  Sizes that make no sense at
 # zero start at 1; every other number may be zero (0 = off).
 _RANGES: dict[str, tuple[float, float, str]] = {
@@ -137,10 +140,20 @@ def config_from_env(env: Mapping[str, str] | None = None) -> Config:
             if name in env:
                 values[field.name] = _parse(field.name, name, env[name], type(field.default))
                 break
+    check = values.get("stall_check_time_s", Config.stall_check_time_s)
+    if "stall_shutdown_time_s" not in values:  # the default follows a longer check time
+        values["stall_shutdown_time_s"] = max(Config.stall_shutdown_time_s, check)
     config = Config(**values)
-    if 0 < config.stall_shutdown_time_s < config.stall_check_time_s:
+    if 0 < config.stall_shutdown_time_s < check:
         raise InvalidArgumentError(
             f"PSRT_STALL_SHUTDOWN_TIME={config.stall_shutdown_time_s:g} s is shorter than "
-            f"PSRT_STALL_CHECK_TIME={config.stall_check_time_s:g} s, after which a stall is first looked at: "
+            f"PSRT_STALL_CHECK_TIME={check:g} s, after which a stall is first looked at: "
             "make it at least as long, or 0 never to end the job on a stall")
+    # An idle engine's rounds are _IDLE_CYCLES (5) cycles apart: a peer may take that long
+    # to join a round, which must not look like a stall.
+    if check < _CYCLES_PER_CHECK * config.cycle_time_ms / 1000:
+        raise InvalidArgumentError(
+            f"PSRT_STALL_CHECK_TIME={check:g} s is shorter than {_CYCLES_PER_CHECK} engine cycles of "
+            f"PSRT_CYCLE_TIME={config.cycle_time_ms:g} ms: an idle rank joins a negotiation round only every "
+            "few cycles; lengthen the check time or shorten the cycle")
     return config

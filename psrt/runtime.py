@@ -45,7 +45,8 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     Idempotent: a second call while initialised does nothing.  Under a
     launcher every rank must call it.  If it fails on one rank of a job, it ends
     the job with the reason (the other ranks would wait for that rank forever),
-    unless ``PSRT_ABORT_ON_EXCEPTION=0``; then it raises.
+    unless ``PSRT_ABORT_ON_EXCEPTION=0``; then it raises (if only registering
+    ``process_sets`` failed, psrt is initialised and ``shutdown()`` stops it).
 
     In parameter-server mode (``PSRT_NUM_SERVERS`` > 0) a server rank serves
     inside this call and exits the process once every worker has shut down;
@@ -61,6 +62,7 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
         config = config_from_env()
         if config.abort_on_exception:  # first, so that no failure below leaves the others waiting
             bootstrap.install_abort_on_exception()
+        bootstrap.check_thread_level()
         if config.num_servers and _parameter_servers_gone:
             raise NotInitializedError("psrt cannot start again in parameter-server mode: the servers "
                                       "exited when the workers shut down")
@@ -68,23 +70,27 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
                             rank=job_rank)
         runtime, serve = _start(config, watchdog, job_size)
         if serve is None:
+            _runtime = runtime  # from here on, shutdown() can stop what runs
+            _install_exit_hook()
             for process_set in process_sets or ():
                 runtime.topology.add_process_set(process_set)
     except Exception as exc:
         if config is None or config.abort_on_exception:
             bootstrap.fail_init(exc)
-        if watchdog is not None:
+        if watchdog is not None and _runtime is None:
             watchdog.stop()
         raise
     if serve is not None:  # a parameter server: serve until every worker has shut down, then exit
         serve()
         watchdog.stop()
         raise SystemExit(0)
-    _runtime = runtime
+
+
+def _install_exit_hook() -> None:
+    """Stop the engine thread before mpi4py finalises MPI at exit (atexit runs handlers
+    last-registered first, and mpi4py registered at import)."""
     global _exit_hook_installed
     if not _exit_hook_installed:
-        # Stop the engine thread before mpi4py finalises MPI at exit (atexit runs
-        # handlers last-registered first, and mpi4py registered at import).
         atexit.register(shutdown)
         _exit_hook_installed = True
 
@@ -93,6 +99,7 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
     """Meet the other ranks and build the runtime; for a parameter server, return instead
     the function that serves."""
     arrivals = bootstrap.Arrivals()
+    watchdog.speaks_unprobed = arrivals.speaks
     with watchdog.waiting("start-up", arrivals.describe):
         watchdog.attach(MpiProber(arrivals.meet()))
     everyone = range(job_size)
@@ -105,7 +112,7 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
             if serve is not None:
                 return None, serve
         layout = bootstrap.host_layout(world)
-        topology = Topology(layout.world, layout.local, layout.cross, global_process_set)
+        topology = Topology(layout.world, layout.local, layout.cross, global_process_set, watchdog)
         engine = Engine(topology, config, watchdog)
     return Runtime(config=config, topology=topology, engine=engine, watchdog=watchdog, ps=link), None
 

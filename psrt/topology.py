@@ -14,6 +14,7 @@ import torch
 
 from psrt.comm.base import Communicator
 from psrt.comm.nccl import NcclCommunicator
+from psrt.comm.watchdog import Watchdog
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ProcessSetError
 
 GLOBAL_PROCESS_SET_ID = 0
@@ -76,8 +77,9 @@ class Topology:
     """The world, local and cross communicators, and the registered process sets."""
 
     def __init__(self, world: Communicator, local: Communicator, cross: Communicator,
-                 global_set: ProcessSet) -> None:
+                 global_set: ProcessSet, watchdog: Watchdog) -> None:
         self.world, self.local, self.cross = world, local, cross
+        self._watchdog = watchdog  # registering sets and placing ranks wait on every rank
         # Registering process sets happens on the caller's thread while the engine
         # thread runs collectives on the sets' communicators: it gets its own.
         self._registry = world.split(0, key=world.rank)
@@ -108,7 +110,24 @@ class Topology:
         if out_of_range:
             raise ProcessSetError(f"process set ranks {out_of_range} are outside the world "
                                   f"of size {self.world.size}")
-        everyone = self._registry.allgather_object(ranks)
+        me = self.world.rank
+        with self._watchdog.waiting("a process-set registration",
+                                    f"rank {me}'s registration of a process set of ranks {ranks} (every rank must "
+                                    "register the same sets in the same order)", range(self.world.size)):
+            everyone = self._registry.allgather_object(ranks)
+            comm, direct = self._register(ranks, everyone)
+        set_id, self._next_id = self._next_id, self._next_id + 1
+        self._communicators[set_id] = comm
+        if direct is not None:
+            self._direct[(set_id, None)] = direct
+        self._sets[set_id] = process_set
+        process_set.process_set_id, process_set._topology = set_id, self
+        return process_set
+
+    def _register(self, ranks: list[int], everyone: list[list[int]]
+                  ) -> tuple[Communicator | None, Communicator | None]:
+        """The set's communicators (None where this rank is not a member), once every rank
+        has asked for the same set."""
         disagreeing = [r for r, theirs in enumerate(everyone) if theirs != ranks]
         if disagreeing:
             raise ProcessSetError(f"add_process_set called with different ranks: rank "
@@ -117,13 +136,7 @@ class Topology:
         me = self.world.rank
         comm = self._registry.split(0 if me in ranks else None, key=me)
         direct = self._registry.split(0 if me in ranks else None, key=me)  # see direct()
-        set_id, self._next_id = self._next_id, self._next_id + 1
-        self._communicators[set_id] = comm
-        if direct is not None:
-            self._direct[(set_id, None)] = direct
-        self._sets[set_id] = process_set
-        process_set.process_set_id, process_set._topology = set_id, self
-        return process_set
+        return comm, direct
 
     def remove_process_set(self, process_set: ProcessSet) -> None:
         """Forget a registered process set and free its communicator."""
@@ -153,8 +166,10 @@ class Topology:
         The process grid lays its axes out in this order so that the innermost axis
         (tensor parallelism) stays on one host whatever ``--map-by`` placed where.
         """
-        host = min(self.local.allgather_object(self.world.rank))  # a host is known by its lowest rank
-        places = self._registry.allgather_object((host, self.local.rank))
+        with self._watchdog.waiting("a process-set registration", f"rank {self.world.rank}'s exchange of host "
+                                    "places (every rank builds the process grid)", range(self.world.size)):
+            host = min(self.local.allgather_object(self.world.rank))  # a host is known by its lowest rank
+            places = self._registry.allgather_object((host, self.local.rank))
         return sorted(range(self.world.size), key=lambda rank: places[rank])
 
     def communicator_or_none(self, process_set: ProcessSet) -> Communicator | None:

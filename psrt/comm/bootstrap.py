@@ -87,6 +87,22 @@ def start_mpi() -> tuple[int, int]:
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
+def check_thread_level() -> None:
+    """psrt's engine and watchdog threads call MPI beside the caller's: anything less than
+    MPI_THREAD_MULTIPLE (an MPI built without it, or ``mpi4py.rc.thread_level`` lowered
+    before importing mpi4py) would be undefined behaviour, so it is an error."""
+    from mpi4py import MPI
+
+    provided = MPI.Query_thread()
+    if provided != MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        from psrt.errors import CommunicationError
+
+        raise CommunicationError(f"MPI provides thread level MPI_THREAD_{names.get(provided, provided)}, but psrt "
+                                 "needs MPI_THREAD_MULTIPLE (its engine and watchdog threads call MPI); use an MPI "
+                                 "built with thread support and leave mpi4py.rc.thread_level at 'multiple'")
+
+
 def job_communicator(config: Config) -> MpiCommunicator:
     """The communicator of the whole job (``MPI_COMM_WORLD``)."""
     from mpi4py import MPI
@@ -100,11 +116,13 @@ _ARRIVAL_TAG = 0x7073
 
 
 class Arrivals:
-    """Which ranks have called ``psrt.init()``, as rank 0 sees it.
+    """Which ranks have called ``psrt.init()``: rank 0 knows of every rank, the others of
+    rank 0.
 
-    Each rank sends rank 0 one byte before its first collective, so that while the
-    first collective (which no watchdog can probe yet) waits, rank 0 can name the
-    ranks that never came.  :meth:`meet` completes the messages once every rank is there.
+    Each rank sends rank 0 one byte before its first collective and rank 0 sends each
+    rank one, so that while the first collective (which no watchdog can probe yet)
+    waits, rank 0 can name the ranks that never came, and rank 1 can say that rank 0
+    never came.  :meth:`meet` completes the messages once every rank is there.
     """
 
     def __init__(self) -> None:
@@ -114,25 +132,36 @@ class Arrivals:
         self.rank, self.size = world.Get_rank(), world.Get_size()
         self._byte = bytearray(max(1, self.size - 1))
         self._lock = threading.Lock()  # the watchdog thread tests while init() finishes
-        if self.rank == 0:
+        self._sent = bytearray(1)
+        if self.rank == 0:  # receives of the others' bytes first, then the sends to them
+            others = range(1, self.size)
             self._requests = [world.Irecv([memoryview(self._byte)[r - 1:r], MPI.BYTE], source=r, tag=_ARRIVAL_TAG)
-                              for r in range(1, self.size)]
+                              for r in others]
+            self._requests += [world.Isend([self._sent, MPI.BYTE], dest=r, tag=_ARRIVAL_TAG) for r in others]
+        elif self.size > 1:  # the receive of rank 0's byte first, then the send to it
+            self._requests = [world.Irecv([memoryview(self._byte)[:1], MPI.BYTE], source=0, tag=_ARRIVAL_TAG),
+                              world.Isend([self._sent, MPI.BYTE], dest=0, tag=_ARRIVAL_TAG)]
         else:
-            self._requests = [world.Isend([memoryview(self._byte)[:1], MPI.BYTE], dest=0, tag=_ARRIVAL_TAG)]
+            self._requests = []
 
     def missing(self) -> list[int]:
-        """On rank 0: the ranks not yet arrived (as far as this rank can tell)."""
-        if self.rank != 0:
-            return []
+        """The ranks not yet arrived, as far as this rank can tell (rank 0: any rank; other
+        ranks: rank 0 only)."""
         with self._lock:
-            return [r + 1 for r, request in enumerate(self._requests) if not request.Test()]
+            if self.rank == 0:
+                return [r + 1 for r, request in enumerate(self._requests[:self.size - 1]) if not request.Test()]
+            return [0] if self._requests and not self._requests[0].Test() else []
+
+    def speaks(self) -> bool:
+        """Whether this rank reports a start-up stall: rank 0, or rank 1 if rank 0 never came."""
+        return self.rank == 0 or (self.rank == 1 and self.missing() == [0])
 
     def describe(self) -> str:
         missing = self.missing()
         if missing:
             from psrt.comm.watchdog import rank_ranges
 
-            return (f"psrt.init() on rank 0 waiting for rank{'s' if len(missing) > 1 else ''} "
+            return (f"psrt.init() on rank {self.rank} waiting for rank{'s' if len(missing) > 1 else ''} "
                     f"{rank_ranges(missing)} to call psrt.init() (failed to start, or stuck before init)")
         return f"psrt.init() on rank {self.rank} waiting for every rank of the job to call psrt.init()"
 

@@ -66,9 +66,11 @@ def test_a_killed_rank_ends_the_job_at_once_naming_it():
     assert not job.left_behind, job.diagnosis()
 
 
-def test_a_rank_that_never_calls_init_is_named_by_rank_0():
-    report = launch("frozen_training.py", 2, ENV, args=("late_init",), timeout_s=90)
+@pytest.mark.parametrize(("late", "speaker"), [(1, 0), (0, 1)])
+def test_a_rank_that_never_calls_init_is_named(late, speaker):
+    report = launch("frozen_training.py", 2, ENV, args=("late_init", str(late)), timeout_s=90)
     assert report.returncode not in (0, None), report.diagnosis()
     assert report.seconds < 60, report.diagnosis()
-    expected = "psrun: rank 0 failed first: stall: psrt.init() on rank 0 waiting for rank 1 to call psrt.init()"
+    expected = (f"psrun: rank {speaker} failed first: stall: psrt.init() on rank {speaker} waiting for rank {late} "
+                "to call psrt.init()")
     assert expected in report.stderr, report.diagnosis()

@@ -69,6 +69,20 @@ def test_a_stall_ends_the_job_after_ten_minutes_by_default():
     assert (Config().stall_check_time_s, Config().stall_shutdown_time_s) == (60.0, 600.0)
 
 
+def test_a_longer_check_time_alone_lengthens_the_default_shutdown_time():
+    """Raising only the check time (say, for long evaluations) must not fail init()."""
+    for name in ("PSRT_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS"):
+        config = config_from_env({name: "1200"})
+        assert (config.stall_check_time_s, config.stall_shutdown_time_s) == (1200.0, 1200.0)
+
+
+def test_the_check_time_must_span_twenty_engine_cycles():
+    with pytest.raises(InvalidArgumentError, match="PSRT_STALL_CHECK_TIME=5 s is shorter than 20 engine cycles of "
+                                                    "PSRT_CYCLE_TIME=1000 ms"):
+        config_from_env({"PSRT_STALL_CHECK_TIME": "5", "PSRT_CYCLE_TIME": "1000"})
+    assert config_from_env({"PSRT_STALL_CHECK_TIME": "20", "PSRT_CYCLE_TIME": "1000"}).cycle_time_ms == 1000
+
+
 def test_config_accepts_horovod_names_and_prefers_psrt_ones():
     config = config_from_env({"HOROVOD_FUSION_THRESHOLD": "1024", "HOROVOD_CYCLE_TIME": "5",
                               "HOROVOD_STALL_CHECK_TIME_SECONDS": "7",

@@ -4,8 +4,8 @@ ends.  ``python frozen_training.py MODE`` where MODE is:
 
 ``dp``         data-parallel training with DistributedOptimizer (every rank a worker);
 ``ps``         parameter-server training (launch with PSRT_NUM_SERVERS=1): ps.DistributedOptimizer;
-``late_init``  as ``dp``, but rank 1 sleeps instead of calling ``hvd.init()`` (a rank stuck
-               before start-up).
+``late_init R``  as ``dp``, but rank R sleeps instead of calling ``hvd.init()`` (a rank stuck
+                 before start-up).
 
 Rank 0 prints ``step N`` after each step.
 """
@@ -20,8 +20,8 @@ import torch
 import psrt.torch as hvd
 
 
-def main(mode: str) -> None:
-    if mode == "late_init" and os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
+def main(mode: str, late_rank: str = "") -> None:
+    if mode == "late_init" and os.environ.get("OMPI_COMM_WORLD_RANK") == late_rank:
         time.sleep(300)
     hvd.init()
     torch.manual_seed(0)
@@ -45,4 +45,4 @@ def main(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
