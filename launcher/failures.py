@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 __all__ = ["Failure", "FailureKind", "FailureScanner", "describe_signal"]
 
-# Anywhere in a line: mpirun interleaves its own notices with the ranks' output, so a
-# marker may follow a stray character and be followed by a notice's dashes.
-MARKER = re.compile(r"(?:^|\s|>:)psrt: rank (\d+) failed: (.+?)(?:-{10,}.*)?$")
+# At the start of a line (after mpirun's optional "[1,0]<stderr>:" tag); mpirun interleaves
+# its own notices with the ranks' output, so a marker may follow stray whitespace and be
+# followed by a notice's dashes.  Not further in: a rank may print another job's output.
+MARKER = re.compile(r"^\s*(?:\[[^\]]*\]<std\w+>:\s*)?psrt: rank (\d+) failed: (.+?)(?:-{10,}.*)?$")
 
 _WINDOW_LINES = 8
 # Launcher notices, matched against the window of recent lines joined by spaces.

@@ -121,30 +121,40 @@ def _wait(proc: subprocess.Popen[bytes], scanner: FailureScanner) -> int:
                 pass
 
 
-def session_members(session: int, proc_root: str = "/proc") -> list[int]:
-    """Processes of this host in session ``session`` (Linux; elsewhere none are found)."""
-    members = []
+# Variables every MPI launcher psrun drives sets in its ranks (and in nothing else).
+_RANK_VARIABLES = (b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=", b"PMI_RANK=")
+
+
+def leftover_ranks(session: int, proc_root: str = "/proc") -> list[int]:
+    """Processes of this host in session ``session`` that a failed job left: MPI ranks and
+    stopped processes, not zombies (already dead) nor helpers a rank started on purpose
+    (Linux; elsewhere none are found)."""
+    found = []
     try:
         entries = os.listdir(proc_root)
     except OSError:
         return []
     for entry in entries:
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) == session:
             continue
         try:
             with open(os.path.join(proc_root, entry, "stat"), "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
+            # after the command name: state, parent, process group, session
+            if len(fields) < 4 or int(fields[3]) != session or fields[0] == b"Z":
+                continue
+            with open(os.path.join(proc_root, entry, "environ"), "rb") as f:
+                is_rank = any(v.startswith(_RANK_VARIABLES) for v in f.read().split(b"\0"))
+        except (OSError, IndexError, ValueError):
             continue
-        # after the command name: state, parent, process group, session
-        if len(fields) > 3 and int(fields[3]) == session and int(entry) != session:
-            members.append(int(entry))
-    return sorted(members)
+        if is_rank or fields[0] in (b"T", b"t"):
+            found.append(int(entry))
+    return sorted(found)
 
 
 def _end_leftovers(session: int) -> None:
     """Kill what a failed job left running on this host, saying so."""
-    leftovers = session_members(session)
+    leftovers = leftover_ranks(session)
     for pid in leftovers:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,54 @@
+"""psrun's reading of a failed job: the failure line amid mpirun's output, and which
+processes of a failed job it kills afterwards."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.failures import FailureScanner
+from launcher.monitor import leftover_ranks
+
+
+def failure_of(*lines: str):
+    scanner = FailureScanner()
+    for line in lines:
+        scanner.feed(line)
+    return scanner.failure
+
+
+@pytest.mark.parametrize("line", [
+    " psrt: rank 0 failed: stall: rank 1 does not respond",           # after mpirun's " " line
+    "psrt: rank 0 failed: stall: rank 1 does not respond" + "-" * 74,  # before its notice's dashes
+    "[1,0]<stderr>: psrt: rank 0 failed: stall: rank 1 does not respond",
+])
+def test_the_failure_line_is_found_amid_mpiruns_own_output(line):
+    failure = failure_of(line)
+    assert failure is not None and failure.summary() == "rank 0 failed first: stall: rank 1 does not respond"
+
+
+def test_a_failure_line_quoted_in_other_output_is_not_this_jobs_failure():
+    """A rank may print another job's output (a driver of trials, say)."""
+    assert failure_of("trial 3 said: psrt: rank 0 failed: raised ValueError: x") is None
+
+
+def fake_process(root: Path, pid: int, session: int, state: str = "S", rank: int | None = None) -> None:
+    folder = root / str(pid)
+    folder.mkdir()
+    # pid (comm) state ppid pgrp session ...
+    (folder / "stat").write_text(f"{pid} (python (x)) {state} 1 {pid} {session} 0 0\n")
+    environ = [b"PATH=/bin"] + ([f"OMPI_COMM_WORLD_RANK={rank}".encode()] if rank is not None else [])
+    (folder / "environ").write_bytes(b"\0".join(environ) + b"\0")
+
+
+def test_after_a_failed_job_its_ranks_and_stopped_processes_are_killed_nothing_else(tmp_path):
+    session = 100
+    fake_process(tmp_path, 100, session)                   # mpirun itself, the session leader
+    fake_process(tmp_path, 101, session, "T", rank=1)      # a stopped rank
+    fake_process(tmp_path, 102, session, "S", rank=0)      # a rank still alive
+    fake_process(tmp_path, 103, session, "Z", rank=2)      # a rank already dead
+    fake_process(tmp_path, 104, session, "S")              # a helper a rank started (a log uploader)
+    fake_process(tmp_path, 105, session, "T")              # a stopped process of the job
+    fake_process(tmp_path, 106, 999, "T", rank=0)          # another job's rank
+    assert leftover_ranks(session, str(tmp_path)) == [101, 102, 105]
+    assert leftover_ranks(session, str(tmp_path / "absent")) == []
