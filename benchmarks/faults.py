@@ -37,6 +37,9 @@ import netns  # noqa: E402
 from psrt.comm.watchdog import Watchdog  # noqa: E402
 
 
+FAULTS = ("killed rank", "frozen rank", "frozen server", "partitioned link")
+
+
 def time_local(kind: str, env: dict[str, str]) -> float:
     """Seconds from the fault to the job's end for one run of ``kind``."""
     if kind == "killed rank":
@@ -68,6 +71,25 @@ def time_partition(bed: netns.Testbed, env: dict[str, str]) -> float:
     return job.ended_at - cut_at
 
 
+def time_partitions(env: dict[str, str], repeats: int) -> dict[str, list[float]]:
+    """The partition runs on a two-host test bed built for them (none where it cannot be)."""
+    reason = netns.skip_reason()
+    if reason is not None:
+        print(f"partitioned link: skipped ({reason})")
+        return {}
+    bed = netns.Testbed(f"psrt-b-{os.getpid()}-", 2, Path(tempfile.mkdtemp(prefix="psrt-faults-")))
+    try:
+        bed.build()
+        seconds = [time_partition(bed, env) for _ in range(repeats)]
+        print(f"partitioned link: {seconds}", flush=True)
+        return {"partitioned link": seconds}
+    except netns.SetupRefused as e:
+        print(f"partitioned link: skipped ({e})")
+        return {}
+    finally:
+        bed.destroy()
+
+
 def marking_cost_us(runs: int = 200_000) -> dict[str, float]:
     """Microseconds to enter and leave one marked wait: made for the call (a TP or engine
     collective), or made once and entered again (the engine thread's negotiation rounds)."""
@@ -94,25 +116,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--check", type=float, default=3.0, help="PSRT_STALL_CHECK_TIME")
     parser.add_argument("--shutdown", type=float, default=8.0, help="PSRT_STALL_SHUTDOWN_TIME")
+    parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of: {', '.join(FAULTS)}")
     args = parser.parse_args()
+    chosen = args.faults.split(",")
+    unknown = sorted(set(chosen) - set(FAULTS))
+    if unknown:
+        parser.error(f"unknown faults {unknown}; choose from {FAULTS}")
     env = {"PSRT_STALL_CHECK_TIME": f"{args.check:g}", "PSRT_STALL_SHUTDOWN_TIME": f"{args.shutdown:g}"}
     results: dict[str, list[float]] = {}
-    for kind in ("killed rank", "frozen rank", "frozen server"):
-        results[kind] = [time_local(kind, env) for _ in range(args.repeats)]
-        print(f"{kind}: {results[kind]}", flush=True)
-    reason = netns.skip_reason()
-    if reason is None:
-        bed = netns.Testbed(f"psrt-b-{os.getpid()}-", 2, Path(tempfile.mkdtemp(prefix="psrt-faults-")))
-        try:
-            bed.build()
-            results["partitioned link"] = [time_partition(bed, env) for _ in range(args.repeats)]
-            print(f"partitioned link: {results['partitioned link']}", flush=True)
-        except netns.SetupRefused as e:
-            print(f"partitioned link: skipped ({e})")
-        finally:
-            bed.destroy()
-    else:
-        print(f"partitioned link: skipped ({reason})")
+    for kind in FAULTS[:3]:
+        if kind in chosen:
+            results[kind] = [time_local(kind, env) for _ in range(args.repeats)]
+            print(f"{kind}: {results[kind]}", flush=True)
+    if "partitioned link" in chosen:
+        results.update(time_partitions(env, args.repeats))
     stalls = {"frozen rank", "frozen server", "partitioned link"}
     print(f"fault -> job end, {args.repeats} runs each (PSRT_STALL_CHECK_TIME={args.check:g} s, "
           f"PSRT_STALL_SHUTDOWN_TIME={args.shutdown:g} s)")

@@ -125,15 +125,13 @@ def _wait(proc: subprocess.Popen[bytes], scanner: FailureScanner) -> int:
 _RANK_VARIABLES = (b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=", b"PMI_RANK=")
 
 
-def leftover_ranks(session: int, proc_root: str = "/proc") -> list[int]:
-    """Processes of this host in session ``session`` that a failed job left: MPI ranks and
-    stopped processes, not zombies (already dead) nor helpers a rank started on purpose
-    (Linux; elsewhere none are found)."""
-    found = []
+def _session_processes(session: int, proc_root: str) -> dict[int, tuple[bytes, int, bool]]:
+    """Live processes of this host in ``session``: pid -> (state, parent, is an MPI rank)."""
+    found = {}
     try:
         entries = os.listdir(proc_root)
     except OSError:
-        return []
+        return {}
     for entry in entries:
         if not entry.isdigit() or int(entry) == session:
             continue
@@ -147,14 +145,32 @@ def leftover_ranks(session: int, proc_root: str = "/proc") -> list[int]:
                 is_rank = any(v.startswith(_RANK_VARIABLES) for v in f.read().split(b"\0"))
         except (OSError, IndexError, ValueError):
             continue
-        if is_rank or fields[0] in (b"T", b"t"):
-            found.append(int(entry))
-    return sorted(found)
+        found[int(entry)] = (fields[0], int(fields[1]), is_rank)
+    return found
+
+
+def leftover_processes(session: int, proc_root: str = "/proc") -> list[int]:
+    """What a failed job left on this host in ``session``: its ranks, the launcher's own
+    processes (a launch agent and the daemons it started, which keep mpirun's output open)
+    and anything stopped; not zombies (already dead), nor helpers a rank started on
+    purpose, such as a log uploader, unless stopped (Linux; elsewhere none are found)."""
+    processes = _session_processes(session, proc_root)
+
+    def started_by_a_rank(pid: int) -> bool:
+        parent = processes[pid][1]
+        while parent in processes:
+            if processes[parent][2]:
+                return True
+            parent = processes[parent][1]
+        return False
+
+    return sorted(pid for pid, (state, _, _) in processes.items()
+                  if state in (b"T", b"t") or not started_by_a_rank(pid))
 
 
 def _end_leftovers(session: int) -> None:
     """Kill what a failed job left running on this host, saying so."""
-    leftovers = leftover_ranks(session)
+    leftovers = leftover_processes(session)
     for pid in leftovers:
         try:
             os.kill(pid, signal.SIGKILL)

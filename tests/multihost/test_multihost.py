@@ -124,7 +124,8 @@ def test_partitioned_host_ends_the_job_with_a_stall_naming_its_ranks(testbed) ->
     took = job.ended_at - cut_at
     print(f"partition: the job ended {took:.1f} s after the link went down (exit code {code})")
     assert code is not None, f"the job was still running {STALL_SHUTDOWN_S + 60} s after the partition"
-    assert took < STALL_SHUTDOWN_S + 30, job.diagnosis()
+    # probing, the abort, and psrun ending an mpirun that cannot reach the cut-off host (5 s + 3 s)
+    assert took < STALL_SHUTDOWN_S + 15, job.diagnosis()
     summary = job.err.strip().splitlines()[-1]
     assert summary.startswith("psrun: rank 0 failed first: stall: "), job.diagnosis()
     assert "rank 1 does not respond (stopped, hung, or cut off from this host)" in summary, job.diagnosis()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from launcher.failures import FailureScanner
-from launcher.monitor import leftover_ranks
+from launcher.monitor import leftover_processes
 
 
 def failure_of(*lines: str):
@@ -32,23 +32,26 @@ def test_a_failure_line_quoted_in_other_output_is_not_this_jobs_failure():
     assert failure_of("trial 3 said: psrt: rank 0 failed: raised ValueError: x") is None
 
 
-def fake_process(root: Path, pid: int, session: int, state: str = "S", rank: int | None = None) -> None:
+def fake_process(root: Path, pid: int, session: int, state: str = "S", rank: int | None = None,
+                 parent: int = 1) -> None:
     folder = root / str(pid)
     folder.mkdir()
     # pid (comm) state ppid pgrp session ...
-    (folder / "stat").write_text(f"{pid} (python (x)) {state} 1 {pid} {session} 0 0\n")
+    (folder / "stat").write_text(f"{pid} (python (x)) {state} {parent} {pid} {session} 0 0\n")
     environ = [b"PATH=/bin"] + ([f"OMPI_COMM_WORLD_RANK={rank}".encode()] if rank is not None else [])
     (folder / "environ").write_bytes(b"\0".join(environ) + b"\0")
 
 
-def test_after_a_failed_job_its_ranks_and_stopped_processes_are_killed_nothing_else(tmp_path):
+def test_after_a_failed_job_its_ranks_launcher_and_stopped_processes_are_killed_not_rank_helpers(tmp_path):
     session = 100
-    fake_process(tmp_path, 100, session)                   # mpirun itself, the session leader
-    fake_process(tmp_path, 101, session, "T", rank=1)      # a stopped rank
-    fake_process(tmp_path, 102, session, "S", rank=0)      # a rank still alive
-    fake_process(tmp_path, 103, session, "Z", rank=2)      # a rank already dead
-    fake_process(tmp_path, 104, session, "S")              # a helper a rank started (a log uploader)
-    fake_process(tmp_path, 105, session, "T")              # a stopped process of the job
-    fake_process(tmp_path, 106, 999, "T", rank=0)          # another job's rank
-    assert leftover_ranks(session, str(tmp_path)) == [101, 102, 105]
-    assert leftover_ranks(session, str(tmp_path / "absent")) == []
+    fake_process(tmp_path, 100, session)                            # mpirun itself, the session leader
+    fake_process(tmp_path, 101, session, "T", rank=1, parent=100)   # a stopped rank
+    fake_process(tmp_path, 102, session, "S", rank=0, parent=100)   # a rank still alive
+    fake_process(tmp_path, 103, session, "Z", rank=2, parent=100)   # a rank already dead
+    fake_process(tmp_path, 104, session, "S", parent=102)           # a helper rank 0 started (a log uploader)
+    fake_process(tmp_path, 105, session, "T", parent=102)           # a stopped process rank 0 started
+    fake_process(tmp_path, 106, session, "S", parent=100)           # the launch agent for another host
+    fake_process(tmp_path, 107, session, "S", parent=106)           # the remote daemon it started
+    fake_process(tmp_path, 108, 999, "T", rank=0)                   # another job's rank
+    assert leftover_processes(session, str(tmp_path)) == [101, 102, 105, 106, 107]
+    assert leftover_processes(session, str(tmp_path / "absent")) == []
