@@ -30,7 +30,7 @@ import timeit
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "parallel"), str(REPO / "tests" / "multihost")]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "parallel"), str(REPO / "tests" / "multihost")]
 
 from faults import run_with_fault  # noqa: E402
 import netns  # noqa: E402

@@ -30,11 +30,10 @@ class InvalidArgumentTypeError(ArgumentTypeError, InvalidArgumentError):
     (alltoall splits that are not integers): catchable as ``TypeError`` or ``ValueError``."""
 
 
-class UnsupportedOperationError(InvalidArgumentError, NotImplementedError):
+class UnsupportedOperationError(InvalidArgumentError, RuntimeError):
     """A valid op that cannot run on these arguments: Adasum on reducescatter, on integer
     tensors, or on a process set whose size is not a power of two.  A ``ValueError`` (a bad
-    argument, raised before any communication) and, as in Horovod, a ``RuntimeError``
-    (through ``NotImplementedError``)."""
+    argument, raised before any communication) and, as Horovod's error is, a ``RuntimeError``."""
 
 
 class UnsupportedDeviceError(InvalidArgumentError):

@@ -186,9 +186,8 @@ def _partition(meta: dict) -> Partition:
 
 
 def _read(path: str, meta: dict) -> dict:
-    """A file of the checkpoint ``meta`` describes, checked against its record there."""
-    if not os.path.exists(path):
-        raise InvalidArgumentError(f"ZeRO checkpoint {os.path.dirname(path)!r} lacks {os.path.basename(path)}")
+    """A file of the checkpoint ``meta`` describes, checked against its record there (a missing
+    one is refused by name, as every other fault)."""
     record = None if meta["format"] == UNCHECKED_FORMAT else checkpoint_files.record_of(
         meta["files"], path, os.path.join(os.path.dirname(path), META), InvalidArgumentError)
     payload = checkpoint_files.load_tensors(path, record, InvalidArgumentError)

@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
-from netns import Job, SetupRefused, Testbed, psrun_argv, skip_reason, start_job
+from jobs import Job, psrun_argv, start_job
+from netns import SetupRefused, Testbed, skip_reason
 
 
 @pytest.fixture(scope="session")

@@ -1,25 +1,25 @@
 """Fault injection from outside a running job, as a cluster inflicts it: freeze a rank
 (SIGSTOP: a node stuck in I/O, a hung driver) or kill it, once the job is under way.
 
-:func:`run_with_fault` launches a script with psrun, waits for a line of its output,
-signals one rank (found by its job rank and a tag psrun forwards to every rank of
-this job only), and reports how and how fast the job ended, and whether any process
-of it outlived the job.
+:func:`run_with_fault` launches a script with psrun (a :class:`jobs.Job`), waits for a
+line of its output, signals one rank (found by its job rank and a tag psrun forwards to
+every rank of this job only), and reports how and how fast the job ended, and whether
+any process of it outlived the job.
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-REPO = Path(__file__).resolve().parents[2]
+from jobs import psrun_argv, start_job
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
@@ -62,48 +62,20 @@ def run_with_fault(script: str, np: int, args: tuple[str, ...], env: Mapping[str
     """Run ``script`` on ``np`` ranks; once stdout has a line starting with ``after``, send
     ``signum`` to job rank ``rank``; wait up to ``timeout_s`` for the job to end."""
     tag = uuid.uuid4().hex
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRT_", "HOROVOD_"))}
-    full_env.update(env, PSRT_TEST_JOB=tag)
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "launcher.cli", "-np", str(np), sys.executable, str(SCRIPTS / script), *args]
-    proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, errors="replace", start_new_session=True)
-    out: list[str] = []
-    err: list[str] = []
-    seen = threading.Event()
-
-    def read_stdout() -> None:
-        for line in proc.stdout:
-            out.append(line)
-            if line.startswith(after):
-                seen.set()
-        seen.set()  # the job ended without it: the wait below stops at once
-
-    readers = [threading.Thread(target=read_stdout, daemon=True),
-               threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)]
-    for reader in readers:
-        reader.start()
-    faulted_at = time.monotonic()
+    job = start_job(psrun_argv("-np", str(np), sys.executable, str(SCRIPTS / script), *args),
+                    f"`psrun -np {np} {script} {' '.join(args)}`", {**env, "PSRT_TEST_JOB": tag})
     try:
-        if seen.wait(timeout_s) and proc.poll() is None:
-            for pid in job_processes(tag, rank):
-                os.kill(pid, signum)
-            faulted_at = time.monotonic()
-        try:
-            returncode: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        seconds = time.monotonic() - faulted_at
+        job.wait_for_line(f"^{re.escape(after)}", timeout_s)
+        for pid in job_processes(tag, rank):
+            os.kill(pid, signum)
+        faulted_at = time.time()
+        returncode = job.finish(timeout_s)
         left = _left_behind(tag)
     finally:
         for pid in job_processes(tag):
             os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    for reader in readers:
-        reader.join(timeout=5)
-    return FaultedJob(returncode, seconds, "".join(out), "".join(err), left)
+        job.stop()
+    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left)
 
 
 def _left_behind(tag: str, patience_s: float = 3.0) -> list[int]:
