@@ -20,6 +20,10 @@ from typing import Callable, Sequence
 import torch
 
 
+#: ``irecv``'s source for a message from any rank of the group.
+ANY_SOURCE = -1
+
+
 class ReduceOp(enum.Enum):
     """Element-wise reductions every backend supports."""
 
@@ -39,6 +43,10 @@ class Request(abc.ABC):
     @abc.abstractmethod
     def wait(self) -> None:
         """Block until the operation has completed."""
+
+    def cancel(self) -> None:
+        """Withdraw a receive that may never be matched (at shutdown), then wait for it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be cancelled")
 
 
 class CompletedRequest(Request):
@@ -78,6 +86,12 @@ class Communicator(abc.ABC):
     def iallreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> Request:
         """Non-blocking :meth:`allreduce`."""
 
+    def persistent_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> "Persistent":
+        """The same in-place allreduce of ``tensor``, to be started again and again (MPI's
+        persistent collectives set it up once).  Collective: every rank makes it at the
+        same point, as a collective call."""
+        return Persistent(lambda: self.iallreduce(tensor, op))
+
     @abc.abstractmethod
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor,
                    counts: Sequence[int]) -> Request:
@@ -108,7 +122,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Request:
-        """Start receiving into ``tensor`` from ``source``."""
+        """Start receiving into ``tensor`` from ``source`` (or :data:`ANY_SOURCE`)."""
 
     def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
         self.isend(tensor, dest, tag).wait()
@@ -135,6 +149,17 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def free(self) -> None:
         """Release the backend resources of this communicator."""
+
+
+class Persistent:
+    """An operation set up once and started many times; each start returns the request
+    to wait on, and a start may follow only once the previous one completed."""
+
+    def __init__(self, start: Callable[[], Request]) -> None:
+        self.start = start
+
+    def free(self) -> None:
+        """Release the operation (not while a start is under way)."""
 
 
 def all_of(requests: Sequence[Request]) -> Request:

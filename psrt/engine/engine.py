@@ -24,11 +24,12 @@ import time
 
 import torch
 
-from psrt.comm import bootstrap
+from psrt.comm import bootstrap, poll
 from psrt.comm.base import Communicator, ReduceOp, Request
 from psrt.comm.watchdog import Wait, Watchdog, combined, rank_ranges
 from psrt.config import Config
 from psrt.engine import fusion
+from psrt.engine.doorbell import Doorbell
 from psrt.engine.negotiation import Negotiator, Response
 from psrt.engine.timeline import Timeline
 from psrt.engine.work import Work, WorkKey
@@ -42,16 +43,11 @@ _REPORT_AFTER_S = 1.0
 _STALL_CHECK_INTERVAL_S = 0.5
 _UNSUBMITTED = "a collective some ranks have not submitted"
 _BRIEF_WAIT_CYCLES = 10
-# When no rank has anything pending, rounds happen every this many cycles (a
-# submission starts one at once); they keep stall reports and joined or
-# non-member ranks going without costing a training step much CPU.
-_IDLE_CYCLES = 5
-# A negotiation message is polled this long before the engine starts sleeping
-# between polls: most rounds complete within it.
-_SPIN_S = 100e-6
-# Between polls the engine sleeps ever longer, up to this: a peer that is busy
-# computing may take milliseconds to reach the round.
-_LONGEST_NAP_S = 200e-6
+# While every engine is quiet, the doorbell is polled after this long, then ever
+# more slowly up to the longest nap: a rung rank (one without work of its own, or
+# not yet) joins the round within that, for a few microseconds of CPU per poll.
+_FIRST_QUIET_NAP_S = 200e-6
+_LONGEST_QUIET_NAP_S = 20e-3
 
 
 class Engine:
@@ -75,11 +71,24 @@ class Engine:
         self._join_done = threading.Event()
         self._join_value: int | BaseException | None = None
         self._unnamed = itertools.count()
-        # Engine thread only:
+        # Callers' announcements by the arguments that made them, reused by repeated calls.
+        self.announcements: dict[tuple, object] = {}
+        # Whoever holds the driver runs the next cycle: the engine thread, or a caller
+        # blocked on a collective (no hand-off to another thread and back).  Only the
+        # driver touches the state below.
+        self._driver = threading.Lock()
+        self._doorbell = Doorbell(world.split(0, key=world.rank))
+        self._quiet_epoch: int | None = 0  # every engine starts quiet, at round 0
+        self._unrung: int | None = None  # the quiet epoch left without ringing yet
+        self._join_sent = self._stop_sent = False
+        self._driving: int | None = None  # the thread running a cycle
+        self._last_submit = 0.0  # when asynchronous work last arrived
+        self._round_marks: dict[int, Wait] = {}  # per driving thread (see Watchdog.waiting)
         self._local: dict[WorkKey, Work] = {}
         self._fusion = fusion.FusionBuffers()
         self._report_after = min(_REPORT_AFTER_S, config.stall_check_time_s / 4)
         self._next_stall_check = 0.0
+        self._stalls_published = False
         self._timeline: Timeline | None = None
         if config.timeline:
             self.start_timeline(config.timeline, config.timeline_mark_cycles)
@@ -92,7 +101,9 @@ class Engine:
         running the same program agree without names."""
         return f"{collective}.noname.{next(self._unnamed)}"
 
-    def submit(self, work: Work) -> Work:
+    def submit(self, work: Work, wake: bool = True) -> Work:
+        """Queue ``work``; ``wake=False`` leaves the engine thread asleep (a caller about to
+        drive the cycle itself)."""
         with self._lock:
             if self._stopped is not None:
                 raise EngineStoppedError(f"cannot run {work.announcement.describe()}: {self._stopped}")
@@ -105,8 +116,33 @@ class Engine:
                     "submitted again only after the previous operation completed")
             self._in_flight.add(work.key)
             self._queue.append(work)
-        self._wake.set()
+        work.driver = self.drive
+        if wake:
+            self._last_submit = time.perf_counter()
+            self._wake.set()
         return work
+
+    def run(self, work: Work) -> object:
+        """Submit ``work`` and return its output (see :meth:`drive`)."""
+        return self.submit(work, wake=False).result()
+
+    def drive(self, work: Work) -> None:
+        """Run the engine's cycles on this thread until ``work`` is done: a caller that
+        blocks on a collective negotiates and runs it itself, with no hand-off to the
+        engine thread and back (which takes over whenever this one sleeps).  The cycles
+        are the engine thread's own, so names are matched, works fused, ordered, checked
+        and watched exactly as for asynchronous work.  Not from within a cycle (an
+        ``execute`` callable), where the work can only be waited for."""
+        while not work.done():
+            if self._driving == threading.get_ident():
+                work.wait()
+                return
+            with self._driver:
+                pause = 0.0 if work.done() or self._stopped is not None else self._drive_once()
+            if pause is None:  # quiet, yet not done: another driver is finishing it
+                pause = self._config.cycle_time_ms / 1000
+            if pause:
+                work.wait(pause)
 
     def join(self) -> int:
         """Block until every rank has joined; meanwhile contribute zeros to allreduces.
@@ -139,7 +175,8 @@ class Engine:
         self._wake.set()
         self._thread.join()
         self.stop_timeline()
-        self._negotiator.comm.free()
+        self._doorbell.close()
+        self._negotiator.close()
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         """Write a timeline to ``path`` (on rank 0; other ranks ignore the call)."""
@@ -154,56 +191,135 @@ class Engine:
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        """The engine thread: cycles, sleeping between them as each cycle says."""
+        while True:
+            with self._driver:
+                if self._stopped is not None:
+                    return
+                pause = self._drive_once()
+            if pause is None:
+                self._sleep_quietly()
+            elif pause:
+                self._wake.wait(pause)
+
+    def _drive_once(self) -> float | None:
+        """One cycle by the thread holding the driver (see :meth:`_cycle_guarded`)."""
+        self._driving = threading.get_ident()
         try:
-            self._loop()
-        except BaseException as exc:  # never leave callers waiting on a dead engine
+            return self._cycle_guarded()
+        finally:
+            self._driving = None
+
+    def _cycle_guarded(self) -> float | None:
+        """One cycle; a failure in it stops the engine and, by default, aborts the job
+        (never leave callers waiting on a dead engine).  Returns what :meth:`_cycle` does,
+        or 0 once the engine has stopped."""
+        try:
+            return self._cycle()
+        except BaseException as exc:
             how = f"psrt engine failed: {bootstrap.describe_exception(exc)}"
             logger.exception("psrt: rank %d: %s", self.rank, how)
             self._stop(how)
             if self._config.abort_on_exception and self._world.size > 1:
                 bootstrap.abort_job(how)
+            return 0.0
 
-    def _loop(self) -> None:
-        pause = 0.0
-        join_sent = stop_sent = False
-        cycle_s = self._config.cycle_time_ms / 1000
-        in_round = self._watchdog.waiting("an engine negotiation round", self._describe_round, self._everyone)
-        while True:
-            if pause:
-                self._wake.wait(pause)
-            self._wake.clear()
-            timeline = self._timeline  # read once: stop_timeline() may clear it meanwhile
-            if timeline is not None:
-                timeline.cycle(time.perf_counter())
-            with self._lock:
-                arrived, self._queue = self._queue, []
-                join = self._join_requested and not join_sent
-                stop = self._stop_requested and not stop_sent
-            fresh = self._accept(arrived)
-            with in_round:
-                result = self._negotiator.round(self._local, fresh, join, stop, _wait_politely)
-            join_sent, stop_sent = join_sent or join, stop_sent or stop
-            now = time.perf_counter()
-            for work in self._local.values():
-                if work.negotiated is None:
-                    work.negotiated = now
-            self._execute(result.responses)
-            if result.join_completed is not None:
-                self._join_value, join_sent = result.join_completed, False
-                with self._lock:
-                    self._join_requested = False
-                self._join_done.set()
-            self._inspect_stalls()
-            if result.shutdown_by:
-                if self._shut_down(result.shutdown_by):
+    def _has_news(self) -> bool:
+        """Whether this rank has something to negotiate (read without the lock: a stale
+        answer only delays the next look)."""
+        return bool(self._queue) or (self._join_requested and not self._join_sent) or \
+            (self._stop_requested and not self._stop_sent)
+
+    def _sleep_quietly(self) -> None:
+        """While every engine is quiet: wake on this rank's own news, or when another rank
+        rings; the doorbell is polled ever more slowly, so idling costs no measurable CPU."""
+        nap = _FIRST_QUIET_NAP_S
+        while not self._wake.wait(nap):
+            nap = min(2 * nap, _LONGEST_QUIET_NAP_S)
+            if not self._driver.acquire(blocking=False):
+                continue  # a caller drives: it will leave the quiet epoch itself
+            try:
+                if self._quiet_epoch is None or self._stopped is not None:
                     return
-                join_sent = False  # a pending join failed: a later one is announced afresh
-            if result.responses or self._queue or self._waiting_briefly():
-                pause = 0.0
-            elif result.waiting or self._local:
-                pause = cycle_s
-            else:  # nobody anywhere has work: a submission wakes this engine anyway
-                pause = cycle_s * _IDLE_CYCLES
+                if self._doorbell.rang(self._quiet_epoch):
+                    self._quiet_epoch = None
+                    return
+            finally:
+                self._driver.release()
+        # Woken by news of this rank's own: let the burst it starts (a step's gradients)
+        # gather until submissions pause for a cycle, so that one round negotiates all of
+        # it, and the caller's Python is not slowed by this thread's.  A caller that blocks
+        # meanwhile drives at once.
+        gather = self._config.cycle_time_ms / 1000
+        while (since := time.perf_counter() - self._last_submit) < gather:
+            time.sleep(gather - since)
+
+    def _cycle(self) -> float | None:
+        """Negotiate once and run what every rank is ready for.  Returns how long to wait
+        before the next cycle, or None when every rank's engine is quiet."""
+        self._wake.clear()
+        with self._lock:
+            arrived, self._queue = self._queue, []
+            join = self._join_requested and not self._join_sent
+            stop = self._stop_requested and not self._stop_sent
+        if self._quiet_epoch is not None:
+            if not (arrived or join or stop):
+                return None
+            self._unrung, self._quiet_epoch = self._quiet_epoch, None
+        timeline = self._timeline  # read once: stop_timeline() may clear it meanwhile
+        if timeline is not None:
+            timeline.cycle(time.perf_counter())
+        fresh = self._accept(arrived)
+        with self._round_mark():
+            result = self._negotiator.round(self._local, fresh, join, stop, self._wait_for_round)
+        self._join_sent, self._stop_sent = self._join_sent or join, self._stop_sent or stop
+        now = time.perf_counter()
+        for work in self._local.values():
+            if work.negotiated is None:
+                work.negotiated = now
+        self._execute(result.responses)
+        if result.join_completed is not None:
+            self._join_value, self._join_sent = result.join_completed, False
+            with self._lock:
+                self._join_requested = False
+            self._join_done.set()
+        self._inspect_stalls()
+        if result.shutdown_by:
+            if self._shut_down(result.shutdown_by):
+                return 0.0
+            self._join_sent = False  # a pending join failed: a later one is announced afresh
+        if not result.waiting:  # the same on every rank: all go quiet at this round
+            self._quiet_epoch = self._negotiator.rounds
+            if self._stalls_published:
+                self._inspect_stalls(force=True)
+            return 0.0 if self._has_news() else None
+        if result.responses or self._queue or self._waiting_briefly():
+            return 0.0
+        return self._config.cycle_time_ms / 1000
+
+    def _round_mark(self) -> Wait:
+        """The driving thread's mark for negotiation rounds (a mark serves one thread)."""
+        ident = threading.get_ident()
+        mark = self._round_marks.get(ident)
+        if mark is None:
+            mark = self._round_marks[ident] = self._watchdog.waiting(
+                "an engine negotiation round", self._describe_round, self._everyone)
+        return mark
+
+    def _wait_for_round(self, request: Request) -> None:
+        """Wait for a negotiation round as every psrt wait does (:mod:`psrt.comm.poll`).
+
+        A rank leaving a quiet epoch rings the doorbell only once the round has not
+        completed within the spin: ranks of one program mostly arrive together, each for
+        its own work, and need no bell."""
+        backoff = poll.Backoff()
+        ring_after = time.perf_counter() + poll.SPIN_S
+        while not request.test():
+            if self._unrung is not None and time.perf_counter() > ring_after:
+                self._doorbell.ring(self._unrung)
+                self._unrung = None
+            backoff.idle()
+        self._unrung = None
 
     def _describe_round(self) -> str:
         # each tuple() is one step under the GIL: the engine thread and callers change these
@@ -285,7 +401,7 @@ class Engine:
         """One allreduce carrying ``buffers``: in place when they are one tensor or lie back
         to back, else packed into the fusion buffer and unpacked after."""
         start = time.perf_counter()
-        flat = buffers[0].view(-1) if len(buffers) == 1 else fusion.contiguous_span(buffers)
+        flat = buffers[0] if len(buffers) == 1 else fusion.contiguous_span(buffers)  # any shape: a flat array
         staged = flat is None
         if staged:
             flat = self._fusion.get(buffers[0].dtype, buffers[0].device, sum(b.numel() for b in buffers))
@@ -334,13 +450,13 @@ class Engine:
             work.fail(error)
 
     # -- stalls and stopping ----------------------------------------------------------------------
-    def _inspect_stalls(self) -> None:
+    def _inspect_stalls(self, force: bool = False) -> None:
         """On rank 0: publish the works some ranks have not submitted (the table is the same
         on every rank) for the watchdog to report, naming what the missing ranks do: all of
         them as one wait, and a join apart, since waiting for the others to join is by design
-        and never ends the job."""
+        and never ends the job.  Forced when going quiet: nothing must stay published."""
         now = time.monotonic()
-        if self.rank != 0 or now < self._next_stall_check:
+        if self.rank != 0 or (now < self._next_stall_check and not force):
             return
         self._next_stall_check = now + min(_STALL_CHECK_INTERVAL_S, self._config.stall_check_time_s / 4)
         stalled = self._negotiator.stalled(self._config.stall_check_time_s / 2)
@@ -348,6 +464,7 @@ class Engine:
         joins = [self._unsubmitted(*item, now) for item in stalled if item[0] == "join"]
         self._watchdog.publish("engine", combined(_UNSUBMITTED, unsubmitted, key="unsubmitted")
                                + combined(_UNSUBMITTED, joins, key="join", ends_job=False))
+        self._stalls_published = bool(stalled)
 
     def _unsubmitted(self, what: str, age: float, have: list[int], missing: list[int], now: float) -> Wait:
         return Wait(_UNSUBMITTED, f"{what}, submitted by ranks {have} but not by missing ranks {missing} (a rank "
@@ -391,6 +508,7 @@ class Engine:
         if self._join_requested and not self._join_done.is_set():
             self._join_value = EngineStoppedError(f"join did not complete: {reason}")
             self._join_done.set()
+        self._wake.set()  # the engine thread, if asleep, sees the engine has stopped
 
 
 def _shut_down_by(ranks: list[int]) -> str:
@@ -409,12 +527,4 @@ def _record(timeline: Timeline, work: Work, phases: tuple) -> None:
         timeline.phase(work.name, phase, begin, end)
 
 
-def _wait_politely(request: Request) -> None:
-    """Wait for a negotiation message without spinning a core: ranks reach a round at
-    different times, and a busy wait would steal the CPU the training step needs."""
-    spin_until = time.perf_counter() + _SPIN_S
-    nap = 2e-5
-    while not request.test():
-        if time.perf_counter() > spin_until:
-            time.sleep(nap)
-            nap = min(nap * 2, _LONGEST_NAP_S)
+

@@ -26,10 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
-from psrt.comm.base import Communicator, ReduceOp, Request
+from psrt.comm.base import Communicator, Persistent, ReduceOp, Request
 from psrt.engine.work import Announcement, Work, WorkKey
 from psrt.engine.mismatch import describe_mismatch
 
@@ -99,46 +98,59 @@ class Negotiator:
         self.cache = ResponseCache(cache_capacity)
         self.table: dict[WorkKey, _Pending] = {}
         self.joined: list[int] = []
+        self.rounds = 0  # rounds held so far: the same number on every rank
         self._join_started = 0.0  # when the first rank of the current join joined
-        self._idle = np.zeros(0, dtype=np.uint8)
-        self._idle_state: tuple = (0, ())
+        self._fast: tuple[memoryview, bytes, Persistent] | None = None
+        self._fast_key: tuple = (-1, ())
 
     # -- the fast path -------------------------------------------------------------
-    def _idle_ready(self) -> np.ndarray:
-        """Per cached entry, whether this rank counts as ready without having the work: it
-        is not a member of the entry's set, or it has joined and the entry is an allreduce.
-        Recomputed only when the cache or the joined ranks change."""
+    def _fast_state(self) -> tuple[memoryview, bytes, Persistent]:
+        """The round's vector (as bytes to write and read), its template and the persistent
+        allreduce over it, rebuilt (collectively: the cache and the joined ranks change
+        alike on every rank) when the cache grows or ranks join.  The template holds, per
+        cached entry, whether this rank counts as ready without having the work: it is not
+        a member of the entry's set, or it has joined and the entry is an allreduce."""
         state = (len(self.cache), tuple(self.joined))
-        if state != self._idle_state:
+        if state != self._fast_key:
             joined = self.rank in self.joined
-            self._idle = np.fromiter(
-                (self.rank not in e.ranks or (joined and e.reduction is not None)
-                 for e in self.cache.entries), dtype=np.uint8, count=len(self.cache))
-            self._idle_state = state
-        return self._idle
+            n = len(self.cache)
+            template = bytearray(b"\x01" * (1 + 2 * n))
+            template[1:1 + n] = bytes(self.rank not in e.ranks or (joined and e.reduction is not None)
+                                      for e in self.cache.entries)
+            vector = torch.frombuffer(bytearray(template), dtype=torch.uint8)
+            if self._fast is not None:
+                self._fast[2].free()
+            self._fast = (memoryview(vector.numpy()), bytes(template),
+                          self.comm.persistent_allreduce(vector, ReduceOp.MIN))
+            self._fast_key = state
+        return self._fast
 
-    def _fast_vector(self, local: dict[WorkKey, Work]) -> np.ndarray:
+    def _fast_round(self, local: dict[WorkKey, Work], need_slow: bool,
+                    wait: Callable[[Request], None]) -> tuple[list[Response], bool, bool]:
+        """(responses, whether the slow path follows, whether a cached work is still waiting).
+
+        The vector is one MIN-allreduce: a control byte (0: somebody needs the slow path),
+        then per cached entry ``ready`` (1 unless a member lacks the work) and ``absent``
+        (0 if some rank holds the work).  Plain byte operations: a round carries a few
+        works, where numpy's per-call cost would dominate."""
+        vector, template, allreduce = self._fast_state()
+        vector[:] = template
         n = len(self.cache)
-        vector = np.ones(1 + 2 * n, dtype=np.uint8)
-        vector[1:1 + n] = self._idle_ready()
         for work in local.values():
             if work.cache_index is not None and not work.reported:
                 vector[1 + work.cache_index] = 1
                 vector[1 + n + work.cache_index] = 0
-        return vector
-
-    def _fast_round(self, local: dict[WorkKey, Work], need_slow: bool,
-                    wait: Callable[[Request], None]) -> tuple[list[Response], bool, bool]:
-        """(responses, whether the slow path follows, whether a cached work is still waiting)."""
-        vector = self._fast_vector(local)
         vector[0] = 0 if need_slow else 1
-        tensor = torch.from_numpy(vector)
-        wait(self.comm.iallreduce(tensor, ReduceOp.MIN))
-        n = len(self.cache)
-        ready, held = vector[1:1 + n], vector[1 + n:] == 0
-        hits = np.flatnonzero(ready & held)
-        waiting = bool((held & (ready == 0)).any())
-        return [Response(self.cache.entries[i]) for i in hits.tolist()], vector[0] == 0, waiting
+        wait(allreduce.start())
+        absent = bytes(vector[1 + n:])
+        held = []
+        index = absent.find(0)
+        while index >= 0:
+            held.append(index)
+            index = absent.find(0, index + 1)
+        hits = [i for i in held if vector[1 + i]]
+        entries = self.cache.entries
+        return [Response(entries[i]) for i in hits], vector[0] == 0, len(hits) < len(held)
 
     # -- the slow path -------------------------------------------------------------
     def _slow_round(self, announcements: list[Announcement], join: bool,
@@ -185,6 +197,13 @@ class Negotiator:
                                    "allreduce is supported")
         return Response(first)
 
+    def close(self) -> None:
+        """Free the round's allreduce and the communicator (after the last round)."""
+        if self._fast is not None:
+            self._fast[2].free()
+            self._fast = None
+        self.comm.free()
+
     def forget_involving(self, gone: set[int]) -> None:
         """Drop announced works whose process set includes a rank that has shut down, and
         the current join: they can never complete (identical on every rank, as the table is)."""
@@ -199,6 +218,7 @@ class Negotiator:
               shutdown: bool, wait: Callable[[Request], None]) -> RoundResult:
         """Negotiate: ``local`` are this rank's unfinished works, ``fresh`` those that
         need announcing now (new to the cache, or waited too long)."""
+        self.rounds += 1
         need_slow = bool(fresh or join or shutdown or self.table)
         responses, slow, waiting = self._fast_round(local, need_slow, wait)
         if not slow:

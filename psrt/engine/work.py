@@ -118,6 +118,8 @@ class Work:
         self.ready: float | None = None
         self.reported = False  # announced through the slow path: resolved by the shared table
         self.cache_index: int | None = None  # its response-cache entry, if it matched one
+        # Set on submission: runs the engine on the waiting thread until this work is done.
+        self.driver: Callable[[Work], None] | None = None
 
     @property
     def key(self) -> WorkKey:
@@ -140,12 +142,18 @@ class Work:
     def done(self) -> bool:
         return not self._pending.locked()
 
-    def wait(self) -> None:
-        with self._pending:
-            pass
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until done (at most ``timeout`` seconds); whether it is."""
+        if self._pending.acquire(timeout=-1 if timeout is None else timeout):
+            self._pending.release()
+            return True
+        return False
 
     def result(self) -> object:
-        """Wait, then return the output (or raise the error every rank got)."""
+        """Wait (driving the engine meanwhile), then return the output (or raise the error
+        every rank got)."""
+        if self.driver is not None and not self.done():
+            self.driver(self)
         self.wait()
         if self.error is not None:
             raise self.error

@@ -25,20 +25,41 @@ def make_work(collective: str, name: str | None, process_set: ProcessSet, ranks:
               buffers: list[torch.Tensor] | None = None, reduction: Reduction | None = None,
               execute: Callable[[Communicator, Communicator], object] | None = None,
               finish: Callable[[object], object] = lambda value: value) -> Work:
-    """A work for the engine.  Unnamed ops get Horovod's counter-based name and stay out
-    of the response cache, since their names never repeat."""
+    """A work for the engine (see :func:`announce`)."""
+    return Work(announce(collective, name, process_set, ranks, descriptor, reduction), device=device,
+                buffers=buffers, execute=execute, finish=finish)
+
+
+def announce(collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
+             descriptor: Descriptor, reduction: Reduction | None = None) -> Announcement:
+    """What ranks negotiate about a call.  Unnamed ops get Horovod's counter-based name and
+    stay out of the response cache, since their names never repeat."""
     engine = runtime.current().engine
-    announcement = Announcement(
+    return Announcement(
         key=(process_set.process_set_id, name if name is not None else engine.unnamed(collective)),
         ranks=tuple(ranks), descriptor=(("collective", collective), *descriptor),
         reduction=reduction, cacheable=name is not None)
-    return Work(announcement, device=device, buffers=buffers, execute=execute, finish=finish)
+
+
+def remembered(signature: tuple) -> Announcement | None:
+    """The announcement of an earlier call with the same signature (see :func:`remember`)."""
+    return runtime.current().engine.announcements.get(signature)
+
+
+def remember(signature: tuple, announcement: Announcement) -> None:
+    """Keep ``announcement`` for later calls whose arguments give the same ``signature``
+    (on the runtime's engine, so a new runtime starts afresh); bounded like the response
+    cache, whose entries these mostly are."""
+    engine = runtime.current().engine
+    if len(engine.announcements) < runtime.current().config.cache_capacity:
+        engine.announcements[signature] = announcement
 
 
 def submit(work: Work, blocking: bool) -> object:
-    """Hand a work to the engine; wait and return its output, or return a handle."""
-    runtime.current().engine.submit(work)
-    return work.result() if blocking else register(work)
+    """Hand a work to the engine and return a handle, or run it (on this thread, see
+    :meth:`Engine.run`) and return its output."""
+    engine = runtime.current().engine
+    return engine.run(work) if blocking else register(engine.submit(work))
 
 
 def contiguous_buffer(tensor: torch.Tensor) -> torch.Tensor:

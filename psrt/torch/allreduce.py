@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from psrt.engine import Piece, Reduction
+from psrt.engine import Piece, Reduction, Work
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
@@ -57,28 +57,48 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | Non
     for buffer in buffers:
         _common.scale_(buffer, pre)
 
-    def finish(_: object) -> torch.Tensor | list[torch.Tensor]:
-        for buffer, fold in zip(buffers, folds):
-            if fold is None:
-                _common.postscale_(buffer, op is ReduceOp.Average, post, len(ranks))
-        outputs = [_common.write_back(t, b) for t, b in zip(tensors, buffers)] if in_place else buffers
-        return outputs if grouped else outputs[0]
+    if all(f is not None for f in folds) and all(b is t for b, t in zip(buffers, tensors)):
+        output = tensors if grouped else tensors[0]  # reduced where it lies, scale folded in
 
+        def finish(_: object) -> torch.Tensor | list[torch.Tensor]:
+            return output
+    else:
+        def finish(_: object) -> torch.Tensor | list[torch.Tensor]:
+            for buffer, fold in zip(buffers, folds):
+                if fold is None:
+                    _common.postscale_(buffer, op is ReduceOp.Average, post, len(ranks))
+            outputs = [_common.write_back(t, b) for t, b in zip(tensors, buffers)] if in_place else buffers
+            return outputs if grouped else outputs[0]
+
+    if op is ReduceOp.Adasum:  # not elementwise: the engine cannot fuse it, it runs on its own
+        return _common.make_work("allreduce", name, process_set, ranks, _descriptor(tensors, op, pre, post),
+                                 tensors[0].device, execute=lambda host, _: adasum.allreduce_(host, buffers),
+                                 finish=finish)
+    # Repeated calls (a training loop's) reuse the announcement: building it costs more
+    # than the rest of a small allreduce's Python.
+    signature = (process_set.process_set_id, name, op, pre, post, len(ranks),
+                 *[(t.dtype, t.shape, t.device) for t in tensors])
+    announcement = _common.remembered(signature) if name is not None else None
+    if announcement is None:
+        reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
+                              tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
+                                    for t, f in zip(tensors, folds)))
+        announcement = _common.announce("allreduce", name, process_set, ranks,
+                                        _descriptor(tensors, op, pre, post), reduction)
+        if name is not None:
+            _common.remember(signature, announcement)
+    return Work(announcement, device=tensors[0].device, buffers=buffers, finish=finish)
+
+
+def _descriptor(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: float) -> tuple:
+    """What every rank's call must agree on."""
     if len(tensors) == 1:
         layout = (("dtype", tensors[0].dtype), ("shape", tuple(tensors[0].shape)))
     else:
         layout = (("dtypes", tuple(t.dtype for t in tensors)),
                   ("shapes", tuple(tuple(t.shape) for t in tensors)))
-    descriptor = (*layout, ("device", tensors[0].device.type), ("op", op.name),
-                  ("prescale_factor", pre), ("postscale_factor", post))
-    if op is ReduceOp.Adasum:  # not elementwise: the engine cannot fuse it, it runs on its own
-        return _common.make_work("allreduce", name, process_set, ranks, descriptor, tensors[0].device,
-                                 execute=lambda host, _: adasum.allreduce_(host, buffers), finish=finish)
-    reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
-                          tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
-                                for t, f in zip(tensors, folds)))
-    return _common.make_work("allreduce", name, process_set, ranks, descriptor, tensors[0].device,
-                             buffers=buffers, reduction=reduction, finish=finish)
+    return (*layout, ("device", tensors[0].device.type), ("op", op.name),
+            ("prescale_factor", pre), ("postscale_factor", post))
 
 
 def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,

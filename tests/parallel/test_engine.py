@@ -24,7 +24,8 @@ CHECKS = [
     "mismatch_after_the_name_was_cached", "join_with_uneven_steps",
     "join_refuses_other_collectives", "barrier_with_async_ops_outstanding",
     "remove_process_set_refuses_while_its_ops_are_pending",
-    "timeline_records_each_phase",
+    "timeline_records_each_phase", "mixed_blocking_and_async_in_random_orders",
+    "quiet_engines_hold_no_rounds_and_wake_when_rung",
 ]
 JOBS = [(2, {}), (4, {}), (2, {"PSRT_FUSION_THRESHOLD": "0"}),
         (2, {"PSRT_FUSION_THRESHOLD": "1024"})]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import tempfile
 import time
 import zlib
@@ -199,6 +200,58 @@ def remove_process_set_refuses_while_its_ops_are_pending(key: str) -> None:
     assert process_set.process_set_id is None, f"{key}: the set is still registered"
 
 
+def mixed_blocking_and_async_in_random_orders(key: str) -> None:
+    """10,000 calls per rank: in each batch of 20 names the blocking ones come in one order
+    on every rank (as they must) and the asynchronous ones at places and in an order each
+    rank draws for itself; every result is exact."""
+    rank, size = hvd.rank(), hvd.size()
+    shared, mine = random.Random(zlib.crc32(key.encode())), random.Random(rank)
+    values = torch.arange(size, dtype=torch.float64)
+    for batch in range(500):
+        names = [f"{key}/{batch % 7}/{i}" for i in range(20)]  # names repeat: the cache applies
+        blocking = [n for n in names if shared.random() < 0.3]
+        calls = list(blocking)
+        for n in names:
+            if n not in blocking:
+                calls.insert(mine.randrange(len(calls) + 1), n)
+        handles = {}
+        for n in calls:
+            tensor = torch.full((1 + zlib.crc32(n.encode()) % 5,), values[rank] + batch)
+            if n in blocking:
+                assert_equal(hvd.allreduce(tensor, name=n, op=hvd.Sum), torch.full_like(tensor, values.sum()
+                                                                                      + size * batch), n)
+            else:
+                handles[n] = hvd.allreduce_async_(tensor, name=n, op=hvd.Sum)
+        for n in mine.sample(list(handles), len(handles)):
+            got = hvd.synchronize(handles[n])
+            assert_equal(got, torch.full_like(got, values.sum() + size * batch), f"{key} batch {batch} {n}")
+
+
+def quiet_engines_hold_no_rounds_and_wake_when_rung(key: str) -> None:
+    """Once no rank has work, no engine negotiates (the round count stands still); a rank
+    without work of its own, busy elsewhere, is rung into the rounds another rank's
+    collective needs (here: on a process set without it)."""
+    rank, size = hvd.rank(), hvd.size()
+    hvd.allreduce(torch.ones(1), name=key, op=hvd.Sum)
+    negotiator = psrt.runtime.current().engine._negotiator
+    before = negotiator.rounds
+    time.sleep(0.3)
+    assert negotiator.rounds == before, f"{key}: {negotiator.rounds - before} rounds while every engine was quiet"
+    hvd.barrier()
+    others = hvd.add_process_set(list(range(size - 1))) if size > 1 else None
+    if rank < size - 1:
+        start = time.monotonic()
+        for i in range(20):
+            assert_equal(hvd.allreduce(torch.ones(2), name=f"{key}/{i}", op=hvd.Sum, process_set=others),
+                         torch.full((2,), float(size - 1)), key)
+        assert time.monotonic() - start < 5, f"{key}: 20 allreduces took {time.monotonic() - start:.1f} s"
+    else:
+        time.sleep(0.5)  # no psrt call: only the doorbell brings this rank's engine into the rounds
+    hvd.barrier()
+    if others is not None:
+        hvd.remove_process_set(others)
+
+
 def timeline_records_each_phase(key: str) -> None:
     rank = hvd.rank()
     path = os.path.join(tempfile.gettempdir(), f"psrt-timeline-{os.getppid()}.json")
@@ -247,6 +300,8 @@ def main() -> None:
         ("remove_process_set_refuses_while_its_ops_are_pending",
          remove_process_set_refuses_while_its_ops_are_pending),
         ("timeline_records_each_phase", timeline_records_each_phase),
+        ("mixed_blocking_and_async_in_random_orders", mixed_blocking_and_async_in_random_orders),
+        ("quiet_engines_hold_no_rounds_and_wake_when_rung", quiet_engines_hold_no_rounds_and_wake_when_rung),
     ]:
         checks.add(name, function)
     _harness.run(checks)
