@@ -36,7 +36,7 @@ import warnings
 import weakref
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -163,8 +163,7 @@ class _DistributedOptimizer:
         if op == Adasum:  # the parameter changes exist only once step() has run
             self._overlap = False
         elif self._overlap is None:
-            self._overlap = overlap_pays({p.device for p in ordered}, hvd.local_size(), _usable_cores(),
-                                         torch.get_num_threads())
+            self._overlap = overlap_pays_here(ordered)
         self._synchronized = False
         self._should_synchronize = True
         self._params = ordered
@@ -326,6 +325,12 @@ class _DistributedOptimizer:
         self._counts = [0] * len(self._params)
         for bucket in self._buckets:
             bucket.waiting = len(bucket.members)
+
+
+def overlap_pays_here(params: Iterable[torch.Tensor]) -> bool:
+    """:func:`overlap_pays` for this process's ranks, cores and torch threads: the default
+    of every optimizer that can overlap communication with backward."""
+    return overlap_pays({p.device for p in params}, hvd.local_size(), _usable_cores(), torch.get_num_threads())
 
 
 def _usable_cores() -> int:

@@ -27,6 +27,7 @@ import torch
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
+from psrt.torch.optimizer import overlap_pays_here
 from psrt.zero import comm
 from psrt.zero.flat import ShardedGroup
 from psrt.zero.precision import LossScaler
@@ -58,7 +59,8 @@ class ZeroOptimizer:
     for forward and backward, and keeps master weights and optimizer state in the parameters'
     own dtype on the owning shard; float16 uses dynamic loss scaling (:meth:`scale_loss`)
     unless ``loss_scale`` fixes it.  ``overlap`` starts each bucket's reduce-scatter during
-    backward (stages 2 and 3).  ``reduce_bucket_size`` and ``allgather_bucket_size`` are in
+    backward (stages 2 and 3): by default where it can pay, as for ``DistributedOptimizer``
+    (see ``psrt.torch._buckets.overlap_pays``).  ``reduce_bucket_size`` and ``allgather_bucket_size`` are in
     elements (:data:`REDUCE_BUCKET_SIZE`, :data:`ALLGATHER_BUCKET_SIZE`).  Every rank of
     ``process_set`` must wrap the same model, in the same order relative to other ZeRO
     optimizers over that set, and run backward through it before each step.
@@ -67,7 +69,7 @@ class ZeroOptimizer:
     def __init__(self, model: torch.nn.Module, optimizer_class: type, *, stage: int = 2,
                  process_set: ProcessSet = global_process_set, compute_dtype: torch.dtype | None = None,
                  loss_scale: float | str | None = None, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,
-                 allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE, overlap: bool = True,
+                 allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE, overlap: bool | None = None,
                  **optimizer_kwargs) -> None:
         self.loss_scaler = LossScaler.create(loss_scale, compute_dtype, process_set)
         layout = plan_layout(model, optimizer_class, optimizer_kwargs, stage=stage, process_set=process_set,
@@ -75,7 +77,7 @@ class ZeroOptimizer:
                              allgather_bucket_size=allgather_bucket_size, overlap=overlap)
         self.model, self.stage, self.process_set = model, stage, process_set
         self.partition, self.param_names, self.shard_index = layout.partition, layout.names, layout.shard
-        self.overlap = overlap
+        self.overlap = overlap_pays_here(layout.params) if overlap is None else overlap
         counter = _instances.setdefault(process_set.process_set_id, itertools.count())
         name = f"zero.set{process_set.process_set_id}.{next(counter)}"
         self.groups = [ShardedGroup(f"{name}.{index}", self.partition, index, [layout.params[i] for i in flat.params],

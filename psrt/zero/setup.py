@@ -40,7 +40,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs: dict, *, stage: int,
                 process_set: ProcessSet, compute_dtype: torch.dtype | None, reduce_bucket_size: int,
-                allgather_bucket_size: int, overlap: bool) -> Layout:
+                allgather_bucket_size: int, overlap: bool | None) -> Layout:
     """Check the arguments, then (one collective) that every rank wraps the same model; nothing
     is changed yet, so an error leaves the model as it was."""
     _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dtype, reduce_bucket_size,
@@ -86,8 +86,8 @@ def _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dt
                         ("allgather_bucket_size", allgather_bucket_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgumentError(f"{what} must be a positive int (elements), got {value!r}")
-    if not isinstance(overlap, bool):
-        raise ArgumentTypeError(f"overlap must be a bool, got {overlap!r}")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise ArgumentTypeError(f"overlap must be a bool or None, got {overlap!r}")
     try:  # the optimizer's own argument checks, on a stand-in parameter
         optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
     except (TypeError, ValueError) as exc:

@@ -259,3 +259,12 @@ def test_overlap_left_unset_is_decided_for_this_host(world_of_one):
     optimizer = wrapped(model, bucketing=Bucketing())
     assert optimizer._overlap is overlap_pays([torch.device("cpu")], 1, len(os.sched_getaffinity(0)),
                                               torch.get_num_threads())
+
+
+@pytest.mark.parametrize("overlap", [None, True, False])
+def test_zero_optimizer_overlaps_by_the_same_policy_unless_told(world_of_one, monkeypatch, overlap):
+    from psrt.zero import ZeroOptimizer
+    for host_pays in (True, False):
+        monkeypatch.setattr("psrt.zero.optimizer.overlap_pays_here", lambda params: host_pays)
+        zero = ZeroOptimizer(torch.nn.Linear(3, 2), torch.optim.SGD, stage=2, overlap=overlap, lr=0.1)
+        assert zero.overlap is (host_pays if overlap is None else overlap)
