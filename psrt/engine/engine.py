@@ -17,6 +17,7 @@ after ``stall_check_time_s`` naming the ranks to blame and ends the job after
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -107,7 +108,7 @@ class Engine:
         with self._lock:
             if self._stopped is not None:
                 raise EngineStoppedError(f"cannot run {work.announcement.describe()}: {self._stopped}")
-            gone = sorted(self._gone.intersection(work.announcement.ranks))
+            gone = sorted(self._gone.intersection(work.announcement.ranks)) if self._gone else None
             if gone:
                 raise EngineStoppedError(f"cannot run {work.announcement.describe()}: {_shut_down_by(gone)}")
             if work.key in self._in_flight:
@@ -257,7 +258,8 @@ class Engine:
     def _cycle(self) -> float | None:
         """Negotiate once and run what every rank is ready for.  Returns how long to wait
         before the next cycle, or None when every rank's engine is quiet."""
-        self._wake.clear()
+        if self._wake.is_set():
+            self._wake.clear()
         with self._lock:
             arrived, self._queue = self._queue, []
             join = self._join_requested and not self._join_sent
@@ -273,11 +275,13 @@ class Engine:
         with self._round_mark():
             result = self._negotiator.round(self._local, fresh, join, stop, self._wait_for_round)
         self._join_sent, self._stop_sent = self._join_sent or join, self._stop_sent or stop
-        now = time.perf_counter()
-        for work in self._local.values():
-            if work.negotiated is None:
-                work.negotiated = now
-        self._execute(result.responses)
+        if timeline is not None:  # phases are stamped only for the timeline
+            now = time.perf_counter()
+            for work in self._local.values():
+                if work.negotiated is None:
+                    work.negotiated = now
+        if result.responses:
+            self._execute(result.responses, timeline is not None)
         if result.join_completed is not None:
             self._join_value, self._join_sent = result.join_completed, False
             with self._lock:
@@ -350,29 +354,35 @@ class Engine:
             work.cache_index = cache.lookup(work.announcement)
             if work.cache_index is None:
                 fresh.append(work)
-        overdue = time.perf_counter() - self._report_after
-        seen = set(map(id, fresh))
-        fresh += [w for w in self._local.values()
-                  if not w.reported and w.submitted < overdue and id(w) not in seen]
+        if len(self._local) > len(arrived):  # some waited from earlier cycles
+            overdue = time.perf_counter() - self._report_after
+            seen = set(map(id, fresh))
+            fresh += [w for w in self._local.values()
+                      if not w.reported and w.submitted < overdue and id(w) not in seen]
         return fresh
 
     # -- execution --------------------------------------------------------------------------
-    def _execute(self, responses: list[Response]) -> None:
-        now = time.perf_counter()
-        for response in responses:
-            work = self._local.get(response.announcement.key)
-            if work is not None:
-                work.ready = now
-        for batch in fusion.plan(responses, self._config.fusion_threshold):
-            first = batch.responses[0].announcement
-            more = f" (fused with {len(batch.responses) - 1} more)" if len(batch.responses) > 1 else ""
-            with self._watchdog.waiting("an engine collective",
-                                        lambda: f"rank {self.rank}'s {first.describe()}{more} over ranks "
-                                                f"{rank_ranges(first.ranks)}", first.ranks):
+    def _execute(self, responses: list[Response], stamped: bool) -> None:
+        if stamped:
+            now = time.perf_counter()
+            for response in responses:
+                work = self._local.get(response.announcement.key)
+                if work is not None:
+                    work.ready = now
+        batches = [fusion.Batch(responses)] if len(responses) == 1 else \
+            fusion.plan(responses, self._config.fusion_threshold)
+        for batch in batches:
+            with self._watchdog.waiting("an engine collective", functools.partial(self._describe_batch, batch),
+                                        batch.responses[0].announcement.ranks):
                 if batch.fused:
                     self._allreduce(batch.responses)
                 else:
                     self._run_one(batch.responses[0])
+
+    def _describe_batch(self, batch: fusion.Batch) -> str:
+        first = batch.responses[0].announcement
+        more = f" (fused with {len(batch.responses) - 1} more)" if len(batch.responses) > 1 else ""
+        return f"rank {self.rank}'s {first.describe()}{more} over ranks {rank_ranges(first.ranks)}"
 
     def _take(self, response: Response) -> Work | None:
         return self._local.pop(response.announcement.key, None)
@@ -385,10 +395,11 @@ class Engine:
         # A member without the work has joined: it contributes zeros.
         buffers = [b for w, r in zip(works, responses)
                    for b in (w.buffers if w is not None else r.announcement.reduction.zeros())]
-        pieces = [p for r in responses for p in r.announcement.reduction.pieces]
+        pieces = first.reduction.pieces if len(responses) == 1 else \
+            [p for r in responses for p in r.announcement.reduction.pieces]
         comm = self._data_comm(first.reduction.set_id, buffers[0].device)
         phases: list[tuple[str, float, float]] = []
-        for message in fusion.messages(pieces):
+        for message in ([[0]] if len(pieces) == 1 else fusion.messages(pieces)):
             piece = pieces[message[0]]
             self._reduce_message([buffers[i] for i in message], first.reduction.op, piece.scale,
                                  comm, phases)

@@ -41,18 +41,18 @@ def announce(collective: str, name: str | None, process_set: ProcessSet, ranks: 
         reduction=reduction, cacheable=name is not None)
 
 
-def remembered(signature: tuple) -> Announcement | None:
-    """The announcement of an earlier call with the same signature (see :func:`remember`)."""
+def remembered(signature: tuple) -> object:
+    """What an earlier call with the same signature worked out (see :func:`remember`)."""
     return runtime.current().engine.announcements.get(signature)
 
 
-def remember(signature: tuple, announcement: Announcement) -> None:
-    """Keep ``announcement`` for later calls whose arguments give the same ``signature``
-    (on the runtime's engine, so a new runtime starts afresh); bounded like the response
-    cache, whose entries these mostly are."""
-    engine = runtime.current().engine
-    if len(engine.announcements) < runtime.current().config.cache_capacity:
-        engine.announcements[signature] = announcement
+def remember(signature: tuple, known: object) -> None:
+    """Keep what a call worked out (its announcement, ...) for later calls whose arguments
+    give the same ``signature``; on the runtime's engine, so a new runtime starts afresh, and
+    bounded like the response cache, whose entries these mostly are."""
+    current = runtime.current()
+    if len(current.engine.announcements) < current.config.cache_capacity:
+        current.engine.announcements[signature] = known
 
 
 def submit(work: Work, blocking: bool) -> object:

@@ -50,14 +50,32 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | Non
     if op is ReduceOp.Adasum:
         adasum.check_arguments(tensors, len(ranks), "grouped_allreduce" if grouped else "allreduce")
     if in_place:
-        buffers = [_common.contiguous_buffer(t) for t in tensors]
+        buffers = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     else:
         buffers = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-    folds = [_folded_scale(t, op, post, len(ranks)) for t in tensors]
-    for buffer in buffers:
-        _common.scale_(buffer, pre)
+    if pre != 1.0:
+        for buffer in buffers:
+            _common.scale_(buffer, pre)
+    # Repeated calls (a training loop's) reuse what their first call worked out: building
+    # it costs more than the rest of a small allreduce's Python.
+    signature = (process_set.process_set_id, name, op, pre, post, len(ranks),
+                 *[(t.dtype, t.shape, t.device) for t in tensors])
+    known = _common.remembered(signature) if name is not None else None
+    if known is None:
+        folds = [_folded_scale(t, op, post, len(ranks)) for t in tensors]
+        announcement = None
+        if op is not ReduceOp.Adasum:
+            reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
+                                  tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
+                                        for t, f in zip(tensors, folds)))
+            announcement = _common.announce("allreduce", name, process_set, ranks,
+                                            _descriptor(tensors, op, pre, post), reduction)
+            if name is not None:
+                _common.remember(signature, (announcement, folds))
+    else:
+        announcement, folds = known
 
-    if all(f is not None for f in folds) and all(b is t for b, t in zip(buffers, tensors)):
+    if None not in folds and all(b is t for b, t in zip(buffers, tensors)):
         output = tensors if grouped else tensors[0]  # reduced where it lies, scale folded in
 
         def finish(_: object) -> torch.Tensor | list[torch.Tensor]:
@@ -74,19 +92,6 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | Non
         return _common.make_work("allreduce", name, process_set, ranks, _descriptor(tensors, op, pre, post),
                                  tensors[0].device, execute=lambda host, _: adasum.allreduce_(host, buffers),
                                  finish=finish)
-    # Repeated calls (a training loop's) reuse the announcement: building it costs more
-    # than the rest of a small allreduce's Python.
-    signature = (process_set.process_set_id, name, op, pre, post, len(ranks),
-                 *[(t.dtype, t.shape, t.device) for t in tensors])
-    announcement = _common.remembered(signature) if name is not None else None
-    if announcement is None:
-        reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
-                              tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
-                                    for t, f in zip(tensors, folds)))
-        announcement = _common.announce("allreduce", name, process_set, ranks,
-                                        _descriptor(tensors, op, pre, post), reduction)
-        if name is not None:
-            _common.remember(signature, announcement)
     return Work(announcement, device=tensors[0].device, buffers=buffers, finish=finish)
 
 
