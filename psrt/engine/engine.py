@@ -84,7 +84,8 @@ class Engine:
         self._join_sent = self._stop_sent = False
         self._driving: int | None = None  # the thread running a cycle
         self._last_submit = 0.0  # when asynchronous work last arrived
-        self._round_marks: dict[int, Wait] = {}  # per driving thread (see Watchdog.waiting)
+        self._thread_marks: dict[int, tuple[Wait, Wait]] = {}  # per driving thread (see _marks)
+        self._data_comms: dict[tuple[int, torch.device], Communicator] = {}
         self._local: dict[WorkKey, Work] = {}
         self._fusion = fusion.FusionBuffers()
         self._report_after = min(_REPORT_AFTER_S, config.stall_check_time_s / 4)
@@ -272,7 +273,7 @@ class Engine:
         if timeline is not None:
             timeline.cycle(time.perf_counter())
         fresh = self._accept(arrived)
-        with self._round_mark():
+        with self._marks(threading.get_ident())[0]:
             result = self._negotiator.round(self._local, fresh, join, stop, self._wait_for_round)
         self._join_sent, self._stop_sent = self._join_sent or join, self._stop_sent or stop
         if timeline is not None:  # phases are stamped only for the timeline
@@ -301,14 +302,15 @@ class Engine:
             return 0.0
         return self._config.cycle_time_ms / 1000
 
-    def _round_mark(self) -> Wait:
-        """The driving thread's mark for negotiation rounds (a mark serves one thread)."""
-        ident = threading.get_ident()
-        mark = self._round_marks.get(ident)
-        if mark is None:
-            mark = self._round_marks[ident] = self._watchdog.waiting(
-                "an engine negotiation round", self._describe_round, self._everyone)
-        return mark
+    def _marks(self, thread: int) -> tuple[Wait, Wait]:
+        """A driving thread's marks for negotiation rounds and for collectives (a mark serves
+        one thread; the collective's says what it runs when it is entered)."""
+        marks = self._thread_marks.get(thread)
+        if marks is None:
+            marks = self._thread_marks[thread] = (
+                self._watchdog.waiting("an engine negotiation round", self._describe_round, self._everyone),
+                self._watchdog.waiting("an engine collective", "", self._everyone))
+        return marks
 
     def _wait_for_round(self, request: Request) -> None:
         """Wait for a negotiation round as every psrt wait does (:mod:`psrt.comm.poll`).
@@ -371,9 +373,10 @@ class Engine:
                     work.ready = now
         batches = [fusion.Batch(responses)] if len(responses) == 1 else \
             fusion.plan(responses, self._config.fusion_threshold)
+        mark = self._marks(threading.get_ident())[1]
         for batch in batches:
-            with self._watchdog.waiting("an engine collective", functools.partial(self._describe_batch, batch),
-                                        batch.responses[0].announcement.ranks):
+            mark.what, mark.peers = functools.partial(self._describe_batch, batch), batch.responses[0].announcement.ranks
+            with mark:
                 if batch.fused:
                     self._allreduce(batch.responses)
                 else:
@@ -446,7 +449,12 @@ class Engine:
         return self._topology.communicator(self._topology.process_set(set_id))
 
     def _data_comm(self, set_id: int, device: torch.device) -> Communicator:
-        return self._topology.transport(self._topology.process_set(set_id), device)
+        """Looked up once per set and device (set ids are never reused)."""
+        comm = self._data_comms.get((set_id, device))
+        if comm is None:
+            comm = self._data_comms[(set_id, device)] = self._topology.transport(
+                self._topology.process_set(set_id), device)
+        return comm
 
     def _finish(self, work: Work, value: object, error: BaseException | None,
                 phases: tuple) -> None:

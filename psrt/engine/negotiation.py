@@ -101,7 +101,7 @@ class Negotiator:
         self.rounds = 0  # rounds held so far: the same number on every rank
         self._join_started = 0.0  # when the first rank of the current join joined
         self._fast: tuple[memoryview, bytes, Persistent] | None = None
-        self._fast_key: tuple = (-1, ())
+        self._fast_key: tuple[int, list[int]] = (-1, [])
 
     # -- the fast path -------------------------------------------------------------
     def _fast_state(self) -> tuple[memoryview, bytes, Persistent]:
@@ -110,8 +110,7 @@ class Negotiator:
         alike on every rank) when the cache grows or ranks join.  The template holds, per
         cached entry, whether this rank counts as ready without having the work: it is not
         a member of the entry's set, or it has joined and the entry is an allreduce."""
-        state = (len(self.cache), tuple(self.joined))
-        if state != self._fast_key:
+        if len(self.cache) != self._fast_key[0] or self.joined != self._fast_key[1]:
             joined = self.rank in self.joined
             n = len(self.cache)
             template = bytearray(b"\x01" * (1 + 2 * n))
@@ -122,7 +121,7 @@ class Negotiator:
                 self._fast[2].free()
             self._fast = (memoryview(vector.numpy()), bytes(template),
                           self.comm.persistent_allreduce(vector, ReduceOp.MIN))
-            self._fast_key = state
+            self._fast_key = (n, list(self.joined))
         return self._fast
 
     def _fast_round(self, local: dict[WorkKey, Work], need_slow: bool,
