@@ -53,8 +53,10 @@ class ResponseCache:
     def lookup(self, announcement: Announcement) -> int | None:
         """The entry's index if the same work (key and descriptor) is cached."""
         index = self._index.get(announcement.key)
-        if index is not None and self.entries[index] == announcement:
-            return index
+        if index is not None:
+            entry = self.entries[index]  # often the very announcement: callers reuse theirs
+            if entry is announcement or entry == announcement:
+                return index
         return None
 
     def add(self, announcement: Announcement) -> None:
