@@ -203,8 +203,12 @@ def install_abort_on_exception() -> None:
         try:
             previous(kind, exc, tb)
         except Exception:  # the user's hook failed: still show the error
-            traceback.print_exception(kind, exc, tb)
+            traceback.print_exception(kind, exc, tb, file=sys.__stderr__)
         if _job_size() > 1:
+            if sys.stderr is not sys.__stderr__:
+                # A hook installed after this one (torch.distributed's) captures stderr to
+                # print it later, which the abort prevents: show the traceback now.
+                traceback.print_exception(kind, exc, tb, file=sys.__stderr__)
             abort_job(describe_exception(exc))
 
     sys.excepthook = abort_on_exception
@@ -230,7 +234,8 @@ def abort_job(how: str) -> None:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    print(FAILURE_MARKER.format(rank=world.Get_rank(), how=how), file=sys.stderr)
-    sys.stderr.flush()
-    sys.stdout.flush()
+    # The process's own stderr: sys.stderr may be a capture that the abort never prints.
+    print(FAILURE_MARKER.format(rank=world.Get_rank(), how=how), file=sys.__stderr__)
+    for stream in (sys.stderr, sys.__stderr__, sys.stdout):
+        stream.flush()
     world.Abort(1)

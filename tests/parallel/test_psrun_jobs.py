@@ -118,6 +118,34 @@ def test_uncaught_exception_names_rank_and_exception(tmp_path: Path) -> None:
     assert ended - failed_at(done.stdout) < PROMPT_END_S
 
 
+def test_uncaught_exception_shows_even_under_torch_distributed_hook(tmp_path: Path) -> None:
+    # torch.distributed started after psrt wraps the excepthook and captures stderr to print
+    # it later, which the abort used to prevent: the job ended with no traceback and no reason.
+    script = """\
+        import socket
+        import psrt
+        import torch.distributed as dist
+        psrt.init()
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        port = None
+        if comm.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        port = comm.bcast(port)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
+                                world_size=comm.size)
+        if comm.rank == 1:
+            raise ValueError("boom under gloo")
+        comm.barrier()
+    """
+    done, _ = psrun("-np", "2", script=script, tmp_path=tmp_path)
+    assert done.returncode != 0
+    assert "ValueError: boom under gloo" in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == "psrun: rank 1 failed first: raised ValueError: boom under gloo", done.stderr
+
+
 def test_ctrl_c_is_passed_to_mpirun_and_ends_the_job(tmp_path: Path) -> None:
     script = tmp_path / "sleep.py"
     script.write_text(textwrap.dedent(f"""\
