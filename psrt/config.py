@@ -65,6 +65,12 @@ class Config:
     # shape) so that ranks feeding different shapes raise instead of hanging;
     # off saves one small host collective per TP call (~0.1 ms on a CPU host).
     tp_check_shapes: bool = True
+    # Allreduces of the global process set on host tensors go in three steps when the
+    # job spans several hosts and some host runs several ranks: reduce onto one rank
+    # per host over shared memory, allreduce among those ranks across the network,
+    # broadcast on each host (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE).  It sends
+    # each host's data across the network once instead of once per rank.
+    hierarchical_allreduce: bool = False
 
 
 _ENV_NAMES: dict[str, tuple[str, ...]] = {
@@ -81,6 +87,7 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "num_servers": ("PSRT_NUM_SERVERS",),
     "ps_chunk_bytes": ("PSRT_PS_CHUNK_BYTES",),
     "tp_check_shapes": ("PSRT_TP_CHECK_SHAPES",),
+    "hierarchical_allreduce": ("PSRT_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
 }
 _TiB = 1 << 40
 # The stall check time must span at least this many engine cycles.

@@ -112,7 +112,8 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
             if serve is not None:
                 return None, serve
         layout = bootstrap.host_layout(world)
-        topology = Topology(layout.world, layout.local, layout.cross, global_process_set, watchdog)
+        topology = Topology(layout.world, layout.local, layout.cross, global_process_set, watchdog,
+                            hierarchical_allreduce=config.hierarchical_allreduce)
         engine = Engine(topology, config, watchdog)
     return Runtime(config=config, topology=topology, engine=engine, watchdog=watchdog, ps=link), None
 

@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 import torch
 
 from psrt.comm.base import Communicator
+from psrt.comm.hierarchical import hierarchical_or_none
 from psrt.comm.nccl import NcclCommunicator
 from psrt.comm.watchdog import Watchdog
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ProcessSetError
@@ -77,7 +78,10 @@ class Topology:
     """The world, local and cross communicators, and the registered process sets."""
 
     def __init__(self, world: Communicator, local: Communicator, cross: Communicator,
-                 global_set: ProcessSet, watchdog: Watchdog) -> None:
+                 global_set: ProcessSet, watchdog: Watchdog, *,
+                 hierarchical_allreduce: bool = False) -> None:
+        """Collective over ``world``.  ``hierarchical_allreduce`` makes the global set's host
+        allreduces hierarchical where that helps."""
         self.world, self.local, self.cross = world, local, cross
         self._watchdog = watchdog  # registering sets and placing ranks wait on every rank
         # Registering process sets happens on the caller's thread while the engine
@@ -91,6 +95,8 @@ class Topology:
         self._direct: dict[tuple[int, int | None], Communicator] = {}
         self._agreed: set[int] = set()  # sets whose members compared their direct-traffic settings
         self._direct[(GLOBAL_PROCESS_SET_ID, None)] = self._registry.split(0, key=world.rank)
+        # The engine's communicator for the global set's host tensors (see transport()).
+        self._hierarchical = hierarchical_or_none(world, local) if hierarchical_allreduce else None
         self._sets: dict[int, ProcessSet] = {GLOBAL_PROCESS_SET_ID: global_set}
         self._next_id = GLOBAL_PROCESS_SET_ID + 1
         global_set.process_set_id = GLOBAL_PROCESS_SET_ID
@@ -188,9 +194,16 @@ class Topology:
 
     def transport(self, process_set: ProcessSet, device: torch.device) -> Communicator:
         """The communicator that carries tensors on ``device``: MPI for host memory, NCCL
-        (created on first use, collectively over the set's members) for CUDA memory."""
+        (created on first use, collectively over the set's members) for CUDA memory.
+
+        With hierarchical allreduce on (and several hosts, some with several ranks), the
+        global set's host communicator reduces on each host first; other sets stay flat,
+        as in Horovod.
+        """
         host = self.communicator(process_set)
         if device.type != "cuda":
+            if process_set.process_set_id == GLOBAL_PROCESS_SET_ID and self._hierarchical is not None:
+                return self._hierarchical
             return host
         index = torch.cuda.current_device() if device.index is None else device.index
         key = (process_set.process_set_id, index)
@@ -254,5 +267,7 @@ class Topology:
             process_set._topology = None
             if set_id != GLOBAL_PROCESS_SET_ID:
                 process_set.process_set_id = None
+        if self._hierarchical is not None:
+            self._hierarchical.free()
         for comm in (self._registry, self.local, self.cross, self.world):
             comm.free()
