@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
 
 .PHONY: demo demo-collectives demo-ps demo-zero demo-gpt test bench bench-train bench-ps bench-zero \
-        bench-pp bench-tp bench-faults clean
+        bench-pp bench-tp bench-peers bench-overhead bench-faults bench-hierarchical clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,8 +60,17 @@ bench-tp: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/tp.py
 	$(VENV)/bin/psrun -np 4 $(PY) benchmarks/tp.py
 
+bench-peers: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/peers.py
+
+bench-overhead: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/overhead.py
+
 bench-faults: $(STAMP)
 	$(PY) benchmarks/faults.py
+
+bench-hierarchical: $(STAMP)
+	$(PY) benchmarks/hierarchical.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
