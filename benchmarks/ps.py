@@ -34,7 +34,7 @@ pages, which MPI's single-copy path moves about half as fast as numpy's; run wit
 are numpy arrays for mpi4py and psrt's own (numpy-allocated) buffers.  Target
 psrt/mpi4py >= 0.9 for push and pull at every size.  A second pull baseline,
 ``mpi4py_request``, adds what a pull on demand cannot do without: the worker sends a
-request of 8 int64 per chunk (psrt's header) and the server sends each chunk as soon as
+request of 16 int64 per chunk (psrt's header) and the server sends each chunk as soon as
 its request arrives; psrt/mpi4py_request is reported beside the target, to tell the
 request round trip apart from psrt's own costs.
 
@@ -86,6 +86,7 @@ from torch import nn
 import psrt
 import psrt.ps
 import psrt.torch as hvd
+from psrt.comm.direct import HEADER_WORDS
 from psrt.config import config_from_env
 from psrt.ps.placement import Chunk, Placement
 from psrt.ps.roles import Roles, assign_roles
@@ -97,7 +98,7 @@ DEFAULT_SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 TARGET = 0.9                  # psrt / mpi4py, push and pull, every size
 SERVER_FILL = 0.5             # what the baseline's server sends back
 REQUEST_TAG = 20_000          # + chunk id: the baseline's pull requests (data travels on the chunk id)
-REQUEST_LEN = 8               # int64, as psrt's request header
+REQUEST_LEN = HEADER_WORDS     # int64, as psrt's request header
 BATCH, LR, MOMENTUM = 64, 1e-3, 0.9
 TRAIN_IMPLS = ("no_comm", "ps_sync", "allreduce")
 

@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 import torch
 
 from psrt.comm.base import Communicator
+from psrt.comm.direct import DirectGroup
 from psrt.comm.hierarchical import hierarchical_or_none
 from psrt.comm.nccl import NcclCommunicator
 from psrt.comm.watchdog import Watchdog
@@ -90,11 +91,11 @@ class Topology:
         self._communicators: dict[int, Communicator | None] = {GLOBAL_PROCESS_SET_ID: world}
         # NCCL communicators, made on first use by (process set id, CUDA device index)
         self._device_communicators: dict[tuple[int, int], Communicator] = {}
-        # Communicators for traffic the caller's thread runs itself (tensor and pipeline
-        # parallelism), by (process set id, CUDA device index or None for the host)
-        self._direct: dict[tuple[int, int | None], Communicator] = {}
-        self._agreed: set[int] = set()  # sets whose members compared their direct-traffic settings
-        self._direct[(GLOBAL_PROCESS_SET_ID, None)] = self._registry.split(0, key=world.rank)
+        # Direct groups, for traffic the caller's thread runs itself (tensor and pipeline
+        # parallelism), by process set id
+        self._direct: dict[int, DirectGroup] = {}
+        self._direct[GLOBAL_PROCESS_SET_ID] = self._direct_group(self._registry.split(0, key=world.rank),
+                                                                 global_set)
         # The engine's communicator for the global set's host tensors (see transport()).
         self._hierarchical = hierarchical_or_none(world, local) if hierarchical_allreduce else None
         self._sets: dict[int, ProcessSet] = {GLOBAL_PROCESS_SET_ID: global_set}
@@ -125,7 +126,7 @@ class Topology:
         set_id, self._next_id = self._next_id, self._next_id + 1
         self._communicators[set_id] = comm
         if direct is not None:
-            self._direct[(set_id, None)] = direct
+            self._direct[set_id] = self._direct_group(direct, process_set)
         self._sets[set_id] = process_set
         process_set.process_set_id, process_set._topology = set_id, self
         return process_set
@@ -213,34 +214,16 @@ class Topology:
             self._device_communicators[key] = comm
         return comm
 
-    def direct(self, process_set: ProcessSet, device: torch.device | None = None,
-               agree: object = None) -> Communicator:
-        """A communicator of the set's members for collectives and messages the calling
-        thread issues itself, apart from the one the engine thread uses (two threads must
-        never run collectives on one communicator).
+    def direct(self, process_set: ProcessSet) -> DirectGroup:
+        """The set's direct group (:mod:`psrt.comm.direct`), made with the set on the
+        registering thread: checked collectives and messages the calling thread issues
+        itself, on communicators apart from the engine thread's (two threads must never run
+        collectives on one communicator)."""
+        return self._direct[self._registered_id(process_set)]
 
-        The host one is made with the set, on the registering thread; a CUDA one is made
-        on first use, collectively over the set's members, from the host one.  The first
-        call for a set compares ``agree`` across its members (so settings that change which
-        collectives run can never differ between them): every member must make that call
-        at the same point of its program (the first TP collective; a pipeline's
-        construction).
-        """
-        set_id = self._registered_id(process_set)
-        host = self._direct[(set_id, None)]
-        if set_id not in self._agreed:
-            theirs = host.allgather_object(agree)
-            if any(value != agree for value in theirs):
-                raise ProcessSetError(f"ranks of {process_set!r} run with different settings: "
-                                      f"{dict(enumerate(theirs))} (by rank in the set)")
-            self._agreed.add(set_id)
-        if device is None or device.type != "cuda":
-            return host
-        index = torch.cuda.current_device() if device.index is None else device.index
-        comm = self._direct.get((set_id, index))
-        if comm is None:
-            comm = self._direct[(set_id, index)] = NcclCommunicator(host, torch.device("cuda", index))
-        return comm
+    def _direct_group(self, host: Communicator, process_set: ProcessSet) -> DirectGroup:
+        """Direct traffic's group over ``host``, with this topology's watchdog."""
+        return DirectGroup(host, self.ranks_of(process_set), self._watchdog, name=lambda: repr(process_set))
 
     def _registered_id(self, process_set: ProcessSet) -> int:
         self.communicator(process_set)
@@ -249,14 +232,8 @@ class Topology:
     def _free_device_communicators(self, set_id: int | None) -> None:
         for key in [k for k in self._device_communicators if set_id is None or k[0] == set_id]:
             self._device_communicators.pop(key).free()
-        # device communicators of the direct traffic first: they sit on the host ones
-        for key in sorted((k for k in self._direct if set_id is None or k[0] == set_id),
-                          key=lambda k: k[1] is None):
+        for key in [k for k in self._direct if set_id is None or k == set_id]:
             self._direct.pop(key).free()
-        if set_id is None:
-            self._agreed.clear()
-        else:
-            self._agreed.discard(set_id)
 
     def free(self) -> None:
         self._free_device_communicators(None)

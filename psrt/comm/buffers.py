@@ -35,6 +35,12 @@ WIDENED_FOR_REDUCTION = frozenset({torch.float16, torch.bfloat16})
 
 SUPPORTED_DTYPES = frozenset(_VIEWS)
 
+#: The one dtype table of psrt's messages: a dtype travels as its index here (every rank
+#: runs the same psrt, so the order is the protocol).  Headers of the direct layer and of
+#: parameter-server requests use it.
+WIRE_DTYPES: tuple[torch.dtype, ...] = tuple(_VIEWS)
+_WIRE_CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
+
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
             ReduceOp.PRODUCT: MPI.PROD}
 # On booleans Min is "all", Max is "any", Product is "all"; Sum has no boolean meaning.
@@ -51,6 +57,17 @@ def _check_dtype(dtype: torch.dtype) -> None:
         names = ", ".join(sorted(str(d).replace("torch.", "") for d in _VIEWS))
         raise InvalidArgumentError(f"dtype {dtype} is not supported by the MPI backend; "
                                    f"supported: {names}")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype``'s index in :data:`WIRE_DTYPES`, or -1 for a dtype no message can carry
+    (still written into a header, so that a check can name it as another dtype)."""
+    return _WIRE_CODES.get(dtype, -1)
+
+
+def dtype_of(code: int) -> torch.dtype | None:
+    """The dtype a header names (None for -1 or a code this psrt does not know)."""
+    return WIRE_DTYPES[code] if 0 <= code < len(WIRE_DTYPES) else None
 
 
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -19,11 +19,13 @@ import torch
 
 import psrt.torch as hvd
 from psrt import runtime
+from psrt.comm.base import Request
+from psrt.comm.buffers import SUPPORTED_DTYPES
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError, PsrtError
 from psrt.ps import checkpoint, protocol
-from psrt.ps.placement import Chunk, Placement
-from psrt.ps.protocol import HEADER_TAG, STATUS_LEN, Mode, Op
 from psrt.ps.handles import Handle, Reply
+from psrt.ps.placement import Chunk, Placement
+from psrt.ps.protocol import HEADER_TAG, Mode, Op
 from psrt.ps.service import WorkerLink
 from psrt.ps.shard import OptimizerSpec
 
@@ -45,14 +47,19 @@ class _Key:
     shape: torch.Size
     dtype: torch.dtype
     chunks: tuple[Chunk, ...]
+    # per chunk: the server's rank, the push tag it gave and the header every push sends
+    pushes: tuple[tuple[int, int, torch.Tensor], ...]
+    servers: tuple[int, ...]  # the ranks of the servers holding the chunks
 
     def describe(self) -> str:
         return f"shape {list(self.shape)} {self.dtype}"
 
 
-def _host_flat(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as a flat, contiguous host tensor (a view where possible)."""
-    return tensor.detach().to("cpu").contiguous().view(-1)
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements in contiguous host memory: the tensor itself where it is there
+    (MPI reads any contiguous tensor as flat, so a push of one chunk needs no view)."""
+    tensor = tensor.detach()
+    return tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else tensor.to("cpu").contiguous()
 
 
 class KVStore:
@@ -83,44 +90,50 @@ class KVStore:
         self._placement = Placement(self._link.num_servers, self._link.config.ps_chunk_bytes)
         self._keys: dict[str, _Key] = {}
         self._open: list[Handle] = []
-        settings = [int(_MODES[mode]), max_staleness or 0, _REDUCTIONS[reduce]]
-        self._everywhere(Op.CONFIGURE, args=settings).wait()
+        settings = {"mode": int(_MODES[mode]), "max_staleness": max_staleness or 0, "reduce": _REDUCTIONS[reduce]}
+        self._everywhere(Op.CONFIGURE, document=settings).wait()
 
     # -- requests ---------------------------------------------------------------------------
-    def _request(self, server: int, op: Op, chunk: int = 0, args: list[int] | tuple = (),
-                 body: torch.Tensor | None = None, data: torch.Tensor | None = None,
-                 reply: bool = True, receive_into: torch.Tensor | None = None) -> Handle:
-        """Send one request: a header, then ``body`` (metadata, or a push's data) and ``data``;
-        with ``reply``, post the receive of the server's status first, and with
-        ``receive_into`` the receive of the tensor data it answers with (a pull)."""
+    def _request(self, server: int, op: Op, chunk: Chunk | None = None, *, dtype: torch.dtype | None = None,
+                 meta: torch.Tensor | None = None, data: torch.Tensor | None = None, reply: bool = True,
+                 what: str | None = None) -> Handle:
+        """Send one request (about ``chunk``'s elements of ``dtype``): a header, then ``meta``
+        (a JSON document) and ``data`` (an init's value); with ``reply``, post the receive of
+        the server's answer first."""
+        sends: list[Request] = []
+        replies: list[Reply] = []
+        self._post(sends, replies, server, op, chunk, dtype=dtype, meta=meta, data=data, reply=reply)
+        return self._track(Handle(sends, replies, link=self._link, servers=(self._link.server_rank(server),),
+                                  what=what or f"{op.name.lower()} request"))
+
+    def _post(self, sends: list[Request], replies: list[Reply], server: int, op: Op, chunk: Chunk | None, *,
+              dtype: torch.dtype | None, meta: torch.Tensor | None = None, data: torch.Tensor | None = None,
+              reply: bool = True, receive_into: torch.Tensor | None = None) -> None:
+        """Post one request's messages, adding them to ``sends`` and ``replies``; with
+        ``receive_into``, the receive of the tensor data the server answers with (a pull)."""
         self._ensure_open()
         link, rank = self._link, self._link.server_rank(server)
         with link.lock:
             tag = link.next_tag()
-            replies = []
             if reply:
-                status = torch.empty(STATUS_LEN, dtype=torch.int64)
-                status_request = link.comm.irecv(status, rank, tag)
-                data_request = None if receive_into is None else link.comm.irecv(receive_into, rank, tag + 1)
-                replies.append(Reply(link, server, tag, status, status_request, data_request))
-            sends = [link.comm.isend(protocol.header(op, self.store_id, chunk, tag, *args), rank, HEADER_TAG)]
-            if body is not None:
-                sends.append(link.comm.isend(body, rank, tag))
+                replies.append(Reply(link, server, tag, receive_into))
+            header = protocol.request(op, self.store_id, 0 if chunk is None else chunk.chunk_id, tag, dtype=dtype,
+                                      numel=0 if chunk is None else chunk.numel, meta=meta,
+                                      flag=int(data is not None))
+            sends.append(link.comm.isend(header.encode(), rank, HEADER_TAG))
+            if meta is not None:
+                sends.append(link.comm.isend(meta, rank, tag))
             if data is not None:
                 sends.append(link.comm.isend(data, rank, tag + 1))
-        return self._track(Handle(sends, replies, link=link, servers=(rank,), what=f"{op.name.lower()} request"))
 
     def _ensure_open(self) -> None:
         if self._link.closed:
             raise PsrtError("psrt was shut down on this worker: the KVStore is closed")
 
-    def _everywhere(self, op: Op, args: list[int] | tuple = (), document: object = None,
-                    reply: bool = True) -> Handle:
-        handles = []
-        for server in range(self._link.num_servers):
-            meta = None if document is None else protocol.encode(document)
-            handles.append(self._request(server, op, args=[meta.numel()] if meta is not None else args,
-                                         body=meta, reply=reply))
+    def _everywhere(self, op: Op, document: object = None, reply: bool = True) -> Handle:
+        handles = [self._request(server, op, meta=None if document is None else protocol.encode(document),
+                                 reply=reply)
+                   for server in range(self._link.num_servers)]
         return Handle.joined(handles)
 
     def _track(self, handle: Handle) -> Handle:
@@ -155,7 +168,7 @@ class KVStore:
             raise ArgumentTypeError(f"init: key must be a str, got {type(key).__name__}")
         if not isinstance(tensor, torch.Tensor):
             raise ArgumentTypeError(f"init of key {key!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in protocol.DTYPES:
+        if tensor.dtype not in SUPPORTED_DTYPES:
             raise InvalidArgumentError(f"init of key {key!r}: dtype {tensor.dtype} is not supported")
         if self.reduce == "mean" and not tensor.is_floating_point():
             raise InvalidArgumentError(f"init of key {key!r}: a {tensor.dtype} key cannot be averaged; "
@@ -167,27 +180,53 @@ class KVStore:
                                            f"init again with shape {list(tensor.shape)} {tensor.dtype}")
             return
         chunks = self._placement.add(key, tensor.numel(), tensor.element_size())
-        flat = _host_flat(tensor)
+        flat = _host(tensor).view(-1)
         owner = self._link.worker == 0
         handles = []
         for chunk in chunks:
             meta = protocol.encode({"key": key, "shape": list(tensor.shape), "offset": chunk.offset})
             data = flat[chunk.offset:chunk.offset + chunk.numel] if owner else None
-            handles.append(self._request(chunk.server, Op.INIT, chunk.chunk_id,
-                                         [chunk.numel, protocol.dtype_code(tensor.dtype), int(owner),
-                                          meta.numel()], body=meta, data=data))
-        Handle.joined(handles, what=f"init of key {key!r}").wait()
-        self._keys[key] = _Key(tensor.shape, tensor.dtype, chunks)
+            handles.append(self._request(chunk.server, Op.INIT, chunk, dtype=tensor.dtype, meta=meta, data=data,
+                                         what=f"init of key {key!r}"))
+        pushes = self._push_tags(key, chunks, handles, tensor.dtype)
+        self._keys[key] = _Key(tensor.shape, tensor.dtype, chunks, pushes, tuple(sorted({p[0] for p in pushes})))
+
+    def _push_tags(self, key: str, chunks: tuple[Chunk, ...], inits: list[Handle],
+                   dtype: torch.dtype) -> tuple[tuple[int, int, torch.Tensor], ...]:
+        """Wait for every chunk's init; note each push tag a server gave (its receive for this
+        worker's pushes is posted, even when another chunk's init failed), then raise what failed."""
+        errors, pushes = [], []
+        for chunk, handle in zip(chunks, inits):
+            try:
+                handle.wait()
+            except ParameterServerError as e:
+                errors.append(str(e))
+                continue
+            tag = self._link.push_tag(chunk.server, handle.payloads[0]["push_tag"])
+            header = protocol.request(Op.PUSH, self.store_id, chunk.chunk_id, dtype=dtype, numel=chunk.numel)
+            pushes.append((self._link.server_rank(chunk.server), tag, header.encode()))
+        if errors:
+            raise ParameterServerError("; ".join(dict.fromkeys(errors)))
+        return tuple(pushes)
 
     def push_async(self, key: str, tensor: torch.Tensor) -> Handle:
         """Send ``tensor`` (a gradient, or a value without optimizer) to the servers of
         ``key``; do not modify it until the handle is done."""
         info = self._key(key, tensor, "push")
-        flat = _host_flat(tensor)
-        handles = [self._request(c.server, Op.PUSH, c.chunk_id, [c.numel, protocol.dtype_code(info.dtype)],
-                                 body=flat[c.offset:c.offset + c.numel], reply=False)
-                   for c in info.chunks]
-        return Handle.joined(handles, what=f"push of key {key!r}")
+        self._ensure_open()
+        data = _host(tensor)
+        link = self._link
+        sends = []
+        with link.lock:
+            if len(info.chunks) == 1:  # the common case, kept short: a push is on the step's critical path
+                rank, tag, header = info.pushes[0]
+                sends += [link.comm.isend(header, rank, HEADER_TAG), link.comm.isend(data, rank, tag)]
+            else:
+                flat = data.view(-1)
+                for chunk, (rank, tag, header) in zip(info.chunks, info.pushes):
+                    part = flat[chunk.offset:chunk.offset + chunk.numel]
+                    sends += [link.comm.isend(header, rank, HEADER_TAG), link.comm.isend(part, rank, tag)]
+        return self._track(Handle(sends, [], link=link, servers=info.servers, what=f"push of key {key!r}"))
 
     def pull_async(self, key: str, out: torch.Tensor | None = None) -> Handle:
         """Fetch ``key``'s value (into ``out`` if given) once the consistency mode allows:
@@ -198,10 +237,18 @@ class KVStore:
             out = torch.empty(info.shape, dtype=info.dtype)
         direct = out.device.type == "cpu" and out.is_contiguous()
         target = out if direct else torch.empty(info.shape, dtype=info.dtype)
-        flat = target.view(-1)
-        handles = [self._request(c.server, Op.PULL, c.chunk_id, receive_into=flat[c.offset:c.offset + c.numel])
-                   for c in info.chunks]
-        return Handle.joined(handles, out, None if direct else (lambda: out.copy_(target)), what=f"pull of key {key!r}")
+        sends: list[Request] = []
+        replies: list[Reply] = []
+        if len(info.chunks) == 1:  # the common case, kept short: a pull is on the step's critical path
+            self._post(sends, replies, info.chunks[0].server, Op.PULL, info.chunks[0], dtype=info.dtype,
+                       receive_into=target)
+        else:
+            flat = target.view(-1)
+            for c in info.chunks:
+                self._post(sends, replies, c.server, Op.PULL, c, dtype=info.dtype,
+                           receive_into=flat[c.offset:c.offset + c.numel])
+        return self._track(Handle(sends, replies, out, None if direct else (lambda: out.copy_(target)),
+                                  link=self._link, servers=info.servers, what=f"pull of key {key!r}"))
 
     def push_pull_async(self, key: str, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Handle:
         """Push ``tensor``, then pull the value that includes it (into ``out``)."""

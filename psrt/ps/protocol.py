@@ -1,25 +1,32 @@
-"""The messages between workers and servers, over the transport's point-to-point calls.
+"""The messages between workers and servers: direct-layer headers and tensor data.
 
-Every request starts with a fixed header of eight int64 (:data:`HEADER_TAG`),
-so a server keeps exactly one receive posted per worker and reads that
-worker's requests in the order they were sent.  What follows a header
-(metadata, tensor data) travels on the request's own tag ``t``, and the
-server's answer comes back on ``t`` (a status of four int64), ``t + 1`` (the
-payload: tensor data or UTF-8 JSON) and ``t + 2`` (an error text, for a pull
-whose data receive is already posted).  Tensor data is never pickled: it goes
-from and to the tensors' memory.
+Every request is a :class:`~psrt.comm.direct.Header` on :data:`HEADER_TAG`, so a server
+keeps exactly one receive posted per worker and reads that worker's requests in the order
+they were sent.  Its kind is the :class:`Op`, its id the request's tag ``t``, its dtype and
+shape those of the chunk data the request carries or asks for, and its four ints are the
+store id, the chunk id, the length of a UTF-8 JSON document following on ``t``, and a flag
+(an init with data).  An init's data follows on ``t + 1``.  The server's answer comes back
+on ``t`` (a header: the :class:`Status` as its kind, the length of the payload as its
+shape), ``t + 1`` (the payload: tensor data or a JSON document) and ``t + 2`` (an error
+text, for a pull whose data receive is already posted).
+
+Pushes are not answered, and their data does not wait for the server to read the header:
+each travels on its chunk's own push tag (the server names it in its answer to the
+worker's init) into a receive the server posted before the push was made, one per worker
+and chunk, posted again as each push arrives.  The push's header only tells the server
+which receive to watch.  Tensor data is never pickled: it goes from and to the tensors'
+memory.
 """
 from __future__ import annotations
 
 import enum
 import json
 
-import numpy as np
 import torch
 
+from psrt.comm.direct import Header
+
 HEADER_TAG = 1
-HEADER_LEN = 8
-STATUS_LEN = 4
 _FIRST_TAG = 10
 
 
@@ -47,29 +54,37 @@ class Status(enum.IntEnum):
     ERROR = 1
 
 
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    return DTYPES.index(dtype)
+def push_tags_from(max_tag: int) -> int:
+    """The first push tag: request tags stay below it, push tags start at it."""
+    return max_tag // 2 + 1
 
 
 def request_tag(counter: int, max_tag: int) -> int:
     """The first of the three tags of a worker's ``counter``-th request.  Tags wrap after
-    (max_tag - 10) / 3 requests (about 700 million with Open MPI, 10 thousand with the
+    (max_tag / 2 - 10) / 3 requests (about 360 million with Open MPI, 5 thousand with the
     smallest MPI allows): a request must complete before that many later ones."""
-    return _FIRST_TAG + 3 * (counter % ((max_tag - _FIRST_TAG) // 3))
+    return _FIRST_TAG + 3 * (counter % ((push_tags_from(max_tag) - _FIRST_TAG) // 3))
 
 
-def header(op: Op, store: int = 0, chunk: int = 0, tag: int = 0, *args: int) -> torch.Tensor:
-    fields = np.zeros(HEADER_LEN, dtype=np.int64)
-    fields[:4 + len(args)] = (op, store, chunk, tag, *args)
-    return torch.from_numpy(fields)
+def push_tag(slot: int, max_tag: int) -> int:
+    """The tag of the pushes of a server's ``slot``-th chunk (its chunks in creation order)."""
+    tag = push_tags_from(max_tag) + slot
+    if tag > max_tag:
+        raise ValueError(f"a server holds at most {max_tag - push_tags_from(max_tag) + 1} chunks with this MPI "
+                         "(its largest tag); use a larger PSRT_PS_CHUNK_BYTES or more servers")
+    return tag
 
 
-def status(code: Status, payload_len: int = 0) -> torch.Tensor:
-    return torch.tensor([int(code), payload_len, 0, 0], dtype=torch.int64)
+def request(op: Op, store: int = 0, chunk: int = 0, tag: int = 0, *, dtype: torch.dtype | None = None,
+            numel: int = 0, meta: torch.Tensor | None = None, flag: int = 0) -> Header:
+    """The header of a request about ``numel`` elements of ``dtype`` of a chunk, followed by
+    ``meta`` (a JSON document, see :func:`encode`) if given."""
+    shape = () if dtype is None else (numel,)
+    return Header(op, tag, dtype, shape, (store, chunk, 0 if meta is None else meta.numel(), flag))
+
+
+def reply(code: Status, tag: int = 0, payload_len: int = 0) -> Header:
+    return Header(code, tag, torch.uint8, (payload_len,))
 
 
 def encode(document: object) -> torch.Tensor:

@@ -1,40 +1,44 @@
 """The parameter server: one event loop per server rank, serving every worker at once.
 
-The loop never blocks on one worker.  It keeps one header receive posted per
-worker, starts the receives and sends each request needs, and in every turn
-applies the pushes and answers the pulls that the consistency mode allows.
-An error in one request is answered to the worker that sent it (at once for
-requests with a reply; for a push, with the worker's next reply about the same
-store, or printed here if the worker has left), never swallowed.  What the
-server holds back (requests waiting for other workers, data still arriving) is
-published to the watchdog once a second, which reports it, naming the workers
-waited for, after ``PSRT_STALL_CHECK_TIME`` and ends the job after
-``PSRT_STALL_SHUTDOWN_TIME`` (see :mod:`psrt.ps.stalls`).
+The loop never blocks on one worker.  It keeps one header receive posted per worker and
+one push receive per worker and chunk (:mod:`psrt.ps.pushes`), starts the receives and
+sends each request needs, and in every turn applies the pushes and answers the pulls that
+the consistency mode allows; between turns with nothing to do it spins, then naps
+(:class:`psrt.comm.poll.Backoff`).  An error in one request is answered to the worker that
+sent it (at once for requests with a reply; for a push, with the worker's next reply about
+the same store, or printed here if the worker has left), never swallowed.  What the server
+holds back (requests waiting for other workers, data still arriving) is published to the
+watchdog once a second, which reports it, naming the workers waited for, after
+``PSRT_STALL_CHECK_TIME`` and ends the job after ``PSRT_STALL_SHUTDOWN_TIME`` (see
+:mod:`psrt.ps.stalls`).
 """
 from __future__ import annotations
 
 import json
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import ClassVar
 
+import numpy as np
 import torch
 
 from psrt.comm.base import Communicator, Request
 from psrt.comm.buffers import host_buffer
+from psrt.comm.direct import HEADER_WORDS, Header
+from psrt.comm.poll import Backoff
 from psrt.comm.watchdog import Wait, Watchdog, combined
 from psrt.config import Config
 from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint, protocol, stalls
-from psrt.ps.protocol import HEADER_LEN, Mode, Op, Status
+from psrt.ps.protocol import Mode, Op, Status
+from psrt.ps.pushes import PostedPushes
 from psrt.ps.roles import Roles
 from psrt.ps.shard import ChunkMeta, OptimizerSpec, Shard
 from psrt.ps.store import InitAnswer, Store
 
-_SPIN_S = 5e-5
-_LONGEST_NAP_S = 2e-4
 _STALL_SCAN_S = 1.0
-_OK = protocol.status(Status.OK)  # a send buffer every reply of a pull may share
+_OK = protocol.reply(Status.OK).encode()  # a send buffer every reply of a pull may share
 # What a request can fail with and be answered: bad input, a failing optimizer, a bad path.
 _REPORTABLE = (InvalidArgumentError, ParameterServerError, RuntimeError, TypeError, ValueError,
                KeyError, OSError)
@@ -52,13 +56,17 @@ class Server:
         self.stores: dict[int, Store] = {}
         self.departed: set[int] = set()
         self._active = list(range(self.num_workers))  # workers that have not shut down
-        self._headers: dict[int, tuple[torch.Tensor, Request]] = {}
+        # per worker still connected: the buffer its next header arrives in (and a numpy view,
+        # read faster), and that receive
+        self._headers: dict[int, tuple[torch.Tensor, np.ndarray, Request]] = {}
+        self._pushes = PostedPushes(comm, roles.workers)
         # messages under way: (request, what to run once done, since, the worker, "receive"/"send")
         self._inflight: list[tuple[Request, Callable[[], None] | None, float, int, str]] = []
         # (worker, store): errors of requests without a reply (pushes, learning rates), given
         # with the worker's next reply about that store
         self._deferred: dict[tuple[int, int], list[str]] = {}
         self._store_of: dict[Shard, int] = {}
+        self._push_tag: dict[Shard, int] = {}
         # save and load requests so far, by worker: (tag, document, since)
         self._gathering: dict[Op, dict[int, tuple[int, dict, float]]] = {Op.SAVE: {}, Op.LOAD: {}}
         # Shards whose pushes or pulls may have become ready: only these are looked at
@@ -71,34 +79,46 @@ class Server:
         return f"parameter server {self.index} (rank {self.comm.rank})"
 
     def serve(self) -> None:
-        for worker in range(self.num_workers):
-            self._post_header(worker)
-        idle_since = None
+        self._listen()
+        backoff = Backoff()
         while not self._finished():
-            progressed = self._poll_headers() | self._poll_inflight() | self._advance()
+            if self._turn():
+                backoff.busy()
+            else:
+                backoff.idle()
             if time.monotonic() >= self._next_stall_scan:
                 self._scan_for_stalls()
-            if progressed:
-                idle_since = None
-                continue
-            now = time.perf_counter()
-            idle_since = idle_since or now
-            if now - idle_since > _SPIN_S:
-                time.sleep(min(_LONGEST_NAP_S, (now - idle_since) / 4))
         self._watchdog.publish("parameter server", ())
         self._report_unfinished_steps()
 
+    def _listen(self) -> None:
+        """Post the receive of every worker's first header."""
+        for worker in range(self.num_workers):
+            words = torch.empty(HEADER_WORDS, dtype=torch.int64)
+            self._headers[worker] = (words, words.numpy(), self.comm.irecv(words, self._rank(worker),
+                                                                           protocol.HEADER_TAG))
+
+    def _turn(self) -> bool:
+        """One turn of the loop: take in what arrived, answer what may be answered; whether
+        anything happened.  Only what may have changed is looked at: an idle turn is cheap."""
+        progressed = self._poll_headers()
+        if self._pushes.watching:
+            touched = self._pushes.poll()
+            self._touched.update(touched)
+            progressed |= bool(touched)
+        if self._inflight:
+            progressed |= self._poll_inflight()
+        if self._touched or self._gathering[Op.SAVE] or self._gathering[Op.LOAD]:
+            progressed |= self._advance()
+        return progressed
+
     def _finished(self) -> bool:
-        return len(self.departed) == self.num_workers and not self._inflight and not any(
-            shard.pulls for store in self.stores.values() for shard in store.shards.values())
+        return len(self.departed) == self.num_workers and not self._inflight and not self._pushes.open_slots \
+            and not any(shard.pulls for store in self.stores.values() for shard in store.shards.values())
 
     # -- messaging ------------------------------------------------------------------------
     def _rank(self, worker: int) -> int:
         return self.roles.workers[worker]
-
-    def _post_header(self, worker: int, buffer: torch.Tensor | None = None) -> None:
-        buffer = torch.empty(HEADER_LEN, dtype=torch.int64) if buffer is None else buffer
-        self._headers[worker] = (buffer, self.comm.irecv(buffer, self._rank(worker), protocol.HEADER_TAG))
 
     def _receive(self, worker: int, tensor: torch.Tensor, tag: int,
                  then: Callable[[], None] | None = None) -> None:
@@ -107,19 +127,27 @@ class Server:
 
     def _send(self, worker: int, tensor: torch.Tensor, tag: int,
               then: Callable[[], None] | None = None) -> None:
-        self._inflight.append((self.comm.isend(tensor, self._rank(worker), tag), then, time.monotonic(), worker,
-                               "send"))
+        request = self.comm.isend(tensor, self._rank(worker), tag)
+        if then is None and request.test():  # a small reply usually leaves at once
+            return
+        self._inflight.append((request, then, time.monotonic(), worker, "send"))
 
     def _poll_headers(self) -> bool:
+        """Dispatch every header that has arrived (a worker's in the order it sent them),
+        posting the receive of each worker's next one into the same buffer."""
         progressed = False
-        for worker, (buffer, request) in list(self._headers.items()):
-            if request.test():
-                del self._headers[worker]
-                fields = buffer.tolist()
-                if fields[0] != Op.BYE:
-                    self._post_header(worker, buffer)
-                self._dispatch(worker, fields)
+        for worker, (words, view, request) in list(self._headers.items()):
+            while request.test():
+                header = Header.decode(view.tolist())
+                if header.kind == Op.BYE:
+                    del self._headers[worker]
+                else:
+                    request = self.comm.irecv(words, self._rank(worker), protocol.HEADER_TAG)
+                    self._headers[worker] = (words, view, request)
+                self._dispatch(worker, header)
                 progressed = True
+                if header.kind == Op.BYE:
+                    break
         return progressed
 
     def _poll_inflight(self) -> bool:
@@ -145,13 +173,13 @@ class Server:
         if error is not None:
             return self._ack_error(worker, tag, error)
         body = protocol.encode(payload) if payload is not None else None
-        self._send(worker, protocol.status(Status.OK, 0 if body is None else body.numel()), tag)
+        self._send(worker, protocol.reply(Status.OK, tag, 0 if body is None else body.numel()).encode(), tag)
         if body is not None:
             self._send(worker, body, tag + 1)
 
     def _ack_error(self, worker: int, tag: int, text: str) -> None:
         body = protocol.text_bytes(f"{self.name}: {text}")
-        self._send(worker, protocol.status(Status.ERROR, body.numel()), tag)
+        self._send(worker, protocol.reply(Status.ERROR, tag, body.numel()).encode(), tag)
         self._send(worker, body, tag + 1)
 
     def _answer_pull(self, worker: int, tag: int, shard: Shard) -> None:
@@ -163,12 +191,13 @@ class Server:
 
         def sent() -> None:
             shard.sending -= 1
-            self._touched.add(shard)
+            if not shard.sending and shard.pushes_in_flight():  # updates held back while it was read
+                self._touched.add(shard)
         self._send(worker, shard.value, tag + 1, sent)
 
     def _refuse_pull(self, worker: int, tag: int, text: str) -> None:
         body = protocol.text_bytes(f"{self.name}: {text}")
-        self._send(worker, protocol.status(Status.ERROR, body.numel()), tag)
+        self._send(worker, protocol.reply(Status.ERROR, tag, body.numel()).encode(), tag)
         self._send(worker, torch.empty(0, dtype=torch.uint8), tag + 1)  # completes the posted data receive
         self._send(worker, body, tag + 2)
 
@@ -176,19 +205,16 @@ class Server:
         self._deferred.setdefault((worker, store_id), []).append(text)
 
     # -- requests -----------------------------------------------------------------------------
-    def _dispatch(self, worker: int, fields: list[int]) -> None:
-        op, store_id, chunk_id, tag, *args = fields
-        try:
-            op = Op(op)
-            handler = self._HANDLERS[op]
-        except (ValueError, KeyError):
-            self._abort(f"{self.name}: worker {worker} sent an unknown request {fields}: "
+    def _dispatch(self, worker: int, header: Header) -> None:
+        handler = self._HANDLERS.get(header.kind)
+        if handler is None:
+            self._abort(f"{self.name}: worker {worker} sent an unknown request {header.words()}: "
                         "are all ranks running the same psrt?")
             return
         try:
-            handler(self, worker, store_id, chunk_id, tag, args)
+            handler(self, worker, header)
         except _REPORTABLE as e:
-            self._fail(op, worker, store_id, tag, str(e))
+            self._fail(Op(header.kind), worker, header.args[0], header.ident, str(e))
 
     def _fail(self, op: Op, worker: int, store_id: int, tag: int, text: str) -> None:
         """Report a failed request to the worker that made it."""
@@ -199,18 +225,18 @@ class Server:
         else:
             self._ack_error(worker, tag, text)
 
-    def _with_meta(self, worker: int, store_id: int, tag: int, length: int, op: Op,
-                   then: Callable[[dict], None]) -> None:
+    def _with_meta(self, worker: int, header: Header, then: Callable[[dict], None]) -> None:
         """Receive the JSON document following a header, then run ``then`` on it (errors
         go back to the worker like those of the header itself)."""
+        store_id, _, length, _ = header.args
         data = torch.empty(length, dtype=torch.uint8)
 
         def received() -> None:
             try:
                 then(protocol.decode(data))
             except _REPORTABLE as e:
-                self._fail(op, worker, store_id, tag, str(e))
-        self._receive(worker, data, tag, received)
+                self._fail(Op(header.kind), worker, store_id, header.ident, str(e))
+        self._receive(worker, data, header.ident, received)
 
     def _store(self, store_id: int) -> Store:
         store = self.stores.get(store_id)
@@ -221,19 +247,24 @@ class Server:
     def _shard(self, store_id: int, chunk_id: int, worker: int) -> Shard:
         return self._store(store_id).shard(store_id, chunk_id, worker)
 
-    def _configure(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
-        settings = (args[0], args[1], args[2])
-        store = self.stores.get(store_id)
-        if store is None:
-            self.stores[store_id] = Store.create(settings, self.num_workers)
-        else:
-            store.check_settings(worker, store_id, settings)
-        self._ack(worker, tag)
+    def _configure(self, worker: int, header: Header) -> None:
+        store_id = header.args[0]
 
-    def _init(self, worker: int, store_id: int, chunk_id: int, tag: int, args: list[int]) -> None:
-        numel, dtype_code, has_data, meta_len = args[:4]
+        def configure(doc: dict) -> None:
+            settings = (doc["mode"], doc["max_staleness"], doc["reduce"])
+            store = self.stores.get(store_id)
+            if store is None:
+                self.stores[store_id] = Store.create(settings, self.num_workers)
+            else:
+                store.check_settings(worker, store_id, settings)
+            self._ack(worker, header.ident)
+        self._with_meta(worker, header, configure)
+
+    def _init(self, worker: int, header: Header) -> None:
+        store_id, chunk_id, _, has_data = header.args
+        numel, dtype, tag = header.numel, header.dtype, header.ident
         store = self._store(store_id)  # fails at once for a store never created
-        data = host_buffer(numel, protocol.DTYPES[dtype_code]) if has_data else None
+        data = host_buffer(numel, dtype) if has_data else None
         pending = [2 if has_data else 1]
         documents: list[dict] = []
 
@@ -242,8 +273,8 @@ class Server:
             if pending[0]:
                 return
             doc = documents[0]
-            meta = ChunkMeta(key=doc["key"], shape=tuple(doc["shape"]), dtype=protocol.DTYPES[dtype_code],
-                             offset=doc["offset"], numel=numel)
+            meta = ChunkMeta(key=doc["key"], shape=tuple(doc["shape"]), dtype=dtype, offset=doc["offset"],
+                             numel=numel)
             try:
                 created, answers = store.register(worker, chunk_id, tag, meta, data, self.num_workers,
                                                   worker_0_gone=0 in self.departed)
@@ -251,66 +282,79 @@ class Server:
                 return self._ack_error(worker, tag, str(e))
             if created is not None:
                 self._store_of[created] = store_id
-            self._answer_inits(store_id, answers)
-        self._with_meta(worker, store_id, tag, meta_len, Op.INIT, lambda doc: (documents.append(doc), part_done()))
+                self._push_tag[created] = protocol.push_tag(len(self._push_tag), self.comm.max_tag)
+            self._answer_inits(store_id, store.shards.get(chunk_id), answers)
+        self._with_meta(worker, header, lambda doc: (documents.append(doc), part_done()))
         if data is not None:
             self._receive(worker, data, tag + 1, part_done)
 
-    def _answer_inits(self, store_id: int, answers: list[InitAnswer]) -> None:
+    def _answer_inits(self, store_id: int, shard: Shard | None, answers: list[InitAnswer]) -> None:
+        """Answer inits; each that succeeded gets the chunk's push tag, on which this server
+        now has the receive of that worker's first push posted."""
         for who, tag, error in answers:
-            if error is None:
-                self._ack(who, tag, store_id=store_id)
+            if error is None and shard is not None:
+                self._pushes.open(who, shard, self._push_tag[shard])
+                self._ack(who, tag, {"push_tag": self._push_tag[shard]}, store_id=store_id)
             else:
-                self._ack_error(who, tag, error)
+                self._ack_error(who, tag, error or "the chunk was never created")
 
-    def _push(self, worker: int, store_id: int, chunk_id: int, tag: int, args: list[int]) -> None:
-        numel, dtype_code = args[:2]
-        try:
-            shard = self._shard(store_id, chunk_id, worker)
-            if (numel, protocol.DTYPES[dtype_code]) != (shard.meta.numel, shard.meta.dtype):
-                raise ParameterServerError(
-                    f"worker {worker} pushed {numel} elements of {protocol.DTYPES[dtype_code]} to "
-                    f"{shard.meta.describe()}, which holds {shard.meta.numel} of {shard.meta.dtype}")
-        except ParameterServerError as e:  # still take the data, or MPI would hold it forever
-            self._receive(worker, torch.empty(numel, dtype=protocol.DTYPES[dtype_code]), tag)
-            raise e
-        buffer = shard.expect_push(worker)
+    def _push(self, worker: int, header: Header) -> None:
+        """A push's data is on its way into the receive posted for it: watch that receive,
+        dropping what arrives if the push is refused (the error goes with the next reply)."""
+        store_id, chunk_id, _, _ = header.args
+        shard = self._store(store_id).shards.get(chunk_id)
+        if shard is None or not self._pushes.has(worker, shard):
+            raise ParameterServerError(f"chunk {chunk_id} of KVStore {store_id} was never initialised "
+                                       f"(worker {worker} used it before init)")
+        problem = shard.failed
+        if (header.numel, header.dtype) != (shard.meta.numel, shard.meta.dtype):
+            problem = (f"worker {worker} pushed {header.numel} elements of {header.dtype} to "
+                       f"{shard.meta.describe()}, which holds {shard.meta.numel} of {shard.meta.dtype}")
+        self._pushes.announce(worker, shard, accepted=problem is None)
+        if problem is not None:
+            raise ParameterServerError(problem)
 
-        def arrived() -> None:
-            shard.arrived(worker, buffer)
-            self._touched.add(shard)
-        self._receive(worker, buffer, tag, arrived)
-
-    def _pull(self, worker: int, store_id: int, chunk_id: int, tag: int, _args: list[int]) -> None:
+    def _pull(self, worker: int, header: Header) -> None:
+        store_id, chunk_id, _, _ = header.args
         shard = self._shard(store_id, chunk_id, worker)
-        shard.add_pull(worker, tag)
+        if (header.numel, header.dtype) != (shard.meta.numel, shard.meta.dtype):
+            raise ParameterServerError(f"worker {worker} pulled {header.numel} elements of {header.dtype} from "
+                                       f"{shard.meta.describe()}, which holds {shard.meta.numel} of "
+                                       f"{shard.meta.dtype}")
+        shard.add_pull(worker, header.ident)
         self._touched.add(shard)
 
-    def _set_optimizer(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
+    def _set_optimizer(self, worker: int, header: Header) -> None:
+        store_id = header.args[0]
+
         def apply(doc: dict) -> None:
             self._store(store_id).set_optimizer(OptimizerSpec(doc["name"], doc["hyperparameters"]))
-            self._ack(worker, tag, store_id=store_id)
-        self._with_meta(worker, store_id, tag, args[0], Op.SET_OPTIMIZER, apply)
+            self._ack(worker, header.ident, store_id=store_id)
+        self._with_meta(worker, header, apply)
 
-    def _set_lr(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int]) -> None:
-        self._with_meta(worker, store_id, tag, args[0], Op.SET_LR,
-                        lambda doc: self._store(store_id).set_lr(doc["lr"]))
+    def _set_lr(self, worker: int, header: Header) -> None:
+        store_id = header.args[0]
+        self._with_meta(worker, header, lambda doc: self._store(store_id).set_lr(doc["lr"]))
 
-    def _gather(self, worker: int, store_id: int, _chunk: int, tag: int, args: list[int], op: Op) -> None:
+    def _gather(self, worker: int, header: Header) -> None:
+        store_id, op = header.args[0], Op(header.kind)
+
         def arrived(doc: dict) -> None:
             self._store(store_id)
-            self._gathering[op][worker] = (tag, doc, time.monotonic())
-        self._with_meta(worker, store_id, tag, args[0], op, arrived)
+            self._gathering[op][worker] = (header.ident, doc, time.monotonic())
+        self._with_meta(worker, header, arrived)
 
-    def _stats(self, worker: int, store_id: int, _chunk: int, tag: int, _args: list[int]) -> None:
-        self._ack(worker, tag, self._store(store_id).stats(), store_id=store_id)
+    def _stats(self, worker: int, header: Header) -> None:
+        store_id = header.args[0]
+        self._ack(worker, header.ident, self._store(store_id).stats(), store_id=store_id)
 
-    def _bye(self, worker: int, _store: int, _chunk: int, _tag: int, _args: list[int]) -> None:
+    def _bye(self, worker: int, _header: Header) -> None:
         self.departed.add(worker)
         self._active = [w for w in range(self.num_workers) if w not in self.departed]
+        self._pushes.close(worker)
         if worker == 0:
             for store_id, store in self.stores.items():
-                self._answer_inits(store_id, store.refuse_waiting_inits())
+                self._answer_inits(store_id, None, store.refuse_waiting_inits())
         for (who, store_id), errors in list(self._deferred.items()):
             if who == worker:  # nobody is left to hear them: at least say them here
                 del self._deferred[(who, store_id)]
@@ -322,11 +366,10 @@ class Server:
     def _touch_all(self) -> None:
         self._touched.update(shard for store in self.stores.values() for shard in store.shards.values())
 
-    _HANDLERS: dict[Op, Callable] = {
+    _HANDLERS: ClassVar[dict[int, Callable]] = {
         Op.CONFIGURE: _configure, Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull,
         Op.SET_OPTIMIZER: _set_optimizer, Op.SET_LR: _set_lr, Op.STATS: _stats, Op.BYE: _bye,
-        Op.SAVE: lambda self, *a: self._gather(*a, Op.SAVE),
-        Op.LOAD: lambda self, *a: self._gather(*a, Op.LOAD),
+        Op.SAVE: _gather, Op.LOAD: _gather,
     }
 
     # -- progress ---------------------------------------------------------------------------------
@@ -334,7 +377,8 @@ class Server:
         """Apply what may be applied, answer what may be answered."""
         progressed = False
         active = self._active
-        touched, self._touched = self._touched, set()
+        touched = list(self._touched)
+        self._touched.clear()
         for shard in touched:
             progressed |= self._apply(shard, active)
             for pull in shard.ready_pulls(active):
@@ -363,7 +407,9 @@ class Server:
     def _refuse_impossible_pulls(self, shard: Shard) -> None:
         """Sync mode: a step that needs a departed worker's push can never complete."""
         for pull in list(shard.pulls):
-            gone = [w for w in shard.missing_for(pull, range(self.num_workers)) if w in self.departed]
+            # a departed worker's pushes announced before it left still arrive
+            gone = [w for w in shard.missing_for(pull, range(self.num_workers))
+                    if w in self.departed and shard.received[w] < pull.target]
             if gone:
                 shard.pulls.remove(pull)
                 self._refuse_pull(pull.worker, pull.tag,
@@ -407,9 +453,10 @@ class Server:
         self._next_stall_scan = now + _STALL_SCAN_S
         workers = self.roles.workers
         held = list(stalls.waits(self.stores, self._gathering, self._active, workers))
+        under_way = [(worker, since, direction) for _, _, since, worker, direction in self._inflight]
+        under_way += [(worker, since, "receive") for worker, since in self._pushes.waiting()]
         held += [Wait(stalls.KIND, f"a {direction} of a message with worker {worker}", [workers[worker]], since)
-                 for request, _, since, worker, direction in self._inflight
-                 if now - since >= self.config.stall_check_time_s / 2]
+                 for worker, since, direction in under_way if now - since >= self.config.stall_check_time_s / 2]
         self._watchdog.publish("parameter server", combined(stalls.KIND, held, key="parameter server",
                                                             prefix=f"{self.name} holds "))
 

@@ -4,7 +4,8 @@ worker's link to the servers that every KVStore of that worker shares.
 ``psrt.init()`` calls :func:`run_server` on server ranks (it returns once every
 worker has shut down) and keeps a :class:`WorkerLink` on worker ranks; the
 link's :meth:`~WorkerLink.close` (run by ``psrt.shutdown()``) finishes every
-store's outstanding requests and tells each server this worker is gone.
+store's outstanding requests, completes the push receives the servers hold for this
+worker, and tells each server this worker is gone.
 """
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import itertools
 import threading
 from typing import Callable, Protocol
 
+import torch
+
 from psrt.comm.base import Communicator
+from psrt.comm.direct import DirectGroup
 from psrt.comm.watchdog import Watchdog
 from psrt.config import Config
 from psrt.ps import protocol
@@ -32,11 +36,13 @@ def run_server(comm: Communicator, roles: Roles, config: Config, watchdog: Watch
 
 
 class WorkerLink:
-    """A worker's channel to the servers: the job-wide communicator, the role table and
-    the request tags, shared by this worker's stores."""
+    """A worker's channel to the servers: a direct group over the job-wide communicator
+    (its waits marked on ``watchdog``, naming servers by job rank), the role table, the
+    request tags and the push tags the servers gave, shared by this worker's stores."""
 
     def __init__(self, comm: Communicator, roles: Roles, config: Config, watchdog: Watchdog) -> None:
-        self.comm, self.roles, self.config, self.watchdog = comm, roles, config, watchdog
+        self.comm, self.roles, self.config = comm, roles, config
+        self.group = DirectGroup(comm, range(comm.size), watchdog, name="the parameter-server link", job_ranks=True)
         self.worker = roles.worker_index(comm.rank)
         self.num_workers = len(roles.workers)
         self.num_servers = len(roles.servers)
@@ -44,6 +50,7 @@ class WorkerLink:
         self._requests = itertools.count()
         self._store_ids = itertools.count()
         self._stores: list[_Closable] = []
+        self._push_tags: list[tuple[int, int]] = []  # (server rank, tag) with a receive posted for us
         self.closed = False
 
     def next_tag(self) -> int:
@@ -52,18 +59,31 @@ class WorkerLink:
     def server_rank(self, server: int) -> int:
         return self.roles.servers[server]
 
+    def push_tag(self, server: int, tag: int) -> int:
+        """Note that ``server`` holds a receive for this worker's pushes on ``tag``."""
+        self._push_tags.append((self.server_rank(server), tag))
+        return tag
+
     def register_store(self, store: _Closable) -> int:
         """A new store's id (the same on every worker that creates stores in the same order)."""
         self._stores.append(store)
         return next(self._store_ids)
 
     def close(self) -> None:
-        """Finish every store's requests, then tell every server this worker is gone."""
+        """Finish every store's requests, send an empty message on every push tag (which
+        completes the receive its server holds for this worker's next push), then tell every
+        server this worker is gone."""
         if self.closed:
             return
         self.closed = True
         for store in self._stores:
             store.close()
+        empty = torch.empty(0, dtype=torch.uint8)
         with self.lock:
-            for server in range(self.num_servers):
-                self.comm.send(protocol.header(Op.BYE), self.server_rank(server), protocol.HEADER_TAG)
+            requests = [self.comm.isend(empty, rank, tag) for rank, tag in self._push_tags]
+            bye = protocol.request(Op.BYE).encode()
+            requests += [self.comm.isend(bye, self.server_rank(server), protocol.HEADER_TAG)
+                         for server in range(self.num_servers)]
+            for request in requests:
+                self.group.wait(request, "a parameter-server request",
+                                f"worker {self.worker}'s goodbye to the parameter servers", self.roles.servers)

@@ -64,14 +64,6 @@ class OptimizerSpec:
 
 
 @dataclass
-class _Arrival:
-    """A push whose data is being (or has been) received into ``buffer``."""
-
-    buffer: torch.Tensor
-    arrived: bool = False
-
-
-@dataclass
 class WaitingPull:
     worker: int
     tag: int
@@ -108,7 +100,7 @@ class Shard:
         self.failed: str | None = None  # why an update failed; the chunk refuses requests from then on
         self.staleness: Counter[int] = Counter()
         self.pulls: list[WaitingPull] = []
-        self._arrivals: list[deque[_Arrival]] = [deque() for _ in range(num_workers)]
+        self._arrivals: list[deque[torch.Tensor]] = [deque() for _ in range(num_workers)]  # data in, not applied
         self._free: list[torch.Tensor] = []
         self._grad: torch.Tensor | None = None
 
@@ -134,27 +126,25 @@ class Shard:
                 group["lr"] = lr
 
     # -- pushes ------------------------------------------------------------------------
+    def spare_buffer(self) -> torch.Tensor:
+        """A buffer to receive a push into: one an update left free, or a new one."""
+        return self._free.pop() if self._free else host_buffer(self.meta.numel, self.meta.dtype)
+
     def expect_push(self, worker: int) -> torch.Tensor:
-        """Count a push announced by ``worker``; returns the buffer to receive it into.
-        Call :meth:`arrived` with that buffer once its data is in."""
+        """Count a push announced by ``worker``; returns a buffer for a push's data (the
+        server receives this push into the buffer it posted ahead, and the next one into this)."""
         self.received[worker] += 1
-        buffer = self._free.pop() if self._free else host_buffer(self.meta.numel, self.meta.dtype)
-        self._arrivals[worker].append(_Arrival(buffer))
-        return buffer
+        return self.spare_buffer()
 
     def arrived(self, worker: int, buffer: torch.Tensor) -> None:
-        for arrival in self._arrivals[worker]:
-            if arrival.buffer is buffer:
-                arrival.arrived = True
-                return
-        raise AssertionError("a push arrived that was never expected")
+        """``buffer`` holds ``worker``'s next announced push (a worker's arrive in order)."""
+        self._arrivals[worker].append(buffer)
 
     def _head_arrived(self, worker: int) -> bool:
-        queue = self._arrivals[worker]
-        return bool(queue) and queue[0].arrived
+        return bool(self._arrivals[worker])
 
     def _arrived_total(self, worker: int) -> int:
-        return self.applied[worker] + sum(a.arrived for a in self._arrivals[worker])
+        return self.applied[worker] + len(self._arrivals[worker])
 
     def _may_apply(self, worker: int, active: Sequence[int]) -> bool:
         """Whether ``worker``'s next push may be applied (bounded mode's gate)."""
@@ -173,7 +163,7 @@ class Shard:
         updates = 0
         if self.consistency.mode == Mode.SYNC:
             while all(self._head_arrived(w) for w in workers):
-                buffers = [self._arrivals[w].popleft().buffer for w in workers]
+                buffers = [self._arrivals[w].popleft() for w in workers]
                 total = self._sum(buffers)
                 spent = self._update(total)
                 if total is self._grad:
@@ -187,7 +177,7 @@ class Shard:
             return updates
         for w in workers:
             while self._head_arrived(w) and self._may_apply(w, active):
-                buffer = self._arrivals[w].popleft().buffer
+                buffer = self._arrivals[w].popleft()
                 if self.consistency.scale != 1.0 and self.optimizer is not None:  # a gradient, not a value
                     buffer.mul_(self.consistency.scale)
                 self._free.append(self._update(buffer))
@@ -256,7 +246,7 @@ class Shard:
         """The workers whose pushes the waiting ``pull`` needs before it can be answered."""
         if self.consistency.mode == Mode.SYNC:
             return [w for w in range(self.num_workers)
-                    if self.applied[w] + sum(a.arrived for a in self._arrivals[w]) < pull.target]
+                    if self._arrived_total(w) < pull.target]
         if self.consistency.mode == Mode.BOUNDED:
             mine = self.applied[pull.worker]
             if mine < pull.target:  # its own next push waits for the slowest to arrive

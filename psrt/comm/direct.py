@@ -1,0 +1,307 @@
+"""The direct layer: checked collectives and messages that the calling thread runs itself.
+
+Tensor- and pipeline-parallel traffic and parameter-server requests sit on a step's
+critical path.  They cannot afford the engine thread's negotiation (about 0.4 ms a call on
+a CPU host) and do not need it: every rank makes the same calls in the same order by
+construction.  What negotiation would have caught, they get here, once for all of them:
+
+* one header format (:class:`Header`, sixteen int64): what a message or call is (its
+  kind and an id), the dtype and shape of the tensor it carries, and four ints more;
+* one dtype table, :data:`psrt.comm.buffers.WIRE_DTYPES`, by which headers name dtypes;
+* one cross-rank agreement check (:meth:`DirectGroup.agree`): a small all-reduce of the
+  call's digest tells every rank whether all made the same call, and only when they did
+  not are the headers gathered, so that every rank raises the same
+  :class:`~psrt.errors.CollectiveMismatchError` naming two ranks and what each passed.
+  Whether calls are checked is the caller's setting; the members compare it on the
+  group's first collective, since a check on some members only would pair their digest
+  all-reduce with the others' data;
+* one watchdog, handed to the group by whoever opened it, which marks every wait: a peer
+  that stops answering is named, never waited for silently;
+* waits for messages that spin briefly and then nap (:func:`psrt.comm.poll.wait_politely`);
+  collectives wait in the transport's own blocking calls instead, which are faster than
+  polling: MPI's blocking all-reduce picks its best algorithm (its non-blocking one of
+  256 KB takes 1.7 times as long on 2 ranks), and its wait drives the collective's steps.
+
+A :class:`DirectGroup` runs on a communicator of its own, never the engine thread's (two
+threads must not run collectives on one communicator).  The caller guarantees what MPI
+requires: every member calls the group's collectives in the same order.
+"""
+from __future__ import annotations
+
+import array
+import enum
+import math
+from collections.abc import Sequence
+
+import torch
+
+from psrt.comm.base import Communicator, ReduceOp, Request, all_of
+from psrt.comm.buffers import dtype_code, dtype_of
+from psrt.comm.nccl import NcclCommunicator
+from psrt.comm.poll import wait_politely
+from psrt.comm.watchdog import Text, Wait, Watchdog
+from psrt.errors import CollectiveMismatchError, CommunicationError, InvalidArgumentError
+
+MAX_DIMS = 8
+MAX_ARGS = 4
+#: kind, id, dtype, number of dimensions, the first MAX_DIMS sizes, MAX_ARGS ints
+HEADER_WORDS = 4 + MAX_DIMS + MAX_ARGS
+_DIGEST_MASK = (1 << 62) - 1  # a digest and its negation both fit in an int64
+
+
+class Kind(enum.IntEnum):
+    """What a header describes, for the direct layer's own calls (parameter-server
+    requests name their operation instead: a kind means what its channel says)."""
+
+    MESSAGE = 0
+    ALL_REDUCE = 1
+    ALL_GATHER = 2
+    REDUCE_SCATTER = 3
+
+
+class Header:
+    """A message's or a call's description, in the one layout every rank reads.
+
+    ``shape`` keeps every dimension of a tensor it was made from; only the first
+    :data:`MAX_DIMS` travel, with the true number of dimensions (``ndim``), so a decoded
+    header of a deeper tensor can name it but not rebuild it.
+    """
+
+    __slots__ = ("args", "dtype", "ident", "kind", "ndim", "shape")
+
+    def __init__(self, kind: int, ident: int = 0, dtype: torch.dtype | None = None,
+                 shape: Sequence[int] = (), args: Sequence[int] = (), ndim: int | None = None) -> None:
+        if len(args) > MAX_ARGS:
+            raise ValueError(f"a header carries at most {MAX_ARGS} ints besides the shape, got {len(args)}")
+        self.kind, self.ident, self.dtype = kind, ident, dtype
+        self.shape, self.args = tuple(shape), tuple(args)
+        self.ndim = len(self.shape) if ndim is None else ndim
+
+    @classmethod
+    def of(cls, kind: int, tensor: torch.Tensor, ident: int = 0, args: Sequence[int] = ()) -> Header:
+        return cls(kind, ident, tensor.dtype, tensor.shape, args)
+
+    def words(self) -> list[int]:
+        dims = list(self.shape[:MAX_DIMS])
+        return [int(self.kind), self.ident, -1 if self.dtype is None else dtype_code(self.dtype), self.ndim,
+                *dims, *[-1] * (MAX_DIMS - len(dims)), *self.args, *[0] * (MAX_ARGS - len(self.args))]
+
+    def encode(self) -> torch.Tensor:
+        return _int64s(self.words())
+
+    @classmethod
+    def decode(cls, words: Sequence[int]) -> Header:
+        kind, ident, code, ndim = words[:4]
+        return cls(kind, ident, dtype_of(code), words[4:4 + min(ndim, MAX_DIMS)], words[4 + MAX_DIMS:], ndim)
+
+    @property
+    def complete(self) -> bool:
+        """Whether a tensor can be allocated from this header (a known dtype, every size)."""
+        return self.dtype is not None and self.ndim <= MAX_DIMS
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def digest(self) -> int:
+        """The same int on every rank for equal headers (ints hash alike in every process)."""
+        return hash((int(self.kind), self.ident, dtype_code(self.dtype), self.ndim, *self.shape,
+                     *self.args)) & _DIGEST_MASK
+
+    def describe(self) -> str:
+        """``all_reduce of a float32 tensor of shape (4, 16)``."""
+        kind = Kind(self.kind).name.lower() if self.kind in Kind._value2member_map_ else f"kind {self.kind}"
+        name = "another dtype" if self.dtype is None else str(self.dtype).removeprefix("torch.")
+        dims = ", ".join(map(str, self.shape[:MAX_DIMS])) + (", ..." if self.ndim > MAX_DIMS else "")
+        return f"{kind} of a {name} tensor of shape ({dims}{',' if self.ndim == 1 else ''})"
+
+
+def _int64s(values: list[int]) -> torch.Tensor:
+    """A new int64 tensor of ``values``: a third of ``torch.tensor``'s cost, which matters
+    on paths that run once per message."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+def check_divisible(tensor: torch.Tensor, dim: int, size: int, label: str) -> None:
+    """A tensor split into ``size`` blocks along ``dim`` must split evenly."""
+    if tensor.shape[dim] % size:
+        raise InvalidArgumentError(f"dimension {dim} of a tensor of shape {tuple(tensor.shape)} is not "
+                                   f"divisible by the {label} size {size}")
+
+
+class DirectGroup:
+    """The members of one process set (or the ranks of a job), for direct traffic.
+
+    ``host`` is a communicator of the group's own; ``ranks[r]`` names its rank r to the
+    watchdog, as a rank of psrt's world or, with ``job_ranks``, of the whole job (the
+    parameter servers are outside psrt's world).  ``name`` says what the group is in
+    stall reports and errors (a function is evaluated only when one is written).
+    Collectives take a ``label`` saying who runs them ("tensor-parallel"), for the same
+    texts, and ``check``, whether to run the agreement check first.  A CUDA communicator is
+    made on a device's first collective, collectively over the members.
+    """
+
+    def __init__(self, host: Communicator, ranks: Sequence[int], watchdog: Watchdog, *,
+                 name: Text = "a direct group", job_ranks: bool = False) -> None:
+        self.host, self.ranks = host, tuple(ranks)
+        self.rank, self.size = host.rank, host.size
+        self._watchdog, self._name, self._job_ranks = watchdog, name, job_ranks
+        self._devices: dict[int, Communicator] = {}
+        self._settled = False  # whether the members compared their ``check`` setting
+
+    @property
+    def name(self) -> str:
+        return self._name() if callable(self._name) else self._name
+
+    def transport(self, device: torch.device) -> Communicator:
+        """The communicator that carries tensors on ``device`` (NCCL for CUDA memory)."""
+        if device.type != "cuda":
+            return self.host
+        index = torch.cuda.current_device() if device.index is None else device.index
+        comm = self._devices.get(index)
+        if comm is None:
+            comm = self._devices[index] = NcclCommunicator(self.host, torch.device("cuda", index))
+        return comm
+
+    # -- waits ------------------------------------------------------------------------------
+    def waiting(self, kind: str, what: Text, peers: Sequence[int] | None = None) -> Wait:
+        """Mark the calling thread as waiting on ``peers`` (ranks as the group names them;
+        default every member) for the block's duration."""
+        peers = self.ranks if peers is None else peers
+        if self._job_ranks:
+            return self._watchdog.waiting(kind, what, job_peers=peers)
+        return self._watchdog.waiting(kind, what, peers)
+
+    def wait(self, request: Request, kind: str, what: Text, peers: Sequence[int] | None = None) -> None:
+        """Wait for ``request`` politely, marked for the watchdog."""
+        if not request.test():
+            with self.waiting(kind, what, peers):
+                wait_politely(request)
+
+    def _collective(self, label: str, call: str) -> Wait:
+        me = self.ranks[self.rank]
+        return self.waiting(f"a {label} collective", lambda: f"{label} {call} on rank {me} over {self.name}")
+
+    @staticmethod
+    def _complete(comm: Communicator, request: Request) -> None:
+        """Host collectives complete here (in MPI's own wait); CUDA ones are ordered on the
+        stream, so the host need not wait for them."""
+        if not isinstance(comm, NcclCommunicator):
+            request.wait()
+
+    # -- agreement --------------------------------------------------------------------------
+    def _prepare(self, header: Header, label: str, check: bool) -> None:
+        """What every collective does first, inside its marked wait."""
+        if not self._settled:
+            self._settle(label, check)
+        if check:
+            self.agree(header, label)
+
+    def _settle(self, label: str, check: bool) -> None:
+        theirs = self.host.allgather_object(check)
+        if any(value != check for value in theirs):
+            checking = theirs.index(True)
+            raise CollectiveMismatchError(
+                f"{label} collectives over {self.name}: rank {self.ranks[checking]} checks that every rank "
+                f"makes the same call but rank {self.ranks[theirs.index(False)]} does not (every rank must run "
+                "with the same setting)")
+        self._settled = True
+
+    def agree(self, header: Header, label: str) -> None:
+        """Raise the same :class:`CollectiveMismatchError` on every member unless all passed
+        equal headers: one small all-reduce (the maximum of the digest and of its negation)
+        when they did, and a gather of the headers, to name what differs, when they did not.
+        Collective over the group; the caller marks the wait."""
+        digest = header.digest()
+        extremes = _int64s([digest, -digest])
+        self.host.allreduce(extremes, ReduceOp.MAX)
+        highest, negated_lowest = extremes.tolist()
+        if highest == -negated_lowest:
+            return
+        mine = header.encode()
+        everyone = torch.empty((self.size, HEADER_WORDS), dtype=torch.int64)
+        self.host.allgatherv(mine, everyone.view(-1), [HEADER_WORDS] * self.size).wait()
+        differing = (everyone != mine).any(dim=1).nonzero().flatten().tolist() or [self.rank]
+        theirs = Header.decode(everyone[differing[0]].tolist())
+        raise CollectiveMismatchError(
+            f"{label} {Kind(header.kind).name.lower()} over {self.name}: rank {self.ranks[self.rank]} has "
+            f"{header.describe()} but rank {self.ranks[differing[0]]} has {theirs.describe()}")
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, label: str,
+                    check: bool = True) -> torch.Tensor:
+        """Reduce a contiguous ``tensor`` in place over the group; returns it."""
+        with self._collective(label, "all_reduce"):
+            self._prepare(Header.of(Kind.ALL_REDUCE, tensor), label, check)
+            self.transport(tensor.device).allreduce(tensor, op)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True) -> torch.Tensor:
+        """Every member's ``tensor`` concatenated along ``dim``, in group-rank order."""
+        with self._collective(label, "all_gather"):
+            self._prepare(Header.of(Kind.ALL_GATHER, tensor), label, check)
+            comm = self.transport(tensor.device)
+            send = tensor.contiguous()
+            out = torch.empty((self.size, *send.shape), dtype=send.dtype, device=send.device)
+            self._complete(comm, comm.allgatherv(send.view(-1), out.view(-1), [send.numel()] * self.size))
+        return out.flatten(0, 1) if dim == 0 else torch.cat(out.unbind(0), dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True,
+                       op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce over the group, then keep this member's block of ``dim`` (which the group's
+        size must divide: checked after the agreement, so every member raises alike)."""
+        with self._collective(label, "reduce_scatter"):
+            self._prepare(Header.of(Kind.REDUCE_SCATTER, tensor), label, check)
+            check_divisible(tensor, dim, self.size, label)
+            comm = self.transport(tensor.device)
+            send = torch.stack(tensor.chunk(self.size, dim)) if dim != 0 else tensor.contiguous()
+            block = send.shape[1:] if dim != 0 else (tensor.shape[0] // self.size, *tensor.shape[1:])
+            out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
+            self._complete(comm, comm.reduce_scatter(send.reshape(-1), out.view(-1), [out.numel()] * self.size, op))
+        return out
+
+    def allgather_object(self, value: object, *, label: str | None = None) -> list:
+        """Every member's small picklable ``value``, in group-rank order (on the host); with
+        ``label``, the wait is marked as that user's check, else the caller marks it."""
+        if label is None:
+            return self.host.allgather_object(value)
+        me = self.ranks[self.rank]
+        with self.waiting(f"a {label} collective", lambda: f"a {label} check on rank {me} over {self.name}"):
+            return self.host.allgather_object(value)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Request:
+        """Start copying member ``root``'s host ``tensor`` into everyone's (a small exchange
+        whose wait the caller marks)."""
+        return self.host.broadcast(tensor, root)
+
+    # -- messages ---------------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dest: int, tag: int, ident: int = 0) -> Request:
+        """Start sending a header (``ident``, dtype, shape) and then ``tensor``'s data to
+        member ``dest``; keep the request until it completes."""
+        payload = tensor.detach().contiguous()
+        header = Header.of(Kind.MESSAGE, payload, ident)
+        if not header.complete:
+            raise CommunicationError(f"a direct message carries a tensor of at most {MAX_DIMS} dimensions of a "
+                                     f"supported dtype, got {payload.dtype} of shape {tuple(payload.shape)}")
+        return all_of([self.host.isend(header.encode(), dest, tag), self.host.isend(payload, dest, tag)])
+
+    def recv(self, source: int, tag: int, *, kind: str, what: Text) -> tuple[Header, torch.Tensor]:
+        """The next message :meth:`send` sent from member ``source`` on ``tag``: its header
+        and a new host tensor holding its data.  The wait is marked as ``kind``/``what``."""
+        words = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        with self.waiting(kind, what, (self.ranks[source],)):
+            wait_politely(self.host.irecv(words, source, tag))
+            header = Header.decode(words.tolist())
+            if not header.complete:
+                raise CommunicationError(f"rank {self.ranks[source]} sent a header this psrt cannot read "
+                                         f"({words.tolist()}): are all ranks running the same psrt?")
+            tensor = torch.empty(header.shape, dtype=header.dtype)
+            wait_politely(self.host.irecv(tensor, source, tag))
+        return header, tensor
+
+    def free(self) -> None:
+        """Release the group's communicators (device ones first: they sit on the host one)."""
+        for comm in self._devices.values():
+            comm.free()
+        self._devices.clear()
+        self.host.free()
