@@ -44,9 +44,10 @@ class Request(abc.ABC):
     def wait(self) -> None:
         """Block until the operation has completed."""
 
+    @abc.abstractmethod
     def cancel(self) -> None:
-        """Withdraw a receive that may never be matched (at shutdown), then wait for it."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be cancelled")
+        """Withdraw the operation if it has not completed (a receive that may never be
+        matched, at shutdown), then wait for it."""
 
 
 class CompletedRequest(Request):
@@ -57,6 +58,9 @@ class CompletedRequest(Request):
 
     def wait(self) -> None:
         return None
+
+    def cancel(self) -> None:
+        return None  # nothing left to withdraw
 
 
 class Communicator(abc.ABC):
@@ -178,6 +182,10 @@ class _AllOf(Request):
         for request in self._requests:
             request.wait()
 
+    def cancel(self) -> None:
+        for request in self._requests:
+            request.cancel()
+
 
 def then(request: Request, on_complete: Callable[[], None]) -> Request:
     """A request that runs ``on_complete`` once, right after ``request`` completes."""
@@ -205,3 +213,7 @@ class _Chained(Request):
     def wait(self) -> None:
         self._inner.wait()
         self._finish()
+
+    def cancel(self) -> None:
+        self._on_complete = None  # withdrawn: what was to follow never runs
+        self._inner.cancel()

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from psrt.comm.base import Communicator, ReduceOp, Request
-from psrt.errors import CommunicationError, InvalidArgumentError
+from psrt.errors import CommunicationError, InvalidArgumentError, UnsupportedOperationError
 
 try:  # CuPy is the optional ``psrt[gpu]`` extra
     from cupy.cuda import nccl as _nccl
@@ -72,6 +72,9 @@ class CudaEventRequest(Request):
 
     def wait(self) -> None:
         self._event.synchronize()
+
+    def cancel(self) -> None:
+        raise UnsupportedOperationError("NCCL work already enqueued on a CUDA stream cannot be withdrawn")
 
 
 class NcclCommunicator(Communicator):

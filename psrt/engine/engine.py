@@ -371,10 +371,8 @@ class Engine:
                 work = self._local.get(response.announcement.key)
                 if work is not None:
                     work.ready = now
-        batches = [fusion.Batch(responses)] if len(responses) == 1 else \
-            fusion.plan(responses, self._config.fusion_threshold)
         mark = self._marks(threading.get_ident())[1]
-        for batch in batches:
+        for batch in fusion.plan(responses, self._config.fusion_threshold):
             mark.what, mark.peers = functools.partial(self._describe_batch, batch), batch.responses[0].announcement.ranks
             with mark:
                 if batch.fused:
@@ -398,11 +396,10 @@ class Engine:
         # A member without the work has joined: it contributes zeros.
         buffers = [b for w, r in zip(works, responses)
                    for b in (w.buffers if w is not None else r.announcement.reduction.zeros())]
-        pieces = first.reduction.pieces if len(responses) == 1 else \
-            [p for r in responses for p in r.announcement.reduction.pieces]
+        pieces = [p for r in responses for p in r.announcement.reduction.pieces]
         comm = self._data_comm(first.reduction.set_id, buffers[0].device)
         phases: list[tuple[str, float, float]] = []
-        for message in ([[0]] if len(pieces) == 1 else fusion.messages(pieces)):
+        for message in fusion.messages(pieces):
             piece = pieces[message[0]]
             self._reduce_message([buffers[i] for i in message], first.reduction.op, piece.scale,
                                  comm, phases)

@@ -45,6 +45,8 @@ def _nbytes(response: Response) -> int:
 def plan(responses: Sequence[Response], threshold: int) -> list[Batch]:
     """Group compatible allreduces (same process set, device and op) up to ``threshold`` bytes;
     everything else runs alone.  Batches run in the order of their first response."""
+    if len(responses) == 1:  # the common blocking call: nothing to group
+        return [Batch(list(responses))]
     batches: list[Batch] = []
     open_batches: dict[tuple, tuple[Batch, int]] = {}
     for response in responses:
@@ -69,6 +71,8 @@ def messages(pieces: Sequence[Piece], pack_limit: int = PACK_LIMIT_BYTES) -> lis
     """Split a batch's pieces (in batch order) into messages: each large piece alone, each
     run of small ones of one dtype and scale together.  Pieces are agreed across ranks, so
     every rank splits the same way."""
+    if len(pieces) == 1:
+        return [[0]]
     result: list[list[int]] = []
     run: list[int] = []
     for index, piece in enumerate(pieces):

@@ -58,6 +58,9 @@ class _Mail(Request):
     def wait(self) -> None:
         poll.wait_politely(self)
 
+    def cancel(self) -> None:
+        self._done = True
+
 
 class ThreadComm(Communicator):
     """One thread-rank of a fake group; records the collectives it runs."""
@@ -293,6 +296,9 @@ class _AfterTests(Request):
 
     def wait(self) -> None:
         poll.wait_politely(self)
+
+    def cancel(self) -> None:
+        self.left = 0
 
 
 def test_a_polite_wait_spins_first_then_naps_in_doubling_steps(monkeypatch):
