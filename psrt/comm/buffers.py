@@ -30,6 +30,8 @@ _VIEWS: dict[torch.dtype, tuple[torch.dtype, MPI.Datatype]] = {
     torch.bool: (torch.bool, MPI.C_BOOL),
 }
 
+_MPI_DATATYPES = {dtype: datatype for dtype, (_, datatype) in _VIEWS.items()}
+
 #: dtypes reduced after widening to float32, since MPI has no arithmetic for them.
 WIDENED_FOR_REDUCTION = frozenset({torch.float16, torch.bfloat16})
 
@@ -86,9 +88,10 @@ def mpi_buffer(tensor: torch.Tensor) -> list:
     ``tensor`` alive: the caller must, until the operation completes.
     ``tensor`` must be contiguous.
     """
-    _check_dtype(tensor.dtype)
-    nbytes = tensor.numel() * tensor.element_size()
-    return [MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), _VIEWS[tensor.dtype][1]]
+    datatype = _MPI_DATATYPES.get(tensor.dtype)
+    if datatype is None:
+        _check_dtype(tensor.dtype)
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size()), datatype]
 
 
 def mpi_buffer_v(tensor: torch.Tensor, counts: list[int]) -> list:
@@ -100,7 +103,7 @@ def mpi_buffer_v(tensor: torch.Tensor, counts: list[int]) -> list:
 
 def mpi_op(op: ReduceOp, dtype: torch.dtype) -> MPI.Op:
     """The MPI reduction implementing ``op`` on ``dtype`` (after any widening)."""
-    if dtype == torch.bool:
+    if dtype is torch.bool:
         if op not in _MPI_BOOL_OPS:
             raise InvalidArgumentError(f"op {op.name} is not defined for bool tensors; "
                                        "use Min (all) or Max (any)")

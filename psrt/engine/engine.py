@@ -6,7 +6,9 @@ drains what was submitted, negotiates with the other ranks (see
 process set, and runs those in the agreed order — allreduces fused into as few
 messages as the fusion threshold allows.  Ranks may therefore submit the same
 named collectives in different orders, as gradients become ready in different
-orders.
+orders.  A caller that blocks runs the cycles itself rather than handing them to the
+engine thread; a lone blocking allreduce of a cached name needs only its round and its
+reduction (:meth:`Engine.run`).
 
 The engine never lets a job hang silently: disagreeing arguments fail the
 work on every rank with one message; a work some ranks never submit is
@@ -31,9 +33,9 @@ from psrt.comm.watchdog import Wait, Watchdog, combined, rank_ranges
 from psrt.config import Config
 from psrt.engine import fusion
 from psrt.engine.doorbell import Doorbell
-from psrt.engine.negotiation import Negotiator, Response
+from psrt.engine.negotiation import Negotiator, Response, RoundResult
 from psrt.engine.timeline import Timeline
-from psrt.engine.work import Work, WorkKey
+from psrt.engine.work import Announcement, Work, WorkKey
 from psrt.errors import CollectiveMismatchError, EngineStoppedError, InvalidArgumentError
 
 logger = logging.getLogger("psrt")
@@ -125,7 +127,18 @@ class Engine:
         return work
 
     def run(self, work: Work) -> object:
-        """Submit ``work`` and return its output (see :meth:`drive`)."""
+        """Submit ``work`` and return its output (see :meth:`drive`).  A lone allreduce the
+        response cache knows, with nothing else pending on this rank, skips the queue (see
+        :meth:`_cycle_alone`)."""
+        if work.buffers is not None and len(work.buffers) == 1 and self._driver.acquire(blocking=False):
+            try:
+                alone = self._may_run_alone(work)
+                if alone:
+                    self._drive_once(work)
+            finally:
+                self._driver.release()
+            if alone:
+                return work.result()
         return self.submit(work, wake=False).result()
 
     def drive(self, work: Work) -> None:
@@ -204,20 +217,20 @@ class Engine:
             elif pause:
                 self._wake.wait(pause)
 
-    def _drive_once(self) -> float | None:
+    def _drive_once(self, alone: Work | None = None) -> float | None:
         """One cycle by the thread holding the driver (see :meth:`_cycle_guarded`)."""
         self._driving = threading.get_ident()
         try:
-            return self._cycle_guarded()
+            return self._cycle_guarded(alone)
         finally:
             self._driving = None
 
-    def _cycle_guarded(self) -> float | None:
-        """One cycle; a failure in it stops the engine and, by default, aborts the job
-        (never leave callers waiting on a dead engine).  Returns what :meth:`_cycle` does,
-        or 0 once the engine has stopped."""
+    def _cycle_guarded(self, alone: Work | None = None) -> float | None:
+        """One cycle (:meth:`_cycle`, or :meth:`_cycle_alone` for ``alone``); a failure in
+        it stops the engine and, by default, aborts the job (never leave callers waiting on
+        a dead engine).  Returns what :meth:`_cycle` does, or 0 once the engine has stopped."""
         try:
-            return self._cycle()
+            return self._cycle() if alone is None else self._cycle_alone(alone)
         except BaseException as exc:
             how = f"psrt engine failed: {bootstrap.describe_exception(exc)}"
             logger.exception("psrt: rank %d: %s", self.rank, how)
@@ -275,6 +288,10 @@ class Engine:
         fresh = self._accept(arrived)
         with self._marks(threading.get_ident())[0]:
             result = self._negotiator.round(self._local, fresh, join, stop, self._wait_for_round)
+        return self._act(result, join, stop, timeline)
+
+    def _act(self, result: RoundResult, join: bool, stop: bool, timeline: Timeline | None) -> float | None:
+        """The rest of a cycle: run and complete what the round decided (see :meth:`_cycle`)."""
         self._join_sent, self._stop_sent = self._join_sent or join, self._stop_sent or stop
         if timeline is not None:  # phases are stamped only for the timeline
             now = time.perf_counter()
@@ -302,6 +319,50 @@ class Engine:
             return 0.0
         return self._config.cycle_time_ms / 1000
 
+    def _may_run_alone(self, work: Work) -> bool:
+        """Whether ``work`` (a one-buffer allreduce) can take :meth:`_cycle_alone`: the cache
+        knows it and this rank has nothing else pending, announced or asked for.  Called
+        holding the driver; takes the work in when it can."""
+        negotiator = self._negotiator
+        if self._timeline is not None or negotiator.table or negotiator.joined:
+            return False
+        index = negotiator.cache.lookup(work.announcement)
+        if index is None:
+            return False
+        with self._lock:
+            if (self._in_flight or self._gone or self._stopped is not None  # in flight: queued or local
+                    or self._join_requested or self._stop_requested):
+                return False
+            self._in_flight.add(work.key)
+        work.cache_index, work.driver = index, self.drive
+        self._local[work.key] = work
+        return True
+
+    def _cycle_alone(self, work: Work) -> float | None:
+        """A cycle for one cached allreduce, this rank's only pending work: when its round
+        shows the work ready everywhere and nothing else going on (the steady state of a
+        loop of blocking calls), the reduction runs straight on the work's buffer and every
+        rank goes quiet, as after any such round; any other outcome is acted on as by
+        :meth:`_cycle` (the work then completes in later cycles, or fails)."""
+        if self._quiet_epoch is not None:
+            self._unrung, self._quiet_epoch = self._quiet_epoch, None
+        round_mark, data_mark = self._marks(threading.get_ident())
+        with round_mark:
+            result = self._negotiator.round_alone(work, self._wait_for_round)
+        if result is not None:
+            return self._act(result, False, False, None)
+        reduction = work.announcement.reduction
+        data_mark.what = functools.partial(self._describe, work.announcement, 0)
+        data_mark.peers = work.announcement.ranks
+        with data_mark:
+            self._data_comm(reduction.set_id, work.device).allreduce(
+                work.buffers[0], reduction.op, reduction.pieces[0].scale)
+        del self._local[work.key]  # only now: should the reduction fail, stopping fails the work
+        self._finish(work, None, None, ())
+        self._quiet_epoch = self._negotiator.rounds
+        self._inspect_stalls(force=self._stalls_published)
+        return None
+
     def _marks(self, thread: int) -> tuple[Wait, Wait]:
         """A driving thread's marks for negotiation rounds and for collectives (a mark serves
         one thread; the collective's says what it runs when it is entered)."""
@@ -318,6 +379,9 @@ class Engine:
         A rank leaving a quiet epoch rings the doorbell only once the round has not
         completed within the spin: ranks of one program mostly arrive together, each for
         its own work, and need no bell."""
+        if request.test():  # the peers were there first
+            self._unrung = None
+            return
         backoff = poll.Backoff()
         ring_after = time.perf_counter() + poll.SPIN_S
         while not request.test():
@@ -381,8 +445,10 @@ class Engine:
                     self._run_one(batch.responses[0])
 
     def _describe_batch(self, batch: fusion.Batch) -> str:
-        first = batch.responses[0].announcement
-        more = f" (fused with {len(batch.responses) - 1} more)" if len(batch.responses) > 1 else ""
+        return self._describe(batch.responses[0].announcement, len(batch.responses) - 1)
+
+    def _describe(self, first: Announcement, fused_with: int) -> str:
+        more = f" (fused with {fused_with} more)" if fused_with else ""
         return f"rank {self.rank}'s {first.describe()}{more} over ranks {rank_ranges(first.ranks)}"
 
     def _take(self, response: Response) -> Work | None:

@@ -143,6 +143,10 @@ class Negotiator:
                 vector[1 + n + work.cache_index] = 0
         vector[0] = 0 if need_slow else 1
         wait(allreduce.start())
+        return self._fast_result(vector, n)
+
+    def _fast_result(self, vector: memoryview, n: int) -> tuple[list[Response], bool, bool]:
+        """What a completed fast round's vector says (see :meth:`_fast_round`)."""
         absent = bytes(vector[1 + n:])
         held = []
         index = absent.find(0)
@@ -222,6 +226,30 @@ class Negotiator:
         self.rounds += 1
         need_slow = bool(fresh or join or shutdown or self.table)
         responses, slow, waiting = self._fast_round(local, need_slow, wait)
+        return self._after_fast(local, responses, slow, waiting, join, shutdown)
+
+    def round_alone(self, work: Work, wait: Callable[[Request], None]) -> RoundResult | None:
+        """The round of a rank whose one unfinished work is ``work``, cached, with nothing in
+        the table and nobody joined: None when it shows ``work`` ready on every rank and
+        nothing else held or asked for anywhere (so every rank goes quiet after it), else
+        the round's full result.  The same collective as :meth:`round`, with only the
+        bytes this case needs written and read."""
+        self.rounds += 1
+        vector, template, allreduce = self._fast_state()
+        vector[:] = template  # control byte 1: this rank needs no slow path
+        n, index = len(self.cache), work.cache_index
+        vector[1 + index] = 1
+        vector[1 + n + index] = 0
+        wait(allreduce.start())
+        if vector[0] and vector[1 + index] and bytes(vector[1 + n:]).count(0) == 1:
+            return None
+        responses, slow, waiting = self._fast_result(vector, n)
+        return self._after_fast({work.key: work}, responses, slow, waiting, False, False)
+
+    def _after_fast(self, local: dict[WorkKey, Work], responses: list[Response], slow: bool,
+                    waiting: bool, join: bool, shutdown: bool) -> RoundResult:
+        """The rest of a round once its fast path is known: the slow path, if any rank
+        asked for it."""
         if not slow:
             return RoundResult(responses, waiting or bool(self.joined))
         resolved = {r.announcement.key for r in responses}

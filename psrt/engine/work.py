@@ -95,6 +95,9 @@ class Work:
     tensors on ``device``.
     """
 
+    __slots__ = ("_pending", "announcement", "buffers", "cache_index", "device", "driver", "error", "execute",
+                 "finish", "negotiated", "ready", "reported", "submitted", "value")
+
     def __init__(self, announcement: Announcement, *, device: torch.device,
                  buffers: list[torch.Tensor] | None = None,
                  execute: Callable[[Communicator, Communicator], object] | None = None,

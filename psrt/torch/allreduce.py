@@ -9,11 +9,12 @@ work runs on its own, never fused (see :mod:`psrt.torch.adasum`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+import operator
+from typing import NamedTuple, Sequence
 
 import torch
 
-from psrt.engine import Piece, Reduction, Work
+from psrt.engine import Announcement, Piece, Reduction, Work
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
@@ -40,15 +41,67 @@ def _resolve(dtypes: Sequence[torch.dtype], name: object, op: object, average: o
     return op, pre, post
 
 
-def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | None, op: ReduceOp,
-                    pre: float, post: float, process_set: ProcessSet, ranks: list[int],
-                    grouped: bool):
+class _Plan(NamedTuple):
+    """What a call's arguments work out to, before any tensor data is touched: kept for
+    repeated calls (a training loop's), whose validation and announcement it skips."""
+
+    op: ReduceOp
+    pre: float
+    post: float
+    set_size: int
+    announcement: Announcement | None  # None for Adasum, whose work is executed
+    folds: list[float | None]
+
+
+def _repeat_key(tensors: list[torch.Tensor], name: object, op: object, average: object,
+                prescale_factor: object, postscale_factor: object, process_set: object) -> tuple | None:
+    """The key a named call's :class:`_Plan` is kept under, or None when its arguments are
+    not of the exact types a plan can stand for (they are validated in full instead: True
+    equals 1 but is no scale factor).  The set's id is part of it, so a removed set (whose
+    id is cleared) never matches."""
+    if (name.__class__ is not str or prescale_factor.__class__ is not float
+            or postscale_factor.__class__ is not float or (op is not None and op.__class__ is not ReduceOp)
+            or (average is not None and average.__class__ is not bool)
+            or process_set.__class__ is not ProcessSet):
+        return None
+    return (name, op, average, prescale_factor, postscale_factor, process_set, process_set.process_set_id,
+            *[(t.dtype, t.shape, t.device) for t in tensors])
+
+
+def _plan(tensors: list[torch.Tensor], grouped: bool, name: object, op: object, average: object,
+          prescale_factor: object, postscale_factor: object, process_set: ProcessSet) -> _Plan:
+    """Validate a call's arguments and announce its work, or take what an earlier call with
+    the same arguments worked out (building it costs more than the rest of a small
+    allreduce's Python)."""
+    key = _repeat_key(tensors, name, op, average, prescale_factor, postscale_factor, process_set)
+    known = _common.remembered(key) if key is not None else None
+    if known is not None:
+        return known
+    op, pre, post = _resolve({t.dtype for t in tensors}, name, op, average, prescale_factor, postscale_factor)
+    ranks = _common.set_ranks(process_set)
+    if op is ReduceOp.Adasum:
+        adasum.check_arguments(tensors, len(ranks), "grouped_allreduce" if grouped else "allreduce")
+    folds = [_folded_scale(t, op, post, len(ranks)) for t in tensors]
+    announcement = None
+    if op is not ReduceOp.Adasum:
+        reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
+                              tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
+                                    for t, f in zip(tensors, folds)))
+        announcement = _common.announce("allreduce", name, process_set, ranks,
+                                        _descriptor(tensors, op, pre, post), reduction)
+    plan = _Plan(op, pre, post, len(ranks), announcement, folds)
+    if key is not None:
+        _common.remember(key, plan)
+    return plan
+
+
+def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, plan: _Plan, name: str | None,
+                    process_set: ProcessSet, grouped: bool) -> Work:
     """The engine work reducing ``tensors`` (one, or a grouped call's): prescaled now;
     Average and postscale folded into the reduction for floating-point tensors, applied when
     finishing for integers and for Adasum (an executed work: see ``psrt.torch.adasum``).
     Its output is the reduced tensor, or the list for ``grouped``."""
-    if op is ReduceOp.Adasum:
-        adasum.check_arguments(tensors, len(ranks), "grouped_allreduce" if grouped else "allreduce")
+    op, pre, post, set_size, announcement, folds = plan
     if in_place:
         buffers = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     else:
@@ -56,26 +109,8 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | Non
     if pre != 1.0:
         for buffer in buffers:
             _common.scale_(buffer, pre)
-    # Repeated calls (a training loop's) reuse what their first call worked out: building
-    # it costs more than the rest of a small allreduce's Python.
-    signature = (process_set.process_set_id, name, op, pre, post, len(ranks),
-                 *[(t.dtype, t.shape, t.device) for t in tensors])
-    known = _common.remembered(signature) if name is not None else None
-    if known is None:
-        folds = [_folded_scale(t, op, post, len(ranks)) for t in tensors]
-        announcement = None
-        if op is not ReduceOp.Adasum:
-            reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
-                                  tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
-                                        for t, f in zip(tensors, folds)))
-            announcement = _common.announce("allreduce", name, process_set, ranks,
-                                            _descriptor(tensors, op, pre, post), reduction)
-            if name is not None:
-                _common.remember(signature, (announcement, folds))
-    else:
-        announcement, folds = known
 
-    if None not in folds and all(b is t for b, t in zip(buffers, tensors)):
+    if None not in folds and all(map(operator.is_, buffers, tensors)):
         output = tensors if grouped else tensors[0]  # reduced where it lies, scale folded in
 
         def finish(_: object) -> torch.Tensor | list[torch.Tensor]:
@@ -84,14 +119,14 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, name: str | Non
         def finish(_: object) -> torch.Tensor | list[torch.Tensor]:
             for buffer, fold in zip(buffers, folds):
                 if fold is None:
-                    _common.postscale_(buffer, op is ReduceOp.Average, post, len(ranks))
+                    _common.postscale_(buffer, op is ReduceOp.Average, post, set_size)
             outputs = [_common.write_back(t, b) for t, b in zip(tensors, buffers)] if in_place else buffers
             return outputs if grouped else outputs[0]
 
     if op is ReduceOp.Adasum:  # not elementwise: the engine cannot fuse it, it runs on its own
-        return _common.make_work("allreduce", name, process_set, ranks, _descriptor(tensors, op, pre, post),
-                                 tensors[0].device, execute=lambda host, _: adasum.allreduce_(host, buffers),
-                                 finish=finish)
+        return _common.make_work("allreduce", name, process_set, _common.set_ranks(process_set),
+                                 _descriptor(tensors, op, pre, post), tensors[0].device,
+                                 execute=lambda host, _: adasum.allreduce_(host, buffers), finish=finish)
     return Work(announcement, device=tensors[0].device, buffers=buffers, finish=finish)
 
 
@@ -108,12 +143,9 @@ def _descriptor(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: flo
 
 def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
                postscale_factor, process_set):
-    check_tensor(tensor)
-    op, pre, post = _resolve((tensor.dtype,), name, op, average, prescale_factor,
-                             postscale_factor)
-    ranks = _common.set_ranks(process_set)
-    work = _allreduce_work([tensor], in_place, name, op, pre, post, process_set, ranks, grouped=False)
-    return _common.submit(work, blocking)
+    tensors = [check_tensor(tensor)]
+    plan = _plan(tensors, False, name, op, average, prescale_factor, postscale_factor, process_set)
+    return _common.submit(_allreduce_work(tensors, in_place, plan, name, process_set, grouped=False), blocking)
 
 
 def _folded_scale(tensor: torch.Tensor, op: ReduceOp, post: float, set_size: int) -> float | None:
@@ -177,14 +209,11 @@ def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, po
     tensors = check_tensor_list(tensors)
     if not tensors:
         raise InvalidArgumentError("grouped_allreduce needs at least one tensor")
-    op, pre, post = _resolve({t.dtype for t in tensors}, name, op, average, prescale_factor,
-                             postscale_factor)
     if len({t.device for t in tensors}) > 1:
         raise InvalidArgumentError(f"grouped_allreduce needs all tensors on one device, got "
                                    f"{sorted({str(t.device) for t in tensors})}")
-    ranks = _common.set_ranks(process_set)
-    work = _allreduce_work(tensors, in_place, name, op, pre, post, process_set, ranks, grouped=True)
-    return _common.submit(work, blocking)
+    plan = _plan(tensors, True, name, op, average, prescale_factor, postscale_factor, process_set)
+    return _common.submit(_allreduce_work(tensors, in_place, plan, name, process_set, grouped=True), blocking)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,

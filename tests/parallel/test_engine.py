@@ -25,7 +25,7 @@ CHECKS = [
     "join_refuses_other_collectives", "barrier_with_async_ops_outstanding",
     "remove_process_set_refuses_while_its_ops_are_pending",
     "timeline_records_each_phase", "mixed_blocking_and_async_in_random_orders",
-    "quiet_engines_hold_no_rounds_and_wake_when_rung",
+    "quiet_engines_hold_no_rounds_and_wake_when_rung", "lone_cached_calls_meet_other_ranks_work",
 ]
 JOBS = [(2, {}), (4, {}), (2, {"PSRT_FUSION_THRESHOLD": "0"}),
         (2, {"PSRT_FUSION_THRESHOLD": "1024"})]
@@ -97,8 +97,9 @@ def test_a_join_that_a_rank_which_shut_down_cannot_make_raises_naming_it():
     assert results.get("shut_down") is True, report.diagnosis()
 
 
-def test_shutdown_on_one_rank_fails_the_others_pending_collective_naming_it():
-    report = launch("engine_failures.py", 2, args=("shutdown",), timeout_s=90)
+@pytest.mark.parametrize("mode", ["shutdown", "shutdown_cached"])
+def test_shutdown_on_one_rank_fails_the_others_pending_collective_naming_it(mode):
+    report = launch("engine_failures.py", 2, args=(mode,), timeout_s=90)
     assert report.returncode == 0, report.diagnosis()
     results = {k: v for r in _results(report) for k, v in r.items() if k != "rank"}
     assert results.get("kind") == "EngineStoppedError", report.diagnosis()

@@ -227,6 +227,44 @@ def mixed_blocking_and_async_in_random_orders(key: str) -> None:
             assert_equal(got, torch.full_like(got, values.sum() + size * batch), f"{key} batch {batch} {n}")
 
 
+def lone_cached_calls_meet_other_ranks_work(key: str) -> None:
+    """A blocking call on a cached name with nothing else pending here takes the lone path
+    (one round, then the reduction straight on the tensor) when nothing else is pending
+    anywhere, and otherwise carries on as a full cycle: here rank 0 holds an asynchronous
+    allreduce the others submit only after a blocking one, so their blocking call meets it
+    in its round.  Every result is exact, and the others take both paths."""
+    rank, size = hvd.rank(), hvd.size()
+    negotiator = psrt.runtime.current().engine._negotiator
+    lone_round, alone = negotiator.round_alone, []
+
+    def counted(work, wait):
+        result = lone_round(work, wait)
+        alone.append(result is None)
+        return result
+
+    negotiator.round_alone = counted
+    try:
+        a, b = _inputs(key + "/a", size), _inputs(key + "/b", size)
+        for step in range(4):  # the first fills the response cache
+            if rank == 0:
+                handle = hvd.allreduce_async(a[rank], name=key + "/a", op=hvd.Sum)
+                got_b = hvd.allreduce(b[rank], name=key + "/b", op=hvd.Sum)
+                got_a = hvd.synchronize(handle)
+            else:
+                got_b = hvd.allreduce(b[rank], name=key + "/b", op=hvd.Sum)
+                got_a = hvd.allreduce(a[rank], name=key + "/a", op=hvd.Sum)
+            assert_equal(got_a, _sum(a), f"{key} A, step {step}")
+            assert_equal(got_b, _sum(b), f"{key} B, step {step}")
+        for i in range(20):
+            got = hvd.allreduce(torch.full((3,), float(rank + i)), name=key + "/c", op=hvd.Average)
+            assert_equal(got, torch.full((3,), (size - 1) / 2 + i), f"{key} C, call {i}")
+    finally:
+        del negotiator.round_alone
+    assert True in alone, f"{key}: no call took the lone path"
+    if rank != 0 and size > 1:
+        assert False in alone, f"{key}: rank {rank}'s blocking call never met rank 0's pending work"
+
+
 def quiet_engines_hold_no_rounds_and_wake_when_rung(key: str) -> None:
     """Once no rank has work, no engine negotiates (the round count stands still); a rank
     without work of its own, busy elsewhere, is rung into the rounds another rank's
@@ -302,6 +340,7 @@ def main() -> None:
         ("timeline_records_each_phase", timeline_records_each_phase),
         ("mixed_blocking_and_async_in_random_orders", mixed_blocking_and_async_in_random_orders),
         ("quiet_engines_hold_no_rounds_and_wake_when_rung", quiet_engines_hold_no_rounds_and_wake_when_rung),
+        ("lone_cached_calls_meet_other_ranks_work", lone_cached_calls_meet_other_ranks_work),
     ]:
         checks.add(name, function)
     _harness.run(checks)

@@ -54,7 +54,13 @@ def join_stall() -> None:
     report(last_to_join=hvd.join())
 
 
-def shutdown() -> None:
+def shutdown(cached: bool = False) -> None:
+    """Rank 1 shuts down while rank 0 blocks in an allreduce; ``cached``: the name ran
+    before, so rank 0's call takes the lone path (see ``Engine.run``) and learns of the
+    shutdown from its round."""
+    if cached:
+        for _ in range(2):
+            hvd.allreduce(torch.ones(2), name="orphan")
     if hvd.rank() == 1:
         time.sleep(0.5)
         hvd.shutdown()
@@ -103,5 +109,6 @@ def shutdown_sets() -> None:
 if __name__ == "__main__":
     psrt.init()
     modes = {"stall_abort": stall_abort, "stall_warning": stall_warning, "join_stall": join_stall,
-             "shutdown": shutdown, "shutdown_sets": shutdown_sets, "join_shutdown": join_shutdown}
+             "shutdown": shutdown, "shutdown_cached": lambda: shutdown(cached=True),
+             "shutdown_sets": shutdown_sets, "join_shutdown": join_shutdown}
     modes[sys.argv[1]]()
