@@ -24,7 +24,9 @@ class Config:
     # (benchmarks/RESULTS.md, --sweep-threshold).
     ring_threshold: int = 16 * _MiB
     # The ring moves each chunk in segments of this many bytes, so each
-    # received segment is reduced while it is still in cache.
+    # received segment is reduced while it is still in cache; for the same
+    # reason a smaller allreduce of more than two segments goes to MPI one
+    # segment at a time.
     ring_segment: int = 1 * _MiB
     # An uncaught exception on any rank aborts the whole job (as
     # ``python -m mpi4py`` does) instead of leaving the other ranks blocked.

@@ -120,12 +120,18 @@ class FusionBuffers:
         return buffer[:numel]
 
 
+def _flat(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``buffers`` as flat tensors; a view costs about 3 µs from Python, so 1-D ones (a
+    burst's biases, psrt's own flat buckets) are taken as they are."""
+    return [b if b.dim() == 1 else b.view(-1) for b in buffers]
+
+
 def pack(buffers: Sequence[torch.Tensor], staging: torch.Tensor) -> None:
     """Copy ``buffers`` into ``staging`` back to back (one call into torch)."""
-    torch.cat([b.view(-1) for b in buffers], out=staging)
+    torch.cat(_flat(buffers), out=staging)
 
 
 def unpack(staging: torch.Tensor, buffers: Sequence[torch.Tensor]) -> None:
     """Copy ``staging`` back into ``buffers`` (one call into torch: a quarter faster than a
     copy per buffer for a burst of small gradients)."""
-    torch._foreach_copy_([b.view(-1) for b in buffers], list(staging.split([b.numel() for b in buffers])))
+    torch._foreach_copy_(_flat(buffers), list(staging.split([b.numel() for b in buffers])))

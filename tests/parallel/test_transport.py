@@ -12,6 +12,7 @@ CHECKS = [
     "nonblocking_send_recv_of_every_dtype",
     "split_gives_each_color_its_own_group",
     "ring_allreduce_matches_numpy_for_odd_sizes_and_all_ops",
+    "segmented_allreduce_matches_numpy_for_odd_sizes_and_all_ops",
     "ring_reduce_scatter_leaves_each_rank_its_block_and_keeps_the_input",
 ]
 

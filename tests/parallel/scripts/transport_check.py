@@ -79,12 +79,21 @@ def split_gives_each_color_its_own_group(world):
 
 @check
 def ring_allreduce_matches_numpy_for_odd_sizes_and_all_ops(world):
-    config = Config(ring_threshold=1, ring_segment=64)  # force the ring, many segments
+    _allreduce_matches_numpy(world, Config(ring_threshold=1, ring_segment=64))  # the ring, many segments
+
+
+@check
+def segmented_allreduce_matches_numpy_for_odd_sizes_and_all_ops(world):
+    """Below the ring threshold, messages over two segments go to MPI a segment at a time."""
+    _allreduce_matches_numpy(world, Config(ring_threshold=1 << 30, ring_segment=64))
+
+
+def _allreduce_matches_numpy(world, config: Config) -> None:
     comm = MpiCommunicator(MPI.COMM_WORLD, config)
     references = {ReduceOp.SUM: np.sum, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max,
                   ReduceOp.PRODUCT: np.prod}
     for numel in (1, world.size - 1, 53, 1001):
-        for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+        for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16):
             for op, reference in references.items():
                 if op is ReduceOp.PRODUCT:
                     mine = inputs(world.rank, numel, dtype).clamp(-2, 2)
