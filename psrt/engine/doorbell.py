@@ -5,16 +5,19 @@ when it has nothing to do: another rank's collective needs it (to say it is not
 ready yet, to take part as a non-member of the set, to contribute a joined
 rank's zeros).  Instead, when a round shows that no rank holds any work, every
 rank knows it at once and goes quiet together, at the same round: the *quiet
-epoch*, that round's number.  A rank that later has work rings every other
-rank (one tiny message each, carrying the epoch it leaves) and negotiates; a
-quiet rank polls its one posted receive, slowly, and negotiates once rung.  So
-an idle engine sends nothing and wakes only to look at one request.
+epoch*, that round's number.  A rank that later has work negotiates, and rings
+the ranks that must join its round without work of their own (one tiny message
+each, carrying the epoch it leaves; which ranks, and when, is the engine's
+choice); a quiet rank polls its one posted receive, slowly, and negotiates once
+rung.  So an idle engine sends nothing and wakes only to look at one request.
 
 Several ranks may ring for the same epoch; each rings and is rung, and the
 rings it never needed arrive later, carrying an older epoch than the one
 their receiver is quiet in, and are dropped.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -34,11 +37,13 @@ class Doorbell:
         self._listening: Request | None = None
         self._sends: list[tuple[Request, torch.Tensor]] = []
 
-    def ring(self, epoch: int) -> None:
-        """Tell every other rank that this one leaves quiet epoch ``epoch``."""
+    def ring(self, epoch: int, ranks: Sequence[int] | None = None) -> None:
+        """Tell ``ranks`` (default every other rank) that this one leaves quiet epoch
+        ``epoch``; ringing a rank twice for an epoch is harmless."""
         self._sends = [(r, t) for r, t in self._sends if not r.test()]
         message = torch.tensor([epoch], dtype=torch.int64)
-        self._sends += [(self._comm.isend(message, rank, _TAG), message) for rank in self._others]
+        self._sends += [(self._comm.isend(message, rank, _TAG), message)
+                        for rank in (self._others if ranks is None else ranks)]
 
     def rang(self, epoch: int) -> bool:
         """Whether some rank rang for ``epoch``, dropping rings for earlier epochs."""

@@ -381,20 +381,38 @@ class Engine:
     def _wait_for_round(self, request: Request) -> None:
         """Wait for a negotiation round as every psrt wait does (:mod:`psrt.comm.poll`).
 
-        A rank leaving a quiet epoch rings the doorbell only once the round has not
-        completed within the spin: ranks of one program mostly arrive together, each for
-        its own work, and need no bell."""
+        A rank leaving a quiet epoch rings the doorbell only for ranks that cannot come by
+        themselves, and only once the round has not completed within the spin (ranks of
+        one program mostly arrive together): those outside the process sets of its pending
+        works, which have nothing to submit.  Members will come with the work; ringing
+        them would make a rank still computing (a step's backward) spend its core on
+        rounds, which slows it and everyone waiting for it.  They are rung too once the
+        work has waited as long as the stall report needs the table to know of it."""
         if request.test():  # the peers were there first
             self._unrung = None
             return
         backoff = poll.Backoff()
-        ring_after = time.perf_counter() + poll.SPIN_S
+        start = time.perf_counter()
+        outsiders_rung = False
         while not request.test():
-            if self._unrung is not None and time.perf_counter() > ring_after:
-                self._doorbell.ring(self._unrung)
-                self._unrung = None
+            if self._unrung is not None:
+                waited = time.perf_counter() - start
+                if waited > self._report_after:
+                    self._doorbell.ring(self._unrung)
+                    self._unrung = None
+                elif not outsiders_rung and waited > poll.SPIN_S:
+                    outsiders = self._outsiders()
+                    if outsiders:
+                        self._doorbell.ring(self._unrung, outsiders)
+                    outsiders_rung = True
             backoff.idle()
         self._unrung = None
+
+    def _outsiders(self) -> list[int]:
+        """Ranks outside the process set of every work pending here (all others when none
+        is: a join or a shutdown needs every rank's rounds)."""
+        members = set().union(*(work.announcement.ranks for work in self._local.values()))
+        return [rank for rank in self._everyone if rank != self.rank and rank not in members]
 
     def _describe_round(self) -> str:
         # each tuple() is one step under the GIL: the engine thread and callers change these

@@ -26,6 +26,7 @@ CHECKS = [
     "remove_process_set_refuses_while_its_ops_are_pending",
     "timeline_records_each_phase", "mixed_blocking_and_async_in_random_orders",
     "quiet_engines_hold_no_rounds_and_wake_when_rung", "lone_cached_calls_meet_other_ranks_work",
+    "a_late_member_is_left_to_compute",
 ]
 JOBS = [(2, {}), (4, {}), (2, {"PSRT_FUSION_THRESHOLD": "0"}),
         (2, {"PSRT_FUSION_THRESHOLD": "1024"})]

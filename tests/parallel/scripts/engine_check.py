@@ -290,6 +290,22 @@ def quiet_engines_hold_no_rounds_and_wake_when_rung(key: str) -> None:
         hvd.remove_process_set(others)
 
 
+def a_late_member_is_left_to_compute(key: str) -> None:
+    """A rank that is late for a collective it is a member of (still computing, say its
+    backward) is not rung into rounds while the others wait: it holds none until it
+    submits, and then the collective completes exactly."""
+    rank, size = hvd.rank(), hvd.size()
+    hvd.allreduce(torch.ones(1), name=key + "/warm", op=hvd.Sum)  # every engine goes quiet after it
+    hvd.barrier()
+    if rank == size - 1:
+        negotiator = psrt.runtime.current().engine._negotiator
+        before = negotiator.rounds
+        time.sleep(0.3)  # the others are waiting in a round meanwhile
+        assert negotiator.rounds == before, f"{key}: {negotiator.rounds - before} rounds while computing"
+    got = hvd.allreduce(torch.full((2,), float(rank)), name=key, op=hvd.Sum)
+    assert_equal(got, torch.full((2,), float(sum(range(size)))), key)
+
+
 def timeline_records_each_phase(key: str) -> None:
     rank = hvd.rank()
     path = os.path.join(tempfile.gettempdir(), f"psrt-timeline-{os.getppid()}.json")
@@ -341,6 +357,7 @@ def main() -> None:
         ("mixed_blocking_and_async_in_random_orders", mixed_blocking_and_async_in_random_orders),
         ("quiet_engines_hold_no_rounds_and_wake_when_rung", quiet_engines_hold_no_rounds_and_wake_when_rung),
         ("lone_cached_calls_meet_other_ranks_work", lone_cached_calls_meet_other_ranks_work),
+        ("a_late_member_is_left_to_compute", a_late_member_is_left_to_compute),
     ]:
         checks.add(name, function)
     _harness.run(checks)
