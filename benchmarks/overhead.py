@@ -83,7 +83,7 @@ def blocking(reps: int, iters: int) -> list[dict]:
         name = f"overhead.{nbytes}"
         count = max(5, min(iters, (256 * MiB) // max(nbytes, 1) // reps))
 
-        def floor() -> None:
+        def floor(array: np.ndarray = array) -> None:
             negotiation.Start()
             negotiation.Wait()
             comm.Allreduce(MPI.IN_PLACE, array, MPI.SUM)
