@@ -151,8 +151,7 @@ class DirectGroup:
         # The agreement's all-reduce of a digest and its negation, set up once (a persistent
         # MPI collective: a start costs about a microsecond, a fresh call several).
         self._agreement: Persistent | None = None
-        self._extremes: torch.Tensor | None = None
-        self._words: memoryview | None = None
+        self._words: memoryview | None = None  # the digest and its negation, as the all-reduce sees them
 
     @property
     def name(self) -> str:
@@ -219,9 +218,9 @@ class DirectGroup:
         Collective over the group; the caller marks the wait."""
         digest = header.digest()
         if self._agreement is None:  # made on the first check, which every member makes
-            self._extremes = torch.zeros(2, dtype=torch.int64)
-            self._agreement = self.host.persistent_allreduce(self._extremes, ReduceOp.MAX)
-            self._words = memoryview(self._extremes.numpy())
+            extremes = torch.zeros(2, dtype=torch.int64)  # kept alive by the request and the view
+            self._agreement = self.host.persistent_allreduce(extremes, ReduceOp.MAX)
+            self._words = memoryview(extremes.numpy())
         words = self._words
         words[0], words[1] = digest, -digest
         self._agreement.start().wait()
