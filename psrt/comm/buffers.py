@@ -91,7 +91,7 @@ def mpi_buffer(tensor: torch.Tensor) -> list:
     datatype = _MPI_DATATYPES.get(tensor.dtype)
     if datatype is None:
         _check_dtype(tensor.dtype)
-    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size()), datatype]
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), datatype]
 
 
 def mpi_buffer_v(tensor: torch.Tensor, counts: list[int]) -> list:

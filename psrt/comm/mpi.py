@@ -111,7 +111,7 @@ class MpiCommunicator(Communicator):
 
     # -- allreduce -----------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if self.size == 1 or not nbytes:
             _scale(tensor, scale)
             return

@@ -8,7 +8,7 @@ messages as the fusion threshold allows.  Ranks may therefore submit the same
 named collectives in different orders, as gradients become ready in different
 orders.  A caller that blocks runs the cycles itself rather than handing them to the
 engine thread; a lone blocking allreduce of a cached name needs only its round and its
-reduction (:meth:`Engine.run`).
+reduction (:meth:`Engine.express`).
 
 The engine never lets a job hang silently: disagreeing arguments fail the
 work on every rank with one message; a work some ranks never submit is
@@ -24,6 +24,7 @@ import itertools
 import logging
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -35,7 +36,7 @@ from psrt.engine import fusion
 from psrt.engine.doorbell import Doorbell
 from psrt.engine.negotiation import Negotiator, Response, RoundResult
 from psrt.engine.timeline import Timeline
-from psrt.engine.work import Announcement, Work, WorkKey
+from psrt.engine.work import Announcement, Express, Work, WorkKey
 from psrt.errors import CollectiveMismatchError, EngineStoppedError, InvalidArgumentError
 
 logger = logging.getLogger("psrt")
@@ -55,6 +56,9 @@ _BRIEF_WAIT_CYCLES = 10
 # quiet for that long, with no work of its own, waits for it that long.
 _FIRST_QUIET_NAP_S = 200e-6
 _LONGEST_QUIET_NAP_S = 50e-3
+# How often Engine.express tests its round before waiting as every round does (with a
+# watchdog mark, spinning and then napping): a test takes well under a microsecond.
+_EXPRESS_TESTS = 64
 
 
 class Engine:
@@ -132,19 +136,44 @@ class Engine:
         return work
 
     def run(self, work: Work) -> object:
-        """Submit ``work`` and return its output (see :meth:`drive`).  A lone allreduce the
-        response cache knows, with nothing else pending on this rank, skips the queue (see
-        :meth:`_cycle_alone`)."""
-        if work.buffers is not None and len(work.buffers) == 1 and self._driver.acquire(blocking=False):
-            try:
-                alone = self._may_run_alone(work)
-                if alone:
-                    self._drive_once(work)
-            finally:
-                self._driver.release()
-            if alone:
-                return work.result()
+        """Submit ``work`` and return its output, running the engine's cycles on this thread
+        meanwhile (see :meth:`drive`)."""
         return self.submit(work, wake=False).result()
+
+    def express(self, route: Express, buffer: torch.Tensor, make_work: Callable[[], Work]) -> bool:
+        """Run a blocking allreduce of ``buffer`` (contiguous, its scale folded into the
+        reduction of ``route``'s announcement) straight from the caller, if the response cache knows
+        it and nothing else is pending on this rank, announced or asked for: its round, then
+        its reduction, with no queue, no :class:`Work` and no hand-off (the steady state of a
+        loop of blocking calls).  Should the round show anything else going on anywhere, the
+        work ``make_work`` builds joins the cycle as if it had been submitted, and this waits
+        for it.  Returns whether the allreduce ran here (else nothing happened: submit it)."""
+        negotiator = self._negotiator
+        if self._in_flight or self._timeline is not None or negotiator.table or negotiator.joined:
+            return False  # cheap looks first; the ones that count are made holding the driver
+        announcement = route.announcement
+        index = negotiator.cache.lookup(announcement)
+        if index is None or not self._driver.acquire(blocking=False):
+            return False
+        try:
+            with self._lock:
+                if (self._in_flight or self._gone or self._stopped is not None  # in flight: queued or local
+                        or self._join_requested or self._stop_requested):
+                    return False
+                self._in_flight.add(announcement.key)
+            self._driving = threading.get_ident()
+            try:
+                pending = self._cycle_express(route, index, buffer, make_work)
+            except BaseException as exc:  # as in any cycle (see _drive_once)
+                self._failed(exc)
+                raise EngineStoppedError(f"cannot run {announcement.describe()}: {self._stopped}") from exc
+            finally:
+                self._driving = None
+        finally:
+            self._driver.release()
+        if pending is not None:
+            pending.result()
+        return True
 
     def drive(self, work: Work) -> None:
         """Run the engine's cycles on this thread until ``work`` is done: a caller that
@@ -222,27 +251,26 @@ class Engine:
             elif pause:
                 self._wake.wait(pause)
 
-    def _drive_once(self, alone: Work | None = None) -> float | None:
-        """One cycle by the thread holding the driver (see :meth:`_cycle_guarded`)."""
+    def _drive_once(self) -> float | None:
+        """One cycle by the thread holding the driver.  Returns what :meth:`_cycle` does, or 0
+        once the engine has stopped, should the cycle fail (see :meth:`_failed`)."""
         self._driving = threading.get_ident()
         try:
-            return self._cycle_guarded(alone)
+            return self._cycle()
+        except BaseException as exc:
+            self._failed(exc)
+            return 0.0
         finally:
             self._driving = None
 
-    def _cycle_guarded(self, alone: Work | None = None) -> float | None:
-        """One cycle (:meth:`_cycle`, or :meth:`_cycle_alone` for ``alone``); a failure in
-        it stops the engine and, by default, aborts the job (never leave callers waiting on
-        a dead engine).  Returns what :meth:`_cycle` does, or 0 once the engine has stopped."""
-        try:
-            return self._cycle() if alone is None else self._cycle_alone(alone)
-        except BaseException as exc:
-            how = f"psrt engine failed: {bootstrap.describe_exception(exc)}"
-            logger.exception("psrt: rank %d: %s", self.rank, how)
-            self._stop(how)
-            if self._config.abort_on_exception and self._world.size > 1:
-                bootstrap.abort_job(how)
-            return 0.0
+    def _failed(self, exc: BaseException) -> None:
+        """A cycle failed: stop the engine and, by default, abort the job (never leave callers
+        waiting on a dead engine)."""
+        how = f"psrt engine failed: {bootstrap.describe_exception(exc)}"
+        logger.exception("psrt: rank %d: %s", self.rank, how)
+        self._stop(how)
+        if self._config.abort_on_exception and self._world.size > 1:
+            bootstrap.abort_job(how)
 
     def _has_news(self) -> bool:
         """Whether this rank has something to negotiate (read without the lock: a stale
@@ -324,49 +352,47 @@ class Engine:
             return 0.0
         return self._config.cycle_time_ms / 1000
 
-    def _may_run_alone(self, work: Work) -> bool:
-        """Whether ``work`` (a one-buffer allreduce) can take :meth:`_cycle_alone`: the cache
-        knows it and this rank has nothing else pending, announced or asked for.  Called
-        holding the driver; takes the work in when it can."""
-        negotiator = self._negotiator
-        if self._timeline is not None or negotiator.table or negotiator.joined:
-            return False
-        index = negotiator.cache.lookup(work.announcement)
-        if index is None:
-            return False
-        with self._lock:
-            if (self._in_flight or self._gone or self._stopped is not None  # in flight: queued or local
-                    or self._join_requested or self._stop_requested):
-                return False
-            self._in_flight.add(work.key)
-        work.cache_index, work.driver = index, self.drive
-        self._local[work.key] = work
-        return True
-
-    def _cycle_alone(self, work: Work) -> float | None:
-        """A cycle for one cached allreduce, this rank's only pending work: when its round
-        shows the work ready everywhere and nothing else going on (the steady state of a
-        loop of blocking calls), the reduction runs straight on the work's buffer and every
-        rank goes quiet, as after any such round; any other outcome is acted on as by
-        :meth:`_cycle` (the work then completes in later cycles, or fails)."""
+    def _cycle_express(self, route: Express, index: int, buffer: torch.Tensor,
+                       make_work: Callable[[], Work]) -> Work | None:
+        """The cycle of :meth:`express`: when the round shows the allreduce (cache entry
+        ``index``) ready everywhere and nothing else going on, it runs on ``buffer`` and every
+        rank goes quiet, as after any such round (None is returned); any other outcome is
+        acted on as by :meth:`_cycle`, with the work ``make_work`` builds pending here (it is
+        returned, to be waited for: it completes in a later cycle, or fails)."""
         if self._quiet_epoch is not None:
             self._unrung, self._quiet_epoch = self._quiet_epoch, None
-        round_mark, data_mark = self._marks(threading.get_ident())
-        with round_mark:
-            result = self._negotiator.round_alone(work, self._wait_for_round)
-        if result is not None:
-            return self._act(result, False, False, None)
-        reduction = work.announcement.reduction
-        data_mark.what = functools.partial(self._describe, work.announcement, 0)
-        data_mark.peers = work.announcement.ranks
-        with data_mark:
-            self._data_comm(reduction.set_id, work.device).allreduce(
-                work.buffers[0], reduction.op, reduction.pieces[0].scale)
-        del self._local[work.key]  # only now: should the reduction fail, stopping fails the work
-        self._finish(work, None, None, ())
+        fast = self._negotiator.round_alone(index, self._wait_alone)
+        announcement = route.announcement
+        if fast is not None:
+            work = make_work()
+            work.cache_index, work.driver = index, self.drive
+            self._local[announcement.key] = work
+            self._act(self._negotiator.complete_round(self._local, *fast, False, False), False, False, None)
+            return work
+        if route.comm is None:
+            route.comm = self._data_comm(announcement.reduction.set_id, buffer.device)
+            route.describe = functools.partial(self._describe, announcement, 0)
+        mark = self._marks(self._driving)[1]
+        mark.what, mark.peers = route.describe, announcement.ranks
+        with mark:
+            route.comm.allreduce(buffer, route.op, route.scale)
+        with self._lock:
+            self._in_flight.discard(announcement.key)
         self._quiet_epoch = self._negotiator.rounds
-        self._inspect_stalls(force=self._stalls_published)
+        if self.rank == 0:
+            self._inspect_stalls(force=self._stalls_published)
         return None
+
+    def _wait_alone(self, request: Request) -> None:
+        """Wait for :meth:`_cycle_express`'s round: first by testing it back to back (a
+        round of ranks in step needs a few tests, each of which moves it on, and the
+        watchdog needs no mark for a wait of microseconds), then as every round waits."""
+        for _ in range(_EXPRESS_TESTS):
+            if request.test():
+                self._unrung = None
+                return
+        with self._marks(threading.get_ident())[0]:
+            self._wait_for_round(request)
 
     def _marks(self, thread: int) -> tuple[Wait, Wait]:
         """A driving thread's marks for negotiation rounds and for collectives (a mark serves

@@ -54,8 +54,11 @@ class ResponseCache:
         """The entry's index if the same work (key and descriptor) is cached."""
         index = self._index.get(announcement.key)
         if index is not None:
-            entry = self.entries[index]  # often the very announcement: callers reuse theirs
-            if entry is announcement or entry == announcement:
+            entry = self.entries[index]
+            if entry is announcement:  # callers reuse theirs
+                return index
+            if entry == announcement:  # the entry came in a round: keep the caller's, equal and
+                self.entries[index] = announcement  # found by identity next time
                 return index
         return None
 
@@ -112,7 +115,7 @@ class Negotiator:
         alike on every rank) when the cache grows or ranks join.  The template holds, per
         cached entry, whether this rank counts as ready without having the work: it is not
         a member of the entry's set, or it has joined and the entry is an allreduce."""
-        if len(self.cache) != self._fast_key[0] or self.joined != self._fast_key[1]:
+        if len(self.cache.entries) != self._fast_key[0] or self.joined != self._fast_key[1]:
             joined = self.rank in self.joined
             n = len(self.cache)
             template = bytearray(b"\x01" * (1 + 2 * n))
@@ -226,28 +229,27 @@ class Negotiator:
         self.rounds += 1
         need_slow = bool(fresh or join or shutdown or self.table)
         responses, slow, waiting = self._fast_round(local, need_slow, wait)
-        return self._after_fast(local, responses, slow, waiting, join, shutdown)
+        return self.complete_round(local, responses, slow, waiting, join, shutdown)
 
-    def round_alone(self, work: Work, wait: Callable[[Request], None]) -> RoundResult | None:
-        """The round of a rank whose one unfinished work is ``work``, cached, with nothing in
-        the table and nobody joined: None when it shows ``work`` ready on every rank and
-        nothing else held or asked for anywhere (so every rank goes quiet after it), else
-        the round's full result.  The same collective as :meth:`round`, with only the
-        bytes this case needs written and read."""
+    def round_alone(self, index: int, wait: Callable[[Request], None]) -> tuple[list[Response], bool, bool] | None:
+        """The round of a rank whose one unfinished work is cache entry ``index``, with
+        nothing in the table and nobody joined: None when it shows that work ready on every
+        rank and nothing else held or asked for anywhere (so every rank goes quiet after
+        it), else what :meth:`complete_round` needs.  The same collective as :meth:`round`,
+        with only the bytes this case needs written and read."""
         self.rounds += 1
         vector, template, allreduce = self._fast_state()
         vector[:] = template  # control byte 1: this rank needs no slow path
-        n, index = len(self.cache), work.cache_index
+        n = len(self.cache.entries)
         vector[1 + index] = 1
         vector[1 + n + index] = 0
         wait(allreduce.start())
         if vector[0] and vector[1 + index] and bytes(vector[1 + n:]).count(0) == 1:
             return None
-        responses, slow, waiting = self._fast_result(vector, n)
-        return self._after_fast({work.key: work}, responses, slow, waiting, False, False)
+        return self._fast_result(vector, n)
 
-    def _after_fast(self, local: dict[WorkKey, Work], responses: list[Response], slow: bool,
-                    waiting: bool, join: bool, shutdown: bool) -> RoundResult:
+    def complete_round(self, local: dict[WorkKey, Work], responses: list[Response], slow: bool,
+                       waiting: bool, join: bool, shutdown: bool) -> RoundResult:
         """The rest of a round once its fast path is known: the slow path, if any rank
         asked for it."""
         if not slow:

@@ -85,6 +85,20 @@ class Announcement(NamedTuple):
         return f"{self.collective} of tensor '{self.name}'"
 
 
+class Express:
+    """A repeated blocking allreduce's way through :meth:`Engine.express`: its
+    announcement, and what its reduction needs, worked out once (the communicator and the
+    watchdog's description by the engine, on first use)."""
+
+    __slots__ = ("announcement", "op", "scale", "comm", "describe")
+
+    def __init__(self, announcement: Announcement) -> None:
+        self.announcement = announcement
+        self.op, self.scale = announcement.reduction.op, announcement.reduction.pieces[0].scale
+        self.comm: Communicator | None = None
+        self.describe: Callable[[], str] | None = None
+
+
 class Work:
     """A submitted operation: its announcement, how to run it, and its completion state.
 

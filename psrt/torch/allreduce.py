@@ -14,7 +14,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from psrt.engine import Announcement, Piece, Reduction, Work
+from psrt import runtime
+from psrt.engine import Announcement, Express, Piece, Reduction, Work
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
@@ -51,6 +52,7 @@ class _Plan(NamedTuple):
     set_size: int
     announcement: Announcement | None  # None for Adasum, whose work is executed
     folds: list[float | None]
+    express: Express | None  # for a blocking call of one tensor whose scale is folded in
 
 
 def _repeat_key(tensors: list[torch.Tensor], name: object, op: object, average: object,
@@ -64,6 +66,10 @@ def _repeat_key(tensors: list[torch.Tensor], name: object, op: object, average: 
             or (average is not None and average.__class__ is not bool)
             or process_set.__class__ is not ProcessSet):
         return None
+    if len(tensors) == 1:  # flat: the common case, and a key for every call
+        tensor = tensors[0]
+        return (name, op, average, prescale_factor, postscale_factor, process_set, process_set.process_set_id,
+                tensor.dtype, tensor.shape, tensor.device)
     return (name, op, average, prescale_factor, postscale_factor, process_set, process_set.process_set_id,
             *[(t.dtype, t.shape, t.device) for t in tensors])
 
@@ -89,7 +95,9 @@ def _plan(tensors: list[torch.Tensor], grouped: bool, name: object, op: object, 
                                     for t, f in zip(tensors, folds)))
         announcement = _common.announce("allreduce", name, process_set, ranks,
                                         _descriptor(tensors, op, pre, post), reduction)
-    plan = _Plan(op, pre, post, len(ranks), announcement, folds)
+    plan = _Plan(op, pre, post, len(ranks), announcement, folds,
+                 Express(announcement) if announcement is not None and pre == 1.0 and len(tensors) == 1
+                 and folds[0] is not None else None)
     if key is not None:
         _common.remember(key, plan)
     return plan
@@ -101,7 +109,7 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, plan: _Plan, na
     Average and postscale folded into the reduction for floating-point tensors, applied when
     finishing for integers and for Adasum (an executed work: see ``psrt.torch.adasum``).
     Its output is the reduced tensor, or the list for ``grouped``."""
-    op, pre, post, set_size, announcement, folds = plan
+    op, pre, post, set_size, announcement, folds, _ = plan
     if in_place:
         buffers = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     else:
@@ -145,16 +153,26 @@ def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
                postscale_factor, process_set):
     tensors = [check_tensor(tensor)]
     plan = _plan(tensors, False, name, op, average, prescale_factor, postscale_factor, process_set)
+    if blocking and plan.express is not None:
+        buffer = tensor if in_place else tensor.detach().clone(memory_format=torch.contiguous_format)
+        if buffer.is_contiguous():
+            announcement = plan.announcement
+            if runtime.current().engine.express(
+                    plan.express, buffer, lambda: Work(announcement, device=buffer.device, buffers=[buffer])):
+                return buffer
+            tensors, in_place = [buffer], True  # the copy made is reduced where it lies
     return _common.submit(_allreduce_work(tensors, in_place, plan, name, process_set, grouped=False), blocking)
 
 
 def _folded_scale(tensor: torch.Tensor, op: ReduceOp, post: float, set_size: int) -> float | None:
-    """The factor the transport can fold into a floating-point reduction (None for integers,
-    whose Average is a division rounded toward zero applied afterwards, and for Adasum,
-    which the transport does not run)."""
-    if not tensor.is_floating_point() or op is ReduceOp.Adasum:
+    """The factor the transport can fold into the reduction: None where it cannot, for
+    integers that need scaling (an integer Average is a division rounded toward zero,
+    applied afterwards) and for Adasum, which the transport does not run."""
+    if op is ReduceOp.Adasum:
         return None
-    return post / set_size if op is ReduceOp.Average else post
+    if tensor.is_floating_point():
+        return post / set_size if op is ReduceOp.Average else post
+    return 1.0 if op is not ReduceOp.Average and post == 1.0 else None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,

@@ -26,7 +26,7 @@ CHECKS = [
     "remove_process_set_refuses_while_its_ops_are_pending",
     "timeline_records_each_phase", "mixed_blocking_and_async_in_random_orders",
     "quiet_engines_hold_no_rounds_and_wake_when_rung", "lone_cached_calls_meet_other_ranks_work",
-    "a_late_member_is_left_to_compute",
+    "a_late_member_is_left_to_compute", "express_calls_of_every_kind_are_exact",
 ]
 JOBS = [(2, {}), (4, {}), (2, {"PSRT_FUSION_THRESHOLD": "0"}),
         (2, {"PSRT_FUSION_THRESHOLD": "1024"})]
@@ -106,3 +106,22 @@ def test_shutdown_on_one_rank_fails_the_others_pending_collective_naming_it(mode
     assert results.get("kind") == "EngineStoppedError", report.diagnosis()
     assert "'orphan'" in results["error"] and "shut down by rank 1" in results["error"]
     assert "shut down by rank 1" in results["after"]
+
+
+def test_a_failed_express_reduction_raises_naming_it_and_stops_the_engine():
+    report = launch("engine_failures.py", 1, {"PSRT_ABORT_ON_EXCEPTION": "off"}, args=("express_failure",),
+                    timeout_s=90)
+    assert report.returncode == 0, report.diagnosis()
+    results = {k: v for r in _results(report) for k, v in r.items() if k != "rank"}
+    assert "allreduce of tensor 'doomed'" in results["doomed"], report.diagnosis()
+    assert "injected transport failure" in results["doomed"], report.diagnosis()
+    assert "injected transport failure" in results["later"], report.diagnosis()
+
+
+def test_a_failed_express_reduction_aborts_the_job_rather_than_leave_a_rank_waiting():
+    report = launch("engine_failures.py", 2, args=("express_failure",), timeout_s=90)
+    assert report.returncode not in (0, None), report.diagnosis()
+    assert report.seconds < 60, f"the failed job took {report.seconds:.0f} s to end"
+    assert "psrt engine failed" in report.stderr and "injected transport failure" in report.stderr, \
+        report.diagnosis()
+    assert not any("doomed" in r for r in _results(report)), report.diagnosis()

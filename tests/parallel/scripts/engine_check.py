@@ -237,8 +237,8 @@ def lone_cached_calls_meet_other_ranks_work(key: str) -> None:
     negotiator = psrt.runtime.current().engine._negotiator
     lone_round, alone = negotiator.round_alone, []
 
-    def counted(work, wait):
-        result = lone_round(work, wait)
+    def counted(index, wait):
+        result = lone_round(index, wait)
         alone.append(result is None)
         return result
 
@@ -254,6 +254,56 @@ def lone_cached_calls_meet_other_ranks_work(key: str) -> None:
     assert True in alone, f"{key}: no call took the lone path"
     if rank != 0 and size > 1:
         assert False in alone, f"{key}: rank {rank}'s blocking call never met rank 0's pending work"
+
+
+def express_calls_of_every_kind_are_exact(key: str) -> None:
+    """Repeated blocking calls whose scale folds into the reduction run on the caller's
+    thread (``Engine.express``): in place and into a new tensor, integer sums and maxima,
+    floating Average and postscale; each must take that path after its first call and give
+    the exact result every time.  A strided in-place tensor, an integer Average (rounded
+    toward zero afterwards) and a prescaled call take the engine's own path, as exactly."""
+    rank, size = hvd.rank(), hvd.size()
+    negotiator = psrt.runtime.current().engine._negotiator
+    express_round, taken = negotiator.round_alone, []
+
+    def counted(index, wait):
+        result = express_round(index, wait)
+        taken.append(negotiator.cache.entries[index].name)
+        return result
+
+    def values(dtype, i):  # integer-valued; an odd total makes an integer Average round
+        return torch.arange(-3, 3, dtype=dtype) * (rank + 1) - 2 * i - rank
+
+    negotiator.round_alone = counted
+    try:
+        for i in range(6):
+            everyone = [torch.arange(-3, 3) * (r + 1) - 2 * i - r for r in range(size)]
+            total = torch.stack(everyone).sum(0)
+            ints = values(torch.int64, i)
+            assert_equal(hvd.allreduce_(ints, name=key + "/int-sum", op=hvd.Sum), total, f"{key} int sum {i}")
+            assert_equal(ints, total, f"{key} int sum {i} in place")
+            small = values(torch.int32, i)
+            assert_equal(hvd.allreduce_(small, name=key + "/int-max", op=hvd.Max),
+                         torch.stack(everyone).max(0).values.to(torch.int32), f"{key} int max {i}")
+            floats = values(torch.float64, i)
+            got = hvd.allreduce(floats, name=key + "/average", op=hvd.Average)
+            assert_equal(got, total.double() / size, f"{key} average {i}")
+            assert_equal(floats, values(torch.float64, i), f"{key} average {i} left its input alone")
+            assert_equal(hvd.allreduce_(values(torch.float32, i), name=key + "/post", op=hvd.Sum,
+                                        postscale_factor=0.5), total.float() * 0.5, f"{key} postscale {i}")
+            strided = torch.zeros(6, 2, dtype=torch.float64)[:, 0]
+            strided.copy_(values(torch.float64, i))
+            hvd.allreduce_(strided, name=key + "/strided", op=hvd.Sum)
+            assert_equal(strided, total.double(), f"{key} strided {i}")
+            assert_equal(hvd.allreduce(values(torch.int64, i), name=key + "/int-average", op=hvd.Average),
+                         torch.div(total, size, rounding_mode="trunc"), f"{key} int average {i}")
+            assert_equal(hvd.allreduce(values(torch.float32, i), name=key + "/pre", op=hvd.Sum,
+                                       prescale_factor=2.0), total.float() * 2, f"{key} prescale {i}")
+    finally:
+        del negotiator.round_alone
+    express = {name.rsplit("/", 1)[1] for name in taken}
+    assert express == {"int-sum", "int-max", "average", "post"}, f"{key}: express path taken by {sorted(express)}"
+    assert len(taken) >= 4 * 4, f"{key}: only {len(taken)} calls took the express path"
 
 
 def quiet_engines_hold_no_rounds_and_wake_when_rung(key: str) -> None:
@@ -349,6 +399,7 @@ def main() -> None:
         ("quiet_engines_hold_no_rounds_and_wake_when_rung", quiet_engines_hold_no_rounds_and_wake_when_rung),
         ("lone_cached_calls_meet_other_ranks_work", lone_cached_calls_meet_other_ranks_work),
         ("a_late_member_is_left_to_compute", a_late_member_is_left_to_compute),
+        ("express_calls_of_every_kind_are_exact", express_calls_of_every_kind_are_exact),
     ]:
         checks.add(name, function)
     _harness.run(checks)

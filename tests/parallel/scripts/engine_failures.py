@@ -11,6 +11,11 @@
                   synchronize raises, naming rank 1, instead of hanging.
 ``join_shutdown`` rank 1 shuts psrt down; rank 0's join raises naming it (a join needs
                   every rank) and both ranks exit.
+``express_failure`` the reduction of a repeated blocking allreduce (which the caller runs
+                  itself, see ``Engine.express``) fails on the last rank: that rank's call
+                  raises, naming the collective and the failure, and its engine stops (later
+                  calls raise too); with PSRT_ABORT_ON_EXCEPTION on (the default) and more
+                  than one rank, the job is aborted instead, so no rank waits on it.
 ``shutdown_sets`` rank 1 shuts psrt down first: rank 0's collectives on a process set
                   without rank 1 still run, those with rank 1 raise naming it, and rank
                   1's shutdown returns once rank 0 has shut down too.
@@ -56,8 +61,8 @@ def join_stall() -> None:
 
 def shutdown(cached: bool = False) -> None:
     """Rank 1 shuts down while rank 0 blocks in an allreduce; ``cached``: the name ran
-    before, so rank 0's call takes the lone path (see ``Engine.run``) and learns of the
-    shutdown from its round."""
+    before, so rank 0's call takes the express path (see ``Engine.express``) and learns of
+    the shutdown from its round."""
     if cached:
         for _ in range(2):
             hvd.allreduce(torch.ones(2), name="orphan")
@@ -76,6 +81,25 @@ def shutdown(cached: bool = False) -> None:
         report(after=None)
     except psrt.EngineStoppedError as exc:
         report(after=str(exc))
+
+
+def express_failure() -> None:
+    tensor = torch.ones(2)
+    for _ in range(2):  # the name is cached: the next call runs its reduction on this thread
+        hvd.allreduce_(tensor, name="doomed", op=hvd.Sum)
+    if hvd.rank() == hvd.size() - 1:
+        route = next(iter(psrt.runtime.current().engine.announcements.values())).express
+
+        def broken(*args: object) -> None:
+            raise psrt.CommunicationError("injected transport failure")
+
+        route.comm.allreduce = broken
+    for call in ("doomed", "later"):
+        try:
+            hvd.allreduce_(tensor, name=call, op=hvd.Sum)
+            report(**{call: None})
+        except psrt.EngineStoppedError as exc:
+            report(**{call: str(exc)})
 
 
 def join_shutdown() -> None:
@@ -110,5 +134,5 @@ if __name__ == "__main__":
     psrt.init()
     modes = {"stall_abort": stall_abort, "stall_warning": stall_warning, "join_stall": join_stall,
              "shutdown": shutdown, "shutdown_cached": lambda: shutdown(cached=True),
-             "shutdown_sets": shutdown_sets, "join_shutdown": join_shutdown}
+             "shutdown_sets": shutdown_sets, "join_shutdown": join_shutdown, "express_failure": express_failure}
     modes[sys.argv[1]]()
