@@ -31,6 +31,7 @@ from __future__ import annotations
 import array
 import enum
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -47,6 +48,7 @@ MAX_ARGS = 4
 #: kind, id, dtype, number of dimensions, the first MAX_DIMS sizes, MAX_ARGS ints
 HEADER_WORDS = 4 + MAX_DIMS + MAX_ARGS
 _DIGEST_MASK = (1 << 62) - 1  # a digest and its negation both fit in an int64
+_KEPT_DIGESTS = 4096  # of calls' (kind, dtype, shape), per group: a model has a few per layer
 
 
 class Kind(enum.IntEnum):
@@ -152,6 +154,8 @@ class DirectGroup:
         # MPI collective: a start costs about a microsecond, a fresh call several).
         self._agreement: Persistent | None = None
         self._words: memoryview | None = None  # the digest and its negation, as the all-reduce sees them
+        self._digests: dict[tuple, int] = {}  # by (kind, dtype, shape): see _agree_on
+        self._marks: dict[tuple, Wait] = {}  # by (label, call, thread): see _collective
 
     @property
     def name(self) -> str:
@@ -183,8 +187,15 @@ class DirectGroup:
                 wait_politely(request)
 
     def _collective(self, label: str, call: str) -> Wait:
-        me = self.ranks[self.rank]
-        return self.waiting(f"a {label} collective", lambda: f"{label} {call} on rank {me} over {self.name}")
+        """The mark of a collective, made once per (label, call, thread): a mark serves one
+        thread, and making one costs more than a small collective's other Python."""
+        key = (label, call, threading.get_ident())
+        mark = self._marks.get(key)
+        if mark is None:
+            me = self.ranks[self.rank]
+            mark = self._marks[key] = self.waiting(f"a {label} collective",
+                                                   lambda: f"{label} {call} on rank {me} over {self.name}")
+        return mark
 
     @staticmethod
     def _complete(comm: Communicator, request: Request) -> None:
@@ -194,12 +205,25 @@ class DirectGroup:
             request.wait()
 
     # -- agreement --------------------------------------------------------------------------
-    def _prepare(self, header: Header, label: str, check: bool) -> None:
+    def _prepare(self, kind: Kind, tensor: torch.Tensor, label: str, check: bool) -> None:
         """What every collective does first, inside its marked wait."""
         if not self._settled:
             self._settle(label, check)
         if check:
-            self.agree(header, label)
+            self._agree_on(kind, tensor, label)
+
+    def _agree_on(self, kind: Kind, tensor: torch.Tensor, label: str) -> None:
+        """:meth:`agree` on a call of ``kind`` over ``tensor``, whose header is made only
+        should the members disagree: the digest of a (kind, dtype, shape) is kept (a few per
+        layer), as working it out is most of a small collective's Python."""
+        key = (kind, tensor.dtype, tensor.shape)
+        digest = self._digests.get(key)
+        if digest is None:
+            digest = Header.of(kind, tensor).digest()
+            if len(self._digests) < _KEPT_DIGESTS:
+                self._digests[key] = digest
+        if not self._agreed(digest):
+            self._disagreement(Header.of(kind, tensor), label)
 
     def _settle(self, label: str, check: bool) -> None:
         theirs = self.host.allgather_object(check)
@@ -216,7 +240,11 @@ class DirectGroup:
         equal headers: one small all-reduce (the maximum of the digest and of its negation)
         when they did, and a gather of the headers, to name what differs, when they did not.
         Collective over the group; the caller marks the wait."""
-        digest = header.digest()
+        if not self._agreed(header.digest()):
+            self._disagreement(header, label)
+
+    def _agreed(self, digest: int) -> bool:
+        """Whether every member passed ``digest`` (collective: see :meth:`agree`)."""
         if self._agreement is None:  # made on the first check, which every member makes
             extremes = torch.zeros(2, dtype=torch.int64)  # kept alive by the request and the view
             self._agreement = self.host.persistent_allreduce(extremes, ReduceOp.MAX)
@@ -224,8 +252,10 @@ class DirectGroup:
         words = self._words
         words[0], words[1] = digest, -digest
         self._agreement.start().wait()
-        if words[0] == -words[1]:
-            return
+        return words[0] == -words[1]
+
+    def _disagreement(self, header: Header, label: str) -> None:
+        """Name what differs, after an agreement that failed (collective: see :meth:`agree`)."""
         mine = header.encode()
         everyone = torch.empty((self.size, HEADER_WORDS), dtype=torch.int64)
         self.host.allgatherv(mine, everyone.view(-1), [HEADER_WORDS] * self.size).wait()
@@ -240,14 +270,14 @@ class DirectGroup:
                     check: bool = True) -> torch.Tensor:
         """Reduce a contiguous ``tensor`` in place over the group; returns it."""
         with self._collective(label, "all_reduce"):
-            self._prepare(Header.of(Kind.ALL_REDUCE, tensor), label, check)
+            self._prepare(Kind.ALL_REDUCE, tensor, label, check)
             self.transport(tensor.device).allreduce(tensor, op)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True) -> torch.Tensor:
         """Every member's ``tensor`` concatenated along ``dim``, in group-rank order."""
         with self._collective(label, "all_gather"):
-            self._prepare(Header.of(Kind.ALL_GATHER, tensor), label, check)
+            self._prepare(Kind.ALL_GATHER, tensor, label, check)
             comm = self.transport(tensor.device)
             send = tensor.contiguous()
             out = torch.empty((self.size, *send.shape), dtype=send.dtype, device=send.device)
@@ -259,7 +289,7 @@ class DirectGroup:
         """Reduce over the group, then keep this member's block of ``dim`` (which the group's
         size must divide: checked after the agreement, so every member raises alike)."""
         with self._collective(label, "reduce_scatter"):
-            self._prepare(Header.of(Kind.REDUCE_SCATTER, tensor), label, check)
+            self._prepare(Kind.REDUCE_SCATTER, tensor, label, check)
             check_divisible(tensor, dim, self.size, label)
             comm = self.transport(tensor.device)
             send = torch.stack(tensor.chunk(self.size, dim)) if dim != 0 else tensor.contiguous()
