@@ -132,7 +132,8 @@ class MpiCommunicator(Communicator):
             self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(tensor), mpi_op(op, dtype))
         except MPI.Exception as exc:
             raise _failure(exc, f"allreduce of {tensor.numel()} {dtype} elements") from exc
-        _scale(tensor, scale)
+        if scale != 1.0:
+            tensor.mul_(scale)
 
     def _segmented_allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float) -> None:
         """MPI's own algorithm, one ring segment at a time, each scaled as soon as it is

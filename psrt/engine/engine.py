@@ -151,9 +151,12 @@ class Engine:
         negotiator = self._negotiator
         if self._in_flight or self._timeline is not None or negotiator.table or negotiator.joined:
             return False  # cheap looks first; the ones that count are made holding the driver
-        announcement = route.announcement
-        index = negotiator.cache.lookup(announcement)
-        if index is None or not self._driver.acquire(blocking=False):
+        announcement, index = route.announcement, route.index
+        if index is None:
+            index = route.index = negotiator.cache.lookup(announcement)
+            if index is None:
+                return False
+        if not self._driver.acquire(blocking=False):
             return False
         try:
             with self._lock:

@@ -87,14 +87,16 @@ class Announcement(NamedTuple):
 
 class Express:
     """A repeated blocking allreduce's way through :meth:`Engine.express`: its
-    announcement, and what its reduction needs, worked out once (the communicator and the
-    watchdog's description by the engine, on first use)."""
+    announcement, and what its reduction needs, worked out once (by the engine, on first
+    use: its response-cache entry, which never moves, the communicator and the watchdog's
+    description)."""
 
-    __slots__ = ("announcement", "op", "scale", "comm", "describe")
+    __slots__ = ("announcement", "op", "scale", "index", "comm", "describe")
 
     def __init__(self, announcement: Announcement) -> None:
         self.announcement = announcement
         self.op, self.scale = announcement.reduction.op, announcement.reduction.pieces[0].scale
+        self.index: int | None = None
         self.comm: Communicator | None = None
         self.describe: Callable[[], str] | None = None
 
