@@ -128,6 +128,11 @@ class Communicator(abc.ABC):
     def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Request:
         """Start receiving into ``tensor`` from ``source`` (or :data:`ANY_SOURCE`)."""
 
+    def persistent_recv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> "Persistent":
+        """The same receive into ``tensor`` from ``source``, to be started again and again
+        (MPI's persistent receives set it up once: a loop that re-posts one per message)."""
+        return Persistent(lambda: self.irecv(tensor, source, tag))
+
     def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
         self.isend(tensor, dest, tag).wait()
 

@@ -234,6 +234,13 @@ class MpiCommunicator(Communicator):
                                        source=MPI.ANY_SOURCE if source == ANY_SOURCE else source)
         return MpiRequest(request, what, tensor)
 
+    def persistent_recv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Persistent:
+        what = f"receive from rank {source} (tag {tag})"
+        with _Translated(what):
+            request = self._comm.Recv_init(mpi_buffer(tensor), tag=tag,
+                                           source=MPI.ANY_SOURCE if source == ANY_SOURCE else source)
+        return _MpiPersistent(request, what, tensor)
+
     # -- metadata and groups -----------------------------------------------------
     def exchange_counts(self, counts: Sequence[int]) -> list[int]:
         send = np.array(counts, dtype=np.int64)
