@@ -10,6 +10,7 @@ pytestmark = pytest.mark.parallel
 CHECKS = [
     "blocking_send_recv_around_the_ring",
     "nonblocking_send_recv_of_every_dtype",
+    "persistent_receive_takes_each_message_in_turn",
     "split_gives_each_color_its_own_group",
     "ring_allreduce_matches_numpy_for_odd_sizes_and_all_ops",
     "segmented_allreduce_matches_numpy_for_odd_sizes_and_all_ops",

@@ -13,6 +13,7 @@ from mpi4py import MPI
 import psrt
 from psrt import runtime
 from psrt.comm import ReduceOp
+from psrt.comm.base import Communicator
 from psrt.comm.mpi import MpiCommunicator
 from psrt.config import Config
 from _harness import Checks, run
@@ -60,6 +61,24 @@ def nonblocking_send_recv_of_every_dtype(world):
             pass
         send.wait()
         assert torch.equal(received, expected), (dtype, received, expected)
+
+
+@check
+def persistent_receive_takes_each_message_in_turn(world):
+    """A persistent receive, started again after each message, takes a stream of messages
+    into one buffer in the order they were sent, over MPI and through the base class's
+    fallback (a receive posted per start), as the parameter server's header loop uses it."""
+    right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+    for tag, persistent in ((40, world.persistent_recv), (41, lambda *args: Communicator.persistent_recv(world, *args))):
+        buffer = torch.empty(4, dtype=torch.int64)
+        receive = persistent(buffer, left, tag)
+        sends = [world.isend(torch.full((4,), 100 * world.rank + i, dtype=torch.int64), right, tag) for i in range(6)]
+        for i in range(6):
+            receive.start().wait()
+            assert buffer.tolist() == [100 * left + i] * 4, (tag, i, buffer.tolist())
+        receive.free()
+        for send in sends:
+            send.wait()
 
 
 @check
