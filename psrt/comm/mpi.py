@@ -228,18 +228,19 @@ class MpiCommunicator(Communicator):
         return MpiRequest(request, what, tensor)
 
     def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Request:
-        what = f"receive from rank {source} (tag {tag})"
-        with _Translated(what):
-            request = self._comm.Irecv(mpi_buffer(tensor), tag=tag,
-                                       source=MPI.ANY_SOURCE if source == ANY_SOURCE else source)
+        what, request = self._receive(self._comm.Irecv, tensor, source, tag)
         return MpiRequest(request, what, tensor)
 
     def persistent_recv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Persistent:
+        what, request = self._receive(self._comm.Recv_init, tensor, source, tag)
+        return _MpiPersistent(request, what, tensor)
+
+    @staticmethod
+    def _receive(post, tensor: torch.Tensor, source: int, tag: int) -> tuple[str, MPI.Request]:
+        """``post`` (``Irecv`` or ``Recv_init``) a receive into ``tensor``, and its description."""
         what = f"receive from rank {source} (tag {tag})"
         with _Translated(what):
-            request = self._comm.Recv_init(mpi_buffer(tensor), tag=tag,
-                                           source=MPI.ANY_SOURCE if source == ANY_SOURCE else source)
-        return _MpiPersistent(request, what, tensor)
+            return what, post(mpi_buffer(tensor), tag=tag, source=MPI.ANY_SOURCE if source == ANY_SOURCE else source)
 
     # -- metadata and groups -----------------------------------------------------
     def exchange_counts(self, counts: Sequence[int]) -> list[int]:

@@ -394,7 +394,7 @@ class Engine:
             if request.test():
                 self._unrung = None
                 return
-        with self._marks(threading.get_ident())[0]:
+        with self._marks(self._driving)[0]:
             self._wait_for_round(request)
 
     def _marks(self, thread: int) -> tuple[Wait, Wait]:

@@ -56,9 +56,8 @@ class Server:
         self.stores: dict[int, Store] = {}
         self.departed: set[int] = set()
         self._active = list(range(self.num_workers))  # workers that have not shut down
-        # per worker still connected: the buffer its next header arrives in (and a numpy view,
-        # read faster), and that receive
-        # per worker: its header's words (as numpy), the persistent receive into them, the one started
+        # per worker still connected: the words its next header arrives in (a numpy view, read
+        # faster), the persistent receive into them, and its current start
         self._headers: dict[int, tuple[np.ndarray, Persistent, Request]] = {}
         self._pushes = PostedPushes(comm, roles.workers)
         # messages under way: (request, what to run once done, since, the worker, "receive"/"send")
@@ -136,7 +135,7 @@ class Server:
     def _poll_headers(self) -> bool:
         """Dispatch every header that has arrived (a worker's in the order it sent them),
         starting the receive of each worker's next one into the same buffer (a persistent
-        receive: a start costs a microsecond or two, posting a receive about 15)."""
+        receive: a start costs a microsecond or two, posting a receive several times that)."""
         progressed = False
         for worker, (view, receive, request) in list(self._headers.items()):
             while request.test():
