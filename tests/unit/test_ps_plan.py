@@ -11,7 +11,9 @@ from psrt.config import config_from_env
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint
 from psrt.ps.client import optimizer_spec
+from psrt.ps import pushes as pushes_module
 from psrt.ps.placement import Placement
+from psrt.ps.pushes import PostedPushes
 from psrt.ps.protocol import Mode, Op
 from psrt.ps.roles import assign_roles
 from psrt.ps.store import Store
@@ -318,3 +320,73 @@ def test_stall_descriptions_name_the_missing_workers():
     assert "needs pushes from worker 1" in held[0].describe() and held[0].peer_ranks() == (2,)
     assert held[1].describe().startswith("save asked for by workers 0")
     assert "worker 1 did not ask" in held[1].describe() and held[1].peer_ranks() == (2,)
+
+
+# -- posted push receives ----------------------------------------------------------------------------
+class Wire:
+    """Messages in flight to one server, by (source, tag), and the persistent receives it
+    was asked to set up: a receive started completes once a message is there to copy in."""
+
+    def __init__(self) -> None:
+        self.messages: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.setups = self.starts = self.frees = 0
+
+    def deliver(self, source: int, tag: int, data: torch.Tensor) -> None:
+        self.messages.setdefault((source, tag), []).append(data)
+
+    def persistent_recv(self, tensor: torch.Tensor, source: int, tag: int):
+        wire = self
+        wire.setups += 1
+
+        class Receive:
+            def start(self):
+                wire.starts += 1
+                return self
+
+            def test(self) -> bool:
+                queue = wire.messages.get((source, tag))
+                if not queue:
+                    return False
+                data = queue.pop(0)
+                tensor[:data.numel()].copy_(data)
+                return True
+
+            def free(self) -> None:
+                wire.frees += 1
+
+        return Receive()
+
+
+def _push(wire: Wire, pushes: PostedPushes, shard: Shard, value: float) -> None:
+    wire.deliver(5, 7, torch.full((4,), value))
+    pushes.announce(0, shard, accepted=True)
+    assert pushes.poll() == [shard]
+    assert shard.apply_ready() == 1
+    assert shard.value.tolist() == [value] * 4
+
+
+def test_push_receives_are_set_up_once_per_buffer_and_started_per_push():
+    wire, shard = Wire(), make_shard(Mode.ASYNC, workers=1)
+    pushes = PostedPushes(wire, ranks=[5])
+    pushes.open(0, shard, tag=7)
+    for step in range(10):
+        _push(wire, pushes, shard, float(step))
+    # the value's buffer and two spares take turns: three set-ups, a start for each push and the next
+    assert (wire.setups, wire.starts, wire.frees) == (3, 11, 0)
+    pushes.close(0)
+    wire.deliver(5, 7, torch.empty(0))  # the worker's closing empty message
+    assert pushes.poll() == [] and not pushes.open_slots
+    assert wire.frees == wire.setups
+
+
+def test_a_slot_whose_buffers_keep_changing_releases_its_oldest_receives(monkeypatch):
+    wire, shard = Wire(), make_shard(Mode.ASYNC, workers=1)
+    monkeypatch.setattr(shard, "spare_buffer", lambda: torch.empty(4))  # never the same buffer twice
+    pushes = PostedPushes(wire, ranks=[5])
+    pushes.open(0, shard, tag=7)
+    for step in range(12):
+        _push(wire, pushes, shard, float(step))
+    assert wire.setups == 13 and wire.frees == 13 - pushes_module._RECEIVES_PER_SLOT
+    pushes.close(0)
+    wire.deliver(5, 7, torch.empty(0))
+    assert pushes.poll() == [] and wire.frees == wire.setups
