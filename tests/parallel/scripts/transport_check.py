@@ -103,11 +103,12 @@ def ring_allreduce_matches_numpy_for_odd_sizes_and_all_ops(world):
 
 @check
 def segmented_allreduce_matches_numpy_for_odd_sizes_and_all_ops(world):
-    """Below the ring threshold, messages over two segments go to MPI a segment at a time."""
-    _allreduce_matches_numpy(world, Config(ring_threshold=1 << 30, ring_segment=64))
+    """Below the ring threshold, scaled messages over two segments go to MPI a segment at a
+    time (integers, which take no scale, go whole)."""
+    _allreduce_matches_numpy(world, Config(ring_threshold=1 << 30, ring_segment=64), scale=0.5)
 
 
-def _allreduce_matches_numpy(world, config: Config) -> None:
+def _allreduce_matches_numpy(world, config: Config, scale: float = 1.0) -> None:
     comm = MpiCommunicator(MPI.COMM_WORLD, config)
     references = {ReduceOp.SUM: np.sum, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max,
                   ReduceOp.PRODUCT: np.prod}
@@ -122,8 +123,9 @@ def _allreduce_matches_numpy(world, config: Config) -> None:
                     mine = inputs(world.rank, numel, dtype)
                     every = np.stack([inputs(r, numel, dtype).numpy()
                                       for r in range(world.size)])
-                comm.allreduce(mine, op)
-                expected = reference(every, axis=0)
+                factor = scale if dtype.is_floating_point else 1.0
+                comm.allreduce(mine, op, scale=factor)
+                expected = reference(every, axis=0) * factor
                 assert np.allclose(mine.numpy(), expected, rtol=1e-6), (numel, dtype, op)
     scaled = inputs(world.rank, 101, torch.float64)
     comm.allreduce(scaled, ReduceOp.SUM, scale=0.5)
