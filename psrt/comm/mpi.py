@@ -2,8 +2,9 @@
 
 Tensors reach MPI as zero-copy views of their memory.  Large allreduces use
 psrt's chunked ring (see :mod:`psrt.comm.ring`); everything else uses MPI's
-own algorithms, allreduces of more than two ring segments one segment at a time.  Internal ring traffic runs on a duplicate of the
-communicator, so it can never match a user's point-to-point message.
+own algorithms, scaled allreduces (averages) of more than two ring segments one
+segment at a time.  Internal ring traffic runs on a duplicate of the communicator, so it
+can never match a user's point-to-point message.
 """
 from __future__ import annotations
 
