@@ -125,13 +125,11 @@ class PostedPushes:
         """Start the receive into the slot's buffer (set up on the buffer's first use; only
         one receive of a slot is under way at a time, so any other may be released)."""
         address = slot.buffer.data_ptr()
-        known = slot.receives.get(address)
-        if known is None:
+        entry = slot.receives.get(address)
+        if entry is None:
             if len(slot.receives) >= _RECEIVES_PER_SLOT:
                 _, oldest = slot.receives.pop(next(iter(slot.receives)))
                 oldest.free()
-            receive = self._comm.persistent_recv(slot.buffer, self._ranks[slot.worker], slot.tag)
-            slot.receives[address] = (slot.buffer, receive)
-        else:
-            receive = known[1]
-        slot.request = receive.start()
+            entry = slot.receives[address] = (
+                slot.buffer, self._comm.persistent_recv(slot.buffer, self._ranks[slot.worker], slot.tag))
+        slot.request = entry[1].start()
