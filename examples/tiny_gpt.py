@@ -30,6 +30,8 @@ class GPTConfig:
     heads: int = 4
     layers: int = 4
     sequence_parallel: bool = False
+    dropout: float = 0.0  # on the attention probabilities and on each residual branch
+    recompute: str | None = None  # "full": each block's input is all a stage keeps; "selective": attention core
 
 
 class Embedding(nn.Module):
@@ -71,8 +73,10 @@ def build_blocks(config: GPTConfig, process_set: ProcessSet | None = None) -> li
     """The model as a list of blocks; the same seed gives the same weights at any TP size."""
     blocks: list[nn.Module] = [Embedding(config, process_set)]
     for _ in range(config.layers):
-        blocks.append(tp.ParallelTransformerBlock(config.dim, config.heads, process_set=process_set,
-                                                  sequence_parallel=config.sequence_parallel))
+        blocks.append(tp.ParallelTransformerBlock(
+            config.dim, config.heads, process_set=process_set, sequence_parallel=config.sequence_parallel,
+            dropout=config.dropout, attention_dropout=config.dropout,
+            recompute="selective" if config.recompute == "selective" else None))
     blocks.append(Head(config, process_set))
     return blocks
 
@@ -116,8 +120,9 @@ def build_trainer(config: GPTConfig, grid: ProcessGrid, *, schedule: str = "1f1b
     data-parallel over the DP set (allreduce after the step's last backward, or ZeRO-1).
     ``overlap`` is DistributedOptimizer's choice to all-reduce during that backward (default:
     when it pays; turn it off for CUDA with TP or PP, see the README)."""
-    torch.manual_seed(seed)  # every rank draws the full model, then keeps its share
-    stage = pp.PipelineStage(build_blocks(config, grid.tp_set), grid.pp_set, chunks=chunks)
+    tp.manual_seed(seed, grid.tp_set)  # every rank draws the full model, then keeps its share
+    stage = pp.PipelineStage(build_blocks(config, grid.tp_set), grid.pp_set, chunks=chunks,
+                             recompute="full" if config.recompute == "full" else None)
     pipeline = pp.Pipeline(stage, loss_function(config, grid.tp_set), microbatches=microbatches,
                            schedule=schedule)
     if zero:

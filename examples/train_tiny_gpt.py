@@ -30,6 +30,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedule)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP set instead of allreduce")
+    p.add_argument("--dropout", type=float, default=0.0, help="attention and residual dropout")
+    p.add_argument("--recompute", choices=("full", "selective"), default=None,
+                   help="activation recomputation: every block (full) or the attention core (selective)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument("--sequence-length", type=int, default=64)
@@ -48,7 +51,8 @@ def main() -> None:
     grid = ProcessGrid(dp=dp, tp=args.tp, pp=args.pp)
     data, alphabet = corpus()
     config = GPTConfig(vocab_size=len(alphabet), sequence_length=args.sequence_length, dim=args.dim,
-                       heads=args.heads, layers=args.layers, sequence_parallel=args.sequence_parallel)
+                       heads=args.heads, layers=args.layers, sequence_parallel=args.sequence_parallel,
+                       dropout=args.dropout, recompute=args.recompute)
     trainer = build_trainer(config, grid, schedule=args.schedule, microbatches=args.microbatches,
                             chunks=args.chunks, zero=args.zero, lr=args.lr, seed=args.seed)
     generator = torch.Generator().manual_seed(args.seed)

@@ -8,6 +8,7 @@ from torch import nn
 
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.pp.partition import balanced_split, explicit_split
+from psrt.tp.recompute import check_mode, checkpoint
 from psrt.topology import ProcessSet
 
 
@@ -23,10 +24,14 @@ class PipelineStage(nn.Module):
 
     Every rank may build the whole list (so that one seed gives every rank the same
     weights as a single process); the blocks of other stages are simply not kept.
+
+    ``recompute="full"`` keeps only each block's input per micro-batch in flight and
+    runs the block again in its backward (every random stream replayed); for the
+    attention-only ``"selective"`` recomputation, build the transformer blocks with it.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], process_set: ProcessSet, *, chunks: int = 1,
-                 split: Sequence[int] | None = None) -> None:
+                 split: Sequence[int] | None = None, recompute: str | None = None) -> None:
         super().__init__()
         if not isinstance(process_set, ProcessSet):
             raise ArgumentTypeError(f"process_set must be the pipeline ProcessSet, got {type(process_set).__name__}")
@@ -35,6 +40,7 @@ class PipelineStage(nn.Module):
             raise ArgumentTypeError("blocks must be a non-empty sequence of torch.nn.Module")
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise InvalidArgumentError(f"chunks must be a positive int, got {chunks!r}")
+        self.recompute = check_mode(recompute, (None, "full"))
         self.process_set = process_set
         self.stages, self.rank, self.chunks = process_set.size(), process_set.rank(), chunks
         virtual = self.stages * chunks
@@ -51,10 +57,18 @@ class PipelineStage(nn.Module):
             for index in chunk:
                 self.add_module(str(index), blocks[index])
 
-    def run_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
-        """Forward of the blocks of ``chunk``, in order."""
+    def run_chunk(self, chunk: int, x: torch.Tensor, kept: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward of the blocks of ``chunk``, in order.  With recomputation the input of
+        each block is what stays alive for backward; ``kept`` collects them (autograd's
+        saved-tensor hooks do not see what a recomputed region keeps)."""
         for index in self.chunk_ranges[chunk]:
-            x = self._modules[str(index)](x)
+            block = self._modules[str(index)]
+            if self.recompute == "full":
+                if kept is not None:
+                    kept.append(x)
+                x = checkpoint(block, x)
+            else:
+                x = block(x)
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -125,15 +125,16 @@ class StepRun:
 
     def _forward(self, a: Action, key: Key) -> None:
         x = self.inputs[a.microbatch] if self.stage.is_first(a.chunk) else self.received[key]
-        saved = _SavedBytes(self.parameter_storage)
+        saved, kept = _SavedBytes(self.parameter_storage), []
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            y = self.stage.run_chunk(a.chunk, x)
+            y = self.stage.run_chunk(a.chunk, x, kept)
             if self.stage.is_last(a.chunk):
                 loss = self.p.loss_fn(y, self.targets[a.microbatch])
                 self.loss += loss.detach().double().cpu()
                 y = loss / self.p.microbatches if self.p.loss_reduction == "mean" else loss
         # the received input and the output are held too, whether or not autograd saved them
-        for tensor in ((y,) if self.stage.is_first(a.chunk) else (x, y)):
+        # (and, recomputing, each block's input); the first stage's input is the caller's batch
+        for tensor in ([t for t in kept if t is not x] + [y] if self.stage.is_first(a.chunk) else [x, *kept, y]):
             saved.pack(tensor)
         self.held[key] = _Held(x, y, saved.bytes)
         self.live_bytes += saved.bytes

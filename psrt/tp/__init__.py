@@ -1,9 +1,13 @@
 """Tensor parallelism (Megatron-style): layers split over a TP process set, the autograd
-functions at the edges of their regions, sequence parallelism, and conversion to and
+functions at the edges of their regions, sequence parallelism, the random streams of
+dropout inside and outside TP regions, activation recomputation, and conversion to and
 from a full single-process ``state_dict``."""
 from psrt.tp.comm import CommStats, stats
 from psrt.tp.cross_entropy import vocab_parallel_cross_entropy
 from psrt.tp.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
+from psrt.tp.random import (RNGStatesTracker, manual_seed, replicated_dropout, rng_tracker,
+                            tensor_parallel_dropout)
+from psrt.tp.recompute import checkpoint
 from psrt.tp.regions import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                              gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                              reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
@@ -14,9 +18,10 @@ from psrt.tp.transformer import ParallelMLP, ParallelSelfAttention, ParallelTran
 
 __all__ = [
     "ColumnParallelLinear", "CommStats", "LayerNorm", "ParallelMLP", "ParallelSelfAttention",
-    "ParallelTransformerBlock", "RowParallelLinear", "Sharding", "VocabParallelEmbedding",
-    "copy_to_tensor_parallel_region", "full_state_dict", "gather_from_sequence_parallel_region",
-    "gather_from_tensor_parallel_region", "load_full_state_dict", "reduce_from_tensor_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
-    "scatter_to_tensor_parallel_region", "sequence_parallel_parameters", "stats", "vocab_parallel_cross_entropy",
+    "ParallelTransformerBlock", "RNGStatesTracker", "RowParallelLinear", "Sharding", "VocabParallelEmbedding",
+    "checkpoint", "copy_to_tensor_parallel_region", "full_state_dict", "gather_from_sequence_parallel_region",
+    "gather_from_tensor_parallel_region", "load_full_state_dict", "manual_seed",
+    "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region", "replicated_dropout",
+    "rng_tracker", "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region",
+    "sequence_parallel_parameters", "stats", "tensor_parallel_dropout", "vocab_parallel_cross_entropy",
 ]

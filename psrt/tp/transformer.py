@@ -2,7 +2,12 @@
 a pre-norm block.  Per block and micro-batch they run 4 all-reduces (2 forward, 2
 backward), or with sequence parallelism 4 all-gathers and 4 reduce-scatters plus, in
 backward, one small all-reduce per sequence-parallel parameter group (2 LayerNorms,
-2 row-parallel biases).
+2 row-parallel biases).  Recomputation runs the forward's collectives once more.
+
+Dropout follows GPT-2 and Megatron: ``attention_dropout`` on the attention
+probabilities (a tensor-parallel region: each rank's own mask, see
+:mod:`psrt.tp.random`) and ``dropout`` on each branch before it joins the residual
+stream (a replicated or sequence-parallel region: the single-process model's mask).
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from torch.nn import functional as F
 from psrt.errors import InvalidArgumentError
 from psrt.tp.comm import group_size
 from psrt.tp.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
+from psrt.tp.random import check_probability, replicated_dropout, tensor_parallel_dropout
+from psrt.tp.recompute import check_mode, checkpoint
 from psrt.topology import ProcessSet
 
 
@@ -34,11 +41,16 @@ class ParallelMLP(nn.Module):
 class ParallelSelfAttention(nn.Module):
     """Causal multi-head self-attention with the heads split over the TP set: a fused
     column-parallel q/k/v projection, attention on the local heads, a row-parallel
-    output projection."""
+    output projection.  ``recompute="selective"`` keeps only q, k and v of the attention
+    core and recomputes its scores, softmax and dropout in backward."""
 
     def __init__(self, dim: int, heads: int, *, process_set: ProcessSet | None = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, attention_dropout: float = 0.0,
+                 recompute: str | None = None) -> None:
         super().__init__()
+        self.recompute = check_mode(recompute, (None, "selective"))
+        self.process_set = process_set
+        self.attention_dropout = check_probability(attention_dropout, "attention_dropout")
         size = group_size(process_set)
         if dim % heads:
             raise InvalidArgumentError(f"model dimension ({dim}) is not divisible by the number of heads ({heads})")
@@ -56,22 +68,49 @@ class ParallelSelfAttention(nn.Module):
         batch, sequence, _ = qkv.shape
         q, k, v = (t.view(batch, sequence, self.local_heads, self.head_dim).transpose(1, 2)
                    for t in qkv.chunk(3, dim=-1))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attended = checkpoint(self.core, q, k, v) if self.recompute == "selective" else self.core(q, k, v)
         return self.out(attended.transpose(1, 2).reshape(batch, sequence, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``dropout(softmax(q kᵀ / √d + causal mask)) v`` on this rank's heads ([batch, heads,
+        sequence, head_dim]); the fused kernel when there is no dropout to draw."""
+        if not self.training or self.attention_dropout == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        sequence = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (self.head_dim ** -0.5)
+        future = torch.ones(sequence, sequence, dtype=torch.bool, device=q.device).triu_(1)
+        probabilities = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        return tensor_parallel_dropout(probabilities, self.attention_dropout, self.process_set) @ v
 
 
 class ParallelTransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+    """Pre-norm block: ``x + dropout(attn(ln1(x)))`` then ``x + dropout(mlp(ln2(x)))``.
+
+    ``recompute="full"`` keeps only the block's input and runs the whole block again in
+    backward; ``"selective"`` recomputes only the attention core (see
+    :class:`ParallelSelfAttention`)."""
 
     def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, process_set: ProcessSet | None = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, dropout: float = 0.0, attention_dropout: float = 0.0,
+                 recompute: str | None = None) -> None:
         super().__init__()
+        self.recompute = check_mode(recompute)
+        self.process_set, self.sequence_parallel = process_set, sequence_parallel
+        self.dropout = check_probability(dropout, "dropout")
         options = dict(process_set=process_set, sequence_parallel=sequence_parallel)
         self.ln1 = LayerNorm(dim, **options)
-        self.attn = ParallelSelfAttention(dim, heads, **options)
+        self.attn = ParallelSelfAttention(dim, heads, attention_dropout=attention_dropout,
+                                          recompute="selective" if recompute == "selective" else None, **options)
         self.ln2 = LayerNorm(dim, **options)
         self.mlp = ParallelMLP(dim, mlp_ratio * dim, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return checkpoint(self._forward, x) if self.recompute == "full" else self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._dropout(self.attn(self.ln1(x)))
+        return x + self._dropout(self.mlp(self.ln2(x)))
+
+    def _dropout(self, branch: torch.Tensor) -> torch.Tensor:
+        return replicated_dropout(branch, self.dropout, self.process_set, sequence_parallel=self.sequence_parallel,
+                                  training=self.training)

@@ -18,12 +18,19 @@ TP_CHECKS = ["grid/coordinates_sets_and_neighbours"] + [
     "block/without_shape_check/matches_torch_nn",
     "cross_entropy/padded_vocabulary_three_all_reduces", "errors/bad_layouts",
     "errors/mismatched_inputs_across_tp_ranks", "concurrency/engine_and_tp_share_a_set",
-    "concurrency/tp_starts_while_the_engine_is_busy"]
+    "concurrency/tp_starts_while_the_engine_is_busy", "rng/tracker_streams_per_rank_inside_shared_outside",
+    "errors/dropout_and_recompute_arguments"] + [
+    f"{name}{suffix}" for suffix in ("", "/sequence_parallel") for name in (
+        "rng/block_dropout_masks", "rng/residual_dropout_matches_single_process")] + [
+    f"recompute/{mode}{suffix}/matches_keeping_activations" for mode in ("full", "selective")
+    for suffix in ("", "/sequence_parallel")]
 
 
 def pp_checks(p: int) -> list[str]:
     return ([f"match/{schedule}/m{m}" for schedule in ("gpipe", "1f1b") for m in (1, 2, 3, 4, 8)]
             + [f"match/interleaved/v2/m{m}" for m in (p, 2 * p)]
+            + ["match/1f1b/m4/recompute_full", "match/interleaved/v2/recompute_full",
+               "memory/full_recompute_keeps_less"]
             + ["match/mean_loss", "match/frozen_first_block", "memory/activations_follow_in_flight",
                "split/explicit", "errors/bad_inputs", "errors/wrong_messages"])
 
@@ -31,7 +38,8 @@ def pp_checks(p: int) -> list[str]:
 GPT_CHECKS = ["gpt/dp1_tp2_pp2/1f1b", "gpt/dp2_tp1_pp2/gpipe", "gpt/dp2_tp2_pp1/1f1b", "gpt/dp1_tp1_pp4/1f1b",
               "gpt/dp1_tp2_pp2/1f1b/sequence_parallel", "gpt/dp2_tp2_pp1/zero1", "gpt/dp2_tp1_pp2/interleaved_v2",
               "gpt/dp2_tp2_pp1/overlapped_allreduce", "gpt/dp2_tp1_pp2/overlapped_allreduce",
-              "gpt/dp1_tp2_pp2/interleaved_v2/sequence_parallel"]
+              "gpt/dp1_tp2_pp2/interleaved_v2/sequence_parallel", "gpt/dp1_tp2_pp2/1f1b/recompute_full",
+              "gpt/dp2_tp2_pp1/1f1b/recompute_selective/sequence_parallel"]
 
 
 @pytest.mark.parametrize("check", TP_CHECKS)

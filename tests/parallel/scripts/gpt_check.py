@@ -1,7 +1,7 @@
 """The tiny GPT on 4 ranks laid out as DP × TP × PP in several ways (with 1F1B, GPipe,
-interleaving, sequence parallelism and ZeRO-1 for the DP part) follows the same loss
-curve as one process training the same model on the same global batches, in float64,
-and ends with the same parameters.
+interleaving, sequence parallelism, activation recomputation and ZeRO-1 for the DP
+part) follows the same loss curve as one process training the same model on the same
+global batches, in float64, and ends with the same parameters.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ STEPS, ROWS, LR, SEED = 4, 8, 1e-2, 3
 DATA, ALPHABET = corpus()
 
 
-def config(sequence_parallel: bool = False) -> GPTConfig:
+def config(sequence_parallel: bool = False, recompute: str | None = None) -> GPTConfig:
     return GPTConfig(vocab_size=len(ALPHABET), sequence_length=16, dim=16, heads=4, layers=2,
-                     sequence_parallel=sequence_parallel)
+                     sequence_parallel=sequence_parallel, recompute=recompute)
 
 
 def reference_run(cfg: GPTConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -46,12 +46,12 @@ def reference_run(cfg: GPTConfig) -> tuple[list[float], dict[str, torch.Tensor]]
 
 def check_follows_single_process(key: str, dp: int, tp_size: int, pp_size: int, schedule: str,
                                  sequence_parallel: bool = False, zero: bool = False, chunks: int = 1,
-                                 overlap: bool | None = None) -> None:
+                                 overlap: bool | None = None, recompute: str | None = None) -> None:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        cfg = config(sequence_parallel)
-        want_losses, want_state = reference_run(cfg)
+        cfg = config(sequence_parallel, recompute)
+        want_losses, want_state = reference_run(config(sequence_parallel))
         grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size)
         trainer = build_trainer(cfg, grid, schedule=schedule, microbatches=4 if schedule != "interleaved" else 2,
                                 chunks=chunks, zero=zero, overlap=overlap, lr=LR, seed=SEED)
@@ -83,6 +83,9 @@ LAYOUTS = [
     ("dp2_tp2_pp1/overlapped_allreduce", 2, 2, 1, "1f1b", {"overlap": True}),
     ("dp2_tp1_pp2/overlapped_allreduce", 2, 1, 2, "1f1b", {"overlap": True}),
     ("dp1_tp2_pp2/interleaved_v2/sequence_parallel", 1, 2, 2, "interleaved", {"chunks": 2, "sequence_parallel": True}),
+    ("dp1_tp2_pp2/1f1b/recompute_full", 1, 2, 2, "1f1b", {"recompute": "full"}),
+    ("dp2_tp2_pp1/1f1b/recompute_selective/sequence_parallel", 2, 2, 1, "1f1b",
+     {"recompute": "selective", "sequence_parallel": True}),
 ]
 
 

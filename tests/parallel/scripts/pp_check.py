@@ -35,7 +35,8 @@ def mse_sum(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).sum()
 
 
-def check_matches_unsplit_model(key: str, schedule: str, microbatches: int, chunks: int) -> None:
+def check_matches_unsplit_model(key: str, schedule: str, microbatches: int, chunks: int,
+                                recompute: str | None = None) -> None:
     g = grid()
     p, r = g.shape.pp, g.coords.pp
     full = blocks(key)
@@ -43,7 +44,7 @@ def check_matches_unsplit_model(key: str, schedule: str, microbatches: int, chun
     x, y = randn(key, (ROWS, WIDTHS[0]), "x"), randn(key, (ROWS, WIDTHS[-1]), "y")
     ref_loss = mse_sum(reference(x), y)
     ref_loss.backward()
-    stage = pp.PipelineStage(full, g.pp_set, chunks=chunks)
+    stage = pp.PipelineStage(full, g.pp_set, chunks=chunks, recompute=recompute)
     pipe = pp.Pipeline(stage, mse_sum, microbatches=microbatches, schedule=schedule, loss_reduction="sum")
     loss = pipe.step(x if g.is_first_stage else None, y if g.is_last_stage else None)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"loss: {m}")
@@ -94,6 +95,28 @@ def check_activation_memory_follows_in_flight(key: str) -> None:
     assert gpipe >= m * one, f"GPipe peak {gpipe} B is below {m} micro-batches of {one} B"
     bound = (min(p - r, m) + 1) * one
     assert one_f_one_b <= bound, f"1F1B peak {one_f_one_b} B exceeds {min(p - r, m)} micro-batches + one ({bound} B)"
+
+
+def check_full_recompute_keeps_less(key: str) -> None:
+    """With ``recompute="full"`` a stage keeps each block's input instead of everything its
+    blocks save, so its peak activation bytes fall (the same 1F1B step otherwise)."""
+    g = grid()
+    x, y = randn(key, (ROWS, WIDTHS[0]), "x"), randn(key, (ROWS, WIDTHS[-1]), "y")
+
+    def wide_blocks() -> list[nn.Module]:  # each keeps a 4x wider hidden activation unless recomputed
+        torch.manual_seed(5)
+        return [nn.Sequential(nn.Linear(a, 4 * a), nn.Tanh(), nn.Linear(4 * a, b)).double()
+                for a, b in zip(WIDTHS, WIDTHS[1:])]
+
+    def peak(recompute: str | None) -> int:
+        pipe = pp.Pipeline(pp.PipelineStage(wide_blocks(), g.pp_set, recompute=recompute), mse_sum, microbatches=4)
+        pipe.step(x if g.is_first_stage else None, y if g.is_last_stage else None)
+        return pipe.profile.peak_activation_bytes
+
+    kept, recomputed = peak(None), peak("full")
+    assert 0 < recomputed < kept / 2, f"stage {g.coords.pp}: {recomputed} B with full recomputation, {kept} B without"
+    expect_raises(InvalidArgumentError, lambda: pp.PipelineStage(blocks(key), g.pp_set, recompute="selective"),
+                  "recompute must be one of None, 'full', got 'selective'", "selective recomputation of a stage")
 
 
 def check_frozen_first_block(key: str) -> None:
@@ -197,6 +220,10 @@ def main() -> None:
             checks.add(f"match/{schedule}/m{m}", check_matches_unsplit_model, schedule, m, 1)
     for m in (p, 2 * p):
         checks.add(f"match/interleaved/v2/m{m}", check_matches_unsplit_model, "interleaved", m, 2)
+    checks.add("match/1f1b/m4/recompute_full", check_matches_unsplit_model, "1f1b", 4, 1, "full")
+    checks.add("match/interleaved/v2/recompute_full", check_matches_unsplit_model, "interleaved", 2 * hvd.size(),
+               2, "full")
+    checks.add("memory/full_recompute_keeps_less", check_full_recompute_keeps_less)
     checks.add("match/mean_loss", check_mean_loss_matches_full_batch_mean)
     checks.add("match/frozen_first_block", check_frozen_first_block)
     checks.add("memory/activations_follow_in_flight", check_activation_memory_follows_in_flight)

@@ -1,10 +1,12 @@
 """Tensor parallelism over all ranks of the job (TP = 2 or 4): every layer against its
 torch.nn equivalent in one process, with and without sequence parallelism; the
 number of collectives per layer; full state_dicts in and out; the process grid;
-bad layouts and mismatched inputs.
+bad layouts and mismatched inputs; the random streams of dropout (the masks
+themselves) and activation recomputation against the same block without it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -16,6 +18,7 @@ import psrt.runtime
 import psrt.torch as hvd
 from _training_common import expect_raises, generator, randn
 from psrt import tp
+from psrt.tp import random as tp_random
 from psrt.errors import ArgumentTypeError, CollectiveMismatchError, InvalidArgumentError
 from psrt.grid import ProcessGrid
 
@@ -351,6 +354,212 @@ def check_block_without_shape_check(key: str) -> None:
         current.config = saved
 
 
+SEED = 1234
+DROPOUT = 0.25
+
+
+def all_equal_across_ranks(tensor: torch.Tensor) -> bool:
+    everyone = tp.comm.all_gather(tensor.detach().double().reshape(1, -1), 0, grid().tp_set)
+    return all(torch.equal(row, everyone[0]) for row in everyone)
+
+
+def all_differ_across_ranks(tensor: torch.Tensor) -> bool:
+    everyone = tp.comm.all_gather(tensor.detach().double().reshape(1, -1), 0, grid().tp_set)
+    rows = [tuple(row.tolist()) for row in everyone]
+    return len(set(rows)) == len(rows)
+
+
+def stream_draw(seed: int, shape) -> torch.Tensor:
+    """What ``dropout_mask`` draws from a default generator seeded with ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return tp_random.dropout_mask(shape, DROPOUT, torch.device("cpu"))
+
+
+def check_tracker_streams(key: str) -> None:
+    """Inside a fork each TP rank draws from ``seed + 2718 + rank``; outside, every rank
+    draws the same; a fork leaves the default generator where it was; reseeding replays."""
+    ps = grid().tp_set
+    draws = []
+    for _ in range(2):
+        tp.manual_seed(SEED, ps)
+        with tp.rng_tracker().fork():
+            inside = torch.rand(64, dtype=torch.float64)
+        outside = torch.rand(64, dtype=torch.float64)
+        draws.append((inside, outside))
+    assert all_differ_across_ranks(draws[0][0]), "draws inside the fork agree between TP ranks"
+    assert all_equal_across_ranks(draws[0][1]), "draws outside the fork differ between TP ranks"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED + tp_random.TENSOR_PARALLEL_SEED_OFFSET + hvd.rank())
+        assert torch.equal(draws[0][0], torch.rand(64, dtype=torch.float64)), "the fork's stream is not seeded " \
+            "with seed + 2718 + tp rank"
+        torch.manual_seed(SEED)
+        assert torch.equal(draws[0][1], torch.rand(64, dtype=torch.float64)), "the fork moved the default stream"
+    assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[1])), "reseeding did not replay the draws"
+
+
+class MaskRecorder:
+    """Records every dropout mask the TP layers draw, and whether it was drawn in a fork."""
+
+    def __init__(self) -> None:
+        self.masks: list[tuple[bool, torch.Tensor]] = []
+        self._original = tp_random.dropout_mask
+        self._forks = 0
+
+    def __enter__(self) -> "MaskRecorder":
+        original_fork = tp_random.RNGStatesTracker.fork
+        recorder = self
+
+        def draw(shape, p, device):
+            mask = recorder._original(shape, p, device)
+            recorder.masks.append((recorder._forks > 0, mask.clone()))
+            return mask
+
+        def fork(tracker, name=tp_random.TENSOR_PARALLEL_STREAM):
+            recorder._forks += 1
+            try:
+                yield from original_fork.__wrapped__(tracker, name)
+            finally:
+                recorder._forks -= 1
+
+        self._saved_fork = original_fork
+        tp_random.dropout_mask = draw
+        tp_random.RNGStatesTracker.fork = contextlib.contextmanager(fork)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        tp_random.dropout_mask = self._original
+        tp_random.RNGStatesTracker.fork = self._saved_fork
+
+
+def check_block_dropout_masks(key: str, sequence_parallel: bool) -> None:
+    """The masks of a TP block: attention-probability masks (a TP region, drawn in the
+    fork) differ per rank and are exactly the rank's stream; the residual-branch masks
+    (replicated, or the whole sequence with sequence parallelism) agree on every rank."""
+    n, ps = hvd.size(), grid().tp_set
+    tp.manual_seed(SEED, ps)
+    block = tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps, sequence_parallel=sequence_parallel,
+                                        dropout=DROPOUT, attention_dropout=DROPOUT).double()
+    x = randn(key, (BATCH, SEQ // n if sequence_parallel else SEQ, DIM), "x")
+    with MaskRecorder() as recorder:
+        block(x)
+    kinds = [forked for forked, _ in recorder.masks]
+    assert kinds == [True, False, False], f"mask draws (in fork?) {kinds}, expected attention then 2 residuals"
+    attention = recorder.masks[0][1]
+    assert attention.shape == (BATCH, HEADS // n, SEQ, SEQ), f"attention mask shape {tuple(attention.shape)}"
+    assert torch.equal(attention, stream_draw(SEED + tp_random.TENSOR_PARALLEL_SEED_OFFSET + hvd.rank(),
+                                              attention.shape)), "attention mask is not this rank's stream"
+    assert all_differ_across_ranks(attention), "attention masks agree between TP ranks"
+    for _, residual in recorder.masks[1:]:
+        assert residual.shape == (BATCH, SEQ, DIM), f"residual mask drawn for shape {tuple(residual.shape)}"
+        assert all_equal_across_ranks(residual), "residual-branch masks differ between TP ranks"
+    assert all_equal_across_ranks(torch.get_rng_state()), "the default generators drifted apart"
+
+
+def check_block_dropout_matches_single_process(key: str, sequence_parallel: bool) -> None:
+    """With dropout on the residual branches only, a TP block equals the same block in one
+    process, masks included (outputs and every gradient, float64)."""
+    n, ps = hvd.size(), grid().tp_set
+    torch.manual_seed(11)
+    reference = tp.ParallelTransformerBlock(DIM, HEADS, dropout=DROPOUT).double()
+    block = tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps, sequence_parallel=sequence_parallel,
+                                        dropout=DROPOUT).double()
+    tp.load_full_state_dict(block, reference.state_dict())
+    x_full, x_mine = with_input(key, (BATCH, SEQ, DIM), sequence_parallel, n)
+    tp.manual_seed(SEED)
+    ref_out = reference(x_full)
+    weights = randn(key, ref_out.shape, "R")
+    (ref_out * weights).sum().backward()
+    tp.manual_seed(SEED, ps)
+    out = block(x_mine)
+    (out * (block_of(weights, 1, n) if sequence_parallel else weights)).sum().backward()
+    close(out.detach(), block_of(ref_out.detach(), 1, n) if sequence_parallel else ref_out.detach(), "output")
+    close(x_mine.grad, block_of(x_full.grad, 1, n) if sequence_parallel else x_full.grad, "input gradient")
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    for name, param in block.named_parameters():
+        sharding = tp.sharding.sharding_of(param)
+        close(param.grad, grads[name] if sharding is None else sharding.shard(grads[name]), f"gradient of {name}")
+
+
+BACKWARD_COUNTS = {  # a block's backward; a full recomputation runs the forward's collectives once more
+    (None, False): {"all_reduce": 2},
+    (None, True): {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 4},
+    ("full", False): {"all_reduce": 4},
+    ("full", True): {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 4},
+}
+
+
+def check_recompute(key: str, mode: str, sequence_parallel: bool) -> None:
+    """A block with every dropout on and ``recompute=mode`` gives the same output, input
+    gradient and parameter gradients as the same block keeping its activations (the masks
+    replayed, tracker streams included), leaves every random stream where that block
+    leaves it, keeps fewer activation bytes, and runs the expected collectives."""
+    n, ps = hvd.size(), grid().tp_set
+    x = randn(key, (BATCH, SEQ // n if sequence_parallel else SEQ, DIM), "x")
+    weights = randn(key, x.shape, "R")
+    runs = {}
+    for recompute in (None, mode):
+        torch.manual_seed(11)
+        block = tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps, sequence_parallel=sequence_parallel,
+                                            dropout=DROPOUT, attention_dropout=DROPOUT, recompute=recompute).double()
+        tp.manual_seed(SEED, ps)
+        leaf = x.clone().requires_grad_()
+        saved = SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            out = block(leaf)
+        tp.stats.reset()
+        (out * weights).sum().backward()
+        runs[recompute] = (out.detach(), leaf.grad, [p.grad for p in block.parameters()], saved.bytes,
+                           dict(tp.stats.counts), torch.get_rng_state(), tp.rng_tracker().get_states())
+    base, again = runs[None], runs[mode]
+    close(again[0], base[0], f"{mode} recomputation: output")
+    close(again[1], base[1], f"{mode} recomputation: input gradient")
+    for i, (got, want) in enumerate(zip(again[2], base[2])):
+        close(got, want, f"{mode} recomputation: gradient of parameter {i}")
+    assert again[3] < base[3], f"{mode} recomputation kept {again[3]} B of activations, without it {base[3]} B"
+    want_counts = BACKWARD_COUNTS[(mode if mode == "full" else None, sequence_parallel)]
+    assert base[4] == BACKWARD_COUNTS[(None, sequence_parallel)], f"backward ran {base[4]}"
+    assert again[4] == want_counts, f"{mode} recomputation: backward ran {again[4]}, expected {want_counts}"
+    assert torch.equal(again[5], base[5]), "the default generator ends elsewhere than without recomputation"
+    tensor_parallel = tp_random.TENSOR_PARALLEL_STREAM
+    assert torch.equal(again[6][tensor_parallel]["cpu"], base[6][tensor_parallel]["cpu"]), \
+        "the tensor-parallel stream ends elsewhere than without recomputation"
+
+
+class SavedBytes:
+    """Bytes autograd saves for backward outside a recomputed region (distinct storages)."""
+
+    def __init__(self) -> None:
+        self.bytes, self._seen = 0, set()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return tensor
+
+
+def check_dropout_and_recompute_arguments(key: str) -> None:
+    """Refused before any communication, alike on every rank."""
+    ps = grid().tp_set
+    expect_raises(InvalidArgumentError, lambda: tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps,
+                                                                            recompute="partial"),
+                  "recompute must be one of None, 'full', 'selective', got 'partial'", "unknown recompute mode")
+    expect_raises(InvalidArgumentError, lambda: tp.ParallelSelfAttention(DIM, HEADS, process_set=ps, recompute="full"),
+                  "recompute must be one of None, 'selective'", "full recomputation of the attention alone")
+    expect_raises(InvalidArgumentError, lambda: tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps, dropout=1.0),
+                  "dropout must lie in [0, 1), got 1.0", "dropout of 1")
+    expect_raises(ArgumentTypeError, lambda: tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps,
+                                                                         attention_dropout="0.1"),
+                  "attention_dropout must be a float, got str", "dropout as a string")
+    expect_raises(ArgumentTypeError, lambda: tp.manual_seed(1.5, ps), "seed must be an int, got float", "float seed")
+    tp.rng_tracker().reset()
+    block = tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps, attention_dropout=DROPOUT).double()
+    expect_raises(InvalidArgumentError, lambda: block(randn(key, (BATCH, SEQ, DIM), "x")),
+                  "call psrt.tp.manual_seed(seed, tp_process_set)", "attention dropout without seeding the tracker")
+
+
 _GRID: list[ProcessGrid] = []
 
 
@@ -376,6 +585,15 @@ def main() -> None:
         for part in ("mlp", "attention", "block"):
             checks.add(f"{part}{suffix}/matches_torch_nn", check_block, part, sp)
     checks.add("block/without_shape_check/matches_torch_nn", check_block_without_shape_check)
+    checks.add("rng/tracker_streams_per_rank_inside_shared_outside", check_tracker_streams)
+    for sp in (False, True):
+        suffix = "/sequence_parallel" if sp else ""
+        checks.add(f"rng/block_dropout_masks{suffix}", check_block_dropout_masks, sp)
+        checks.add(f"rng/residual_dropout_matches_single_process{suffix}", check_block_dropout_matches_single_process,
+                   sp)
+        for mode in ("full", "selective"):
+            checks.add(f"recompute/{mode}{suffix}/matches_keeping_activations", check_recompute, mode, sp)
+    checks.add("errors/dropout_and_recompute_arguments", check_dropout_and_recompute_arguments)
     checks.add("cross_entropy/padded_vocabulary_three_all_reduces", check_cross_entropy)
     checks.add("errors/bad_layouts", check_bad_layouts)
     checks.add("errors/mismatched_inputs_across_tp_ranks", check_mismatched_inputs)
