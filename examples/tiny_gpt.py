@@ -113,7 +113,7 @@ class Trainer:
     optimizer: object
 
 
-def build_trainer(config: GPTConfig, grid: ProcessGrid, *, schedule: str = "1f1b", microbatches: int = 4,
+def build_trainer(config: GPTConfig, grid: ProcessGrid, *, schedule: str | None = None, microbatches: int = 4,
                   chunks: int = 1, zero: bool = False, overlap: bool | None = None, lr: float = 3e-3,
                   seed: int = 0) -> Trainer:
     """The tiny GPT on ``grid``: TP layers over the TP set, stages over the PP set, and AdamW

@@ -25,7 +25,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp × pp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved"),
+                   help="default: interleaved with --chunks > 1, else 1f1b")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedule)")
     p.add_argument("--sequence-parallel", action="store_true")
@@ -64,7 +65,7 @@ def main() -> None:
             losses.append(train_step(trainer, inputs, targets))
             steps.set_postfix(loss=f"{losses[-1]:.3f}")
     if hvd.rank() == 0:
-        print(f"{layout} ({args.schedule}, {args.microbatches} micro-batches): loss {losses[0]:.2f} -> "
+        print(f"{layout} ({trainer.pipeline.schedule}, {args.microbatches} micro-batches): loss {losses[0]:.2f} -> "
               f"{losses[-1]:.2f} in {args.steps} steps")
     hvd.shutdown()
 

@@ -27,14 +27,19 @@ class Pipeline:
     parameters; a data-parallel optimizer over the DP set reduces them after the
     step's last backward (``backward_passes_per_step=microbatches`` for
     ``DistributedOptimizer``; ZeRO reduces in ``step()``).
+
+    The stage's layout decides interleaving: a stage built with ``chunks`` > 1 runs the
+    interleaved schedule, one with a single chunk runs 1F1B, unless ``schedule`` names
+    another that fits ("gpipe"/"afab").  A schedule that does not fit the stage is an error.
     """
 
-    def __init__(self, stage: PipelineStage, loss_fn: LossFn, *, microbatches: int, schedule: str = "1f1b",
+    def __init__(self, stage: PipelineStage, loss_fn: LossFn, *, microbatches: int, schedule: str | None = None,
                  loss_reduction: str = "mean") -> None:
         if not isinstance(stage, PipelineStage):
             raise ArgumentTypeError(f"stage must be a PipelineStage, got {type(stage).__name__}")
         if loss_reduction not in ("mean", "sum"):
             raise InvalidArgumentError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        schedule = _schedule_for(stage, schedule)
         plan = schedules.build(schedule, stage.stages, microbatches, stage.chunks)
         check(plan, microbatches, stage.chunks)
         self.actions = plan[stage.rank]
@@ -86,6 +91,22 @@ class Pipeline:
         if rows % self.microbatches:
             raise InvalidArgumentError(f"a batch of {rows} rows does not split into {self.microbatches} "
                                        "micro-batches of equal size")
+
+
+def _schedule_for(stage: PipelineStage, schedule: str | None) -> str:
+    """The schedule to run: the one the stage's chunks call for, or the one named, which must
+    agree with them (interleaving is chosen by ``PipelineStage(chunks=)`` alone)."""
+    interleaved = stage.chunks > 1
+    if schedule is None:
+        return "interleaved" if interleaved else "1f1b"
+    if not isinstance(schedule, str):
+        raise ArgumentTypeError(f"schedule must be a str or None, got {type(schedule).__name__}")
+    if (schedule.lower() == "interleaved") != interleaved:
+        holds = f"holds {stage.chunks} model chunks per rank" if interleaved else "holds one model chunk per rank"
+        fix = ("leave schedule unset, or build the stage with chunks=1 for another schedule" if interleaved else
+               "build the PipelineStage with chunks=v > 1 to interleave, or leave schedule unset for 1F1B")
+        raise InvalidArgumentError(f"schedule {schedule!r} does not fit the PipelineStage, which {holds}: {fix}")
+    return schedule
 
 
 def _rows(what: str, tensor: object, needed: bool) -> int | str | None:

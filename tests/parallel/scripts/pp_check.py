@@ -177,6 +177,16 @@ def check_bad_inputs(key: str) -> None:
                   "targets of the wrong type")
     expect_raises(InvalidArgumentError, lambda: pp.Pipeline(stage, mse_sum, microbatches=3, schedule="zigzag"),
                   "unknown pipeline schedule 'zigzag'", "unknown schedule")
+    # interleaving is chosen by the stage's chunks; a schedule naming otherwise is refused
+    expect_raises(InvalidArgumentError, lambda: pp.Pipeline(stage, mse_sum, microbatches=4, schedule="interleaved"),
+                  "schedule 'interleaved' does not fit the PipelineStage, which holds one model chunk per rank",
+                  "interleaved schedule on a one-chunk stage")
+    chunked = pp.PipelineStage(blocks(key), g.pp_set, chunks=2)
+    expect_raises(InvalidArgumentError, lambda: pp.Pipeline(chunked, mse_sum, microbatches=4, schedule="1f1b"),
+                  "schedule '1f1b' does not fit the PipelineStage, which holds 2 model chunks per rank",
+                  "1F1B on a two-chunk stage")
+    assert pp.Pipeline(chunked, mse_sum, microbatches=2 * g.shape.pp).schedule == "interleaved", \
+        "a two-chunk stage does not default to the interleaved schedule"
     # a clean step still works afterwards: nothing was left on the links
     step(x[:8], y[:8])
 
