@@ -23,14 +23,17 @@ from psrt.ps.handles import Handle
 from psrt.torch.optimizer import _check_names
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, *, mode: str = "sync",
-                         max_staleness: int | None = None, reduce: str = "mean",
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, *, mode: str | None = None,
+                         max_staleness: int | None = None, reduce: str | None = None,
                          store: KVStore | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that its updates run on the parameter servers; returns an
     instance of the optimizer's own class (use it from then on).
 
-    ``mode``, ``max_staleness`` and ``reduce`` are :class:`~psrt.ps.KVStore`'s (a new store is
-    created unless ``store`` is given).  ``named_parameters`` names the keys (default
+    ``mode`` (default "sync"), ``max_staleness`` and ``reduce`` (default "mean") are
+    :class:`~psrt.ps.KVStore`'s: a new store is made with them.  ``store=`` trains against a
+    store you made (to share it, or to read its ``stats()`` yourself); the store's settings
+    then rule, and a ``mode``, ``max_staleness`` or ``reduce`` that differs from them is an
+    error rather than silently ignored.  ``named_parameters`` names the keys (default
     ``param.<i>`` in optimizer order); every worker wraps the same model the same way.
     Every parameter group must share the same hyperparameters, and the optimizer must be
     a ``torch.optim`` class, since that is what the servers run.
@@ -42,12 +45,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     base = type(optimizer)
     if getattr(torch.optim, base.__name__, None) is not base:
         raise InvalidArgumentError(f"the servers run torch.optim optimizers; {base.__name__} is not one")
+    if store is None:
+        store = KVStore(mode or "sync", max_staleness=max_staleness, reduce=reduce or "mean")
+    else:
+        _check_store(store, mode=mode, max_staleness=max_staleness, reduce=reduce)
     cls = _wrapped_class(base)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update((key, value) for key, value in vars(optimizer).items() if key != "step")
-    wrapped._setup_servers(base, named_parameters,
-                           store or KVStore(mode, max_staleness=max_staleness, reduce=reduce))
+    wrapped._setup_servers(base, named_parameters, store)
     return wrapped
+
+
+def _check_store(store: object, **settings: object) -> None:
+    """A given store's settings rule: refuse any setting also passed that differs from them."""
+    if not isinstance(store, KVStore):
+        raise ArgumentTypeError(f"store must be a psrt.ps.KVStore, got {type(store).__name__}")
+    for name, value in settings.items():
+        if value is not None and value != getattr(store, name):
+            raise InvalidArgumentError(
+                f"{name}={value!r} conflicts with the store passed as store=, which has {name}="
+                f"{getattr(store, name)!r}: set {name} when making the KVStore, or leave it out here")
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,6 +149,11 @@ class _PsOptimizer:
         self._inflight = {}
         self._write(handles)
         return loss
+
+    def stats(self) -> dict:
+        """The servers' counts for this optimizer's store (:meth:`psrt.ps.KVStore.stats`):
+        pushes applied and updates per key, and the staleness pulls were answered at."""
+        return self.store.stats()
 
     def save(self, path: str) -> None:
         """Checkpoint the servers (every worker calls it after the same step)."""

@@ -174,6 +174,37 @@ def check_bad_keys_shapes_and_dtypes_raise_on_the_worker(key: str) -> None:
     assert kv.push_pull(key, torch.ones(2, 3)).shape == (2, 3), "the store still works"
 
 
+def check_optimizer_refuses_settings_that_conflict_with_its_store(key: str) -> None:
+    """store= with a mode, staleness or reduction other than the store's is refused (it used
+    to be ignored); the same settings are accepted, and stats() reports the store's counts."""
+    kv = ps.KVStore("bounded", max_staleness=2, reduce="sum")
+
+    def wrap(**settings):
+        model = Mlp(key)
+        return ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                       store=kv, **settings)
+
+    expect_raises(InvalidArgumentError, lambda: wrap(mode="async"),
+                  "mode='async' conflicts with the store passed as store=, which has mode='bounded'", "mode")
+    expect_raises(InvalidArgumentError, lambda: wrap(max_staleness=1),
+                  "max_staleness=1 conflicts with the store passed as store=, which has max_staleness=2", "staleness")
+    expect_raises(InvalidArgumentError, lambda: wrap(reduce="mean"),
+                  "reduce='mean' conflicts with the store passed as store=, which has reduce='sum'", "reduce")
+    expect_raises(ArgumentTypeError, lambda: ps.DistributedOptimizer(torch.optim.SGD(Mlp(key).parameters(), lr=0.1),
+                                                                     store="kv"),
+                  "store must be a psrt.ps.KVStore, got str", "store of the wrong type")
+    optimizer = wrap(mode="bounded", max_staleness=2, reduce="sum")
+    model_params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    stats = optimizer.stats()
+    applied = stats["pushes_applied"]  # per key, per chunk: one push from every worker
+    assert set(applied) == {name for name, _ in Mlp(key).named_parameters()} and all(
+        count == hvd.size() for chunks in applied.values() for count in chunks), \
+        f"pushes applied {stats['pushes_applied']}"
+
+
 def check_workers_init_a_key_with_different_shapes(key: str) -> None:
     kv = ps.KVStore("sync")
     shape = (4,) if hvd.rank() == 0 else (2, 2)
@@ -228,6 +259,8 @@ def main() -> None:
     checks.add("bounded/tau_0_equals_sync", check_bounded_tau_0_equals_sync)
     checks.add("errors/bad_keys_shapes_and_dtypes", check_bad_keys_shapes_and_dtypes_raise_on_the_worker)
     checks.add("errors/workers_init_different_shapes", check_workers_init_a_key_with_different_shapes)
+    checks.add("errors/optimizer_settings_conflict_with_its_store",
+               check_optimizer_refuses_settings_that_conflict_with_its_store)
     checks.add("errors/workers_disagree_on_the_mode", check_workers_create_a_store_with_different_modes)
     checks.add("errors/failing_server_update_is_reported", check_a_failing_server_update_is_reported_to_the_worker)
     _harness.run(checks)
