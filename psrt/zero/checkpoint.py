@@ -127,12 +127,15 @@ def consolidate(directory: str) -> dict:
     """The checkpoint as one process would hold it: ``{"model": state_dict, "optimizer": torch
     optimizer state_dict, "extra": ..., "loss_scaler": ..., "per_element_keys": optimizer state
     keys holding one value per parameter element}``, for the model and a plain optimizer built
-    over its trainable parameters in registration order (``optimizer_class(model.parameters())``
-    when all are trainable).  Master weights come back in the parameters' own dtype."""
+    with the same parameter groups (``optimizer_class(model.parameters())`` when none were
+    given and all parameters are trainable).  Master weights come back in the parameters'
+    own dtype."""
     meta = read_meta(directory)
     partition = _partition(meta)
     shards = [_read(shard_file(directory, shard), meta) for shard in range(meta["num_shards"])]
     model = _read(os.path.join(directory, EXTRAS), meta)["entries"]
+    optimizer_groups = _optimizer_groups(meta)
+    position = {param: i for i, param in enumerate(p for members in optimizer_groups for p in members)}
     per_param_state: dict[int, dict] = {}
     per_element: set[str] = set()
     for g, flat in enumerate(partition.groups):
@@ -147,10 +150,12 @@ def consolidate(directory: str) -> dict:
             info = partition.params[param]
             where = slice(offset, offset + info.numel)
             model[info.name] = values[where].view(info.shape).to(getattr(torch, info.dtype))
-            per_param_state[param] = {key: whole[key][where].view(info.shape).clone() if key in whole
-                                      else (value.clone() if isinstance(value, torch.Tensor) else value)
-                                      for key, value in states[0].items()}
-    param_groups = [dict(shards[0]["param_groups"][0], params=list(range(len(partition.params))))]
+            per_param_state[position[param]] = {
+                key: whole[key][where].view(info.shape).clone() if key in whole
+                else (value.clone() if isinstance(value, torch.Tensor) else value)
+                for key, value in states[0].items()}
+    param_groups = [dict(options, params=[position[param] for param in members])
+                    for options, members in zip(shards[0]["param_groups"], optimizer_groups)]
     return {"model": model, "optimizer": {"state": per_param_state, "param_groups": param_groups},
             "extra": meta["extra"], "stage": meta["stage"], "world_size": meta["num_shards"],
             "loss_scaler": shards[0]["loss_scaler"], "per_element_keys": sorted(per_element)}
@@ -173,7 +178,14 @@ def _meta(zero, save_id: str, extra: dict | None, files: dict[str, dict]) -> dic
     return {"format": FORMAT, "save_id": save_id, "stage": zero.stage, "num_shards": partition.num_shards,
             "optimizer_class": _class_name(type(zero.optimizer)),
             "params": [[info.name, list(info.shape), info.dtype] for info in partition.params],
-            "groups": [list(flat.params) for flat in partition.groups], "extra": extra, "files": files}
+            "groups": [list(flat.params) for flat in partition.groups], "optimizer_groups": zero.optimizer_groups,
+            "extra": extra, "files": files}
+
+
+def _optimizer_groups(meta: dict) -> list[list[int]]:
+    """The optimizer's parameter groups (parameter indices, in the order given); checkpoints
+    from before parameter groups hold one group of every parameter in registration order."""
+    return meta.get("optimizer_groups") or [list(range(len(meta["params"])))]
 
 
 def _class_name(cls: type) -> str:
@@ -209,6 +221,10 @@ def _check_compatible(zero, meta: dict, directory: str) -> None:
     if meta["optimizer_class"] != _class_name(type(zero.optimizer)):
         raise InvalidArgumentError(f"ZeRO checkpoint {directory!r} holds {meta['optimizer_class']} state, this "
                                    f"optimizer is {_class_name(type(zero.optimizer))}")
+    if _optimizer_groups(meta) != zero.optimizer_groups:
+        raise InvalidArgumentError(
+            f"ZeRO checkpoint {directory!r} has parameter groups {_optimizer_groups(meta)} (parameter indices), this "
+            f"optimizer {zero.optimizer_groups}: wrap the model with the param_groups it was saved with")
     saved = [ParamInfo(name, tuple(shape), dtype) for name, shape, dtype in meta["params"]]
     mine = list(zero.partition.params)
     for index in range(max(len(saved), len(mine))):
@@ -229,11 +245,12 @@ def _restore(zero, full: dict) -> None:
     hyperparameters, compute parameters, loss scale, and the model's unsharded entries."""
     partition = zero.partition
     state, per_element = full["optimizer"]["state"], set(full["per_element_keys"])
+    position = {param: i for i, param in enumerate(p for members in zero.optimizer_groups for p in members)}
     with torch.no_grad():
         for g, group in enumerate(zero.groups):
             flat = partition.groups[g]
             group.master.zero_()
-            first = state[flat.params[0]]
+            first = state[position[flat.params[0]]]
             restored = {key: torch.zeros(flat.shard_numel, dtype=value.dtype, device=group.master.device)
                         if key in per_element else (value.clone() if isinstance(value, torch.Tensor) else value)
                         for key, value in first.items()}
@@ -242,7 +259,7 @@ def _restore(zero, full: dict) -> None:
                 values = full["model"][partition.params[piece.param].name].reshape(-1)
                 group.master[where] = values[piece.start:piece.stop]
                 for key in per_element & restored.keys():
-                    restored[key][where] = state[piece.param][key].reshape(-1)[piece.start:piece.stop]
+                    restored[key][where] = state[position[piece.param]][key].reshape(-1)[piece.start:piece.stop]
             if restored:
                 zero.optimizer.state[group.master] = restored
             if group.gathered_on_demand:  # stage 3: the compute shard follows the master
@@ -250,9 +267,8 @@ def _restore(zero, full: dict) -> None:
             else:  # the parameters view the whole group, this rank's shard included
                 for param, index in zip(group.params, flat.params):
                     param.copy_(full["model"][partition.params[index].name])
-    for key, value in full["optimizer"]["param_groups"][0].items():
-        if key != "params":
-            zero.optimizer.param_groups[0][key] = value
+    for saved, group in zip(full["optimizer"]["param_groups"], zero.optimizer.param_groups):
+        group.update((key, value) for key, value in saved.items() if key != "params")
     zero.loss_scaler.load_state_dict(full["loss_scaler"])
     managed = set(zero.param_names)
     zero.model.load_state_dict({k: v for k, v in full["model"].items() if k not in managed}, strict=False)

@@ -64,26 +64,37 @@ class ZeroOptimizer:
     elements (:data:`REDUCE_BUCKET_SIZE`, :data:`ALLGATHER_BUCKET_SIZE`).  Every rank of
     ``process_set`` must wrap the same model, in the same order relative to other ZeRO
     optimizers over that set, and run backward through it before each step.
+
+    ``param_groups`` gives the optimizer's parameter groups as torch takes them (a list of
+    dicts, each with ``"params"`` and its own options, say ``weight_decay=0.0`` for biases and
+    norms); ``optimizer_kwargs`` are every group's defaults.  Every trainable parameter must be
+    in exactly one group.  No flat group mixes two of them, so each shard's optimizer
+    applies each group's options; ``param_groups`` (the property) is then one entry per
+    group, in the order given, for LR schedulers.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer_class: type, *, stage: int = 2,
                  process_set: ProcessSet = global_process_set, compute_dtype: torch.dtype | None = None,
                  loss_scale: float | str | None = None, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,
                  allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE, overlap: bool | None = None,
-                 **optimizer_kwargs) -> None:
+                 param_groups: list[dict] | None = None, **optimizer_kwargs) -> None:
         self.loss_scaler = LossScaler.create(loss_scale, compute_dtype, process_set)
         layout = plan_layout(model, optimizer_class, optimizer_kwargs, stage=stage, process_set=process_set,
                              compute_dtype=compute_dtype, reduce_bucket_size=reduce_bucket_size,
-                             allgather_bucket_size=allgather_bucket_size, overlap=overlap)
+                             allgather_bucket_size=allgather_bucket_size, overlap=overlap, param_groups=param_groups)
         self.model, self.stage, self.process_set = model, stage, process_set
         self.partition, self.param_names, self.shard_index = layout.partition, layout.names, layout.shard
+        self.optimizer_groups = [members for _, members in layout.optimizer_groups]
         self.overlap = overlap_pays_here(layout.params) if overlap is None else overlap
         counter = _instances.setdefault(process_set.process_set_id, itertools.count())
         name = f"zero.set{process_set.process_set_id}.{next(counter)}"
         self.groups = [ShardedGroup(f"{name}.{index}", self.partition, index, [layout.params[i] for i in flat.params],
                                     layout.shard, process_set, compute_dtype, gathered_on_demand=stage == 3)
                        for index, flat in enumerate(self.partition.groups)]
-        self.optimizer = optimizer_class([group.master for group in self.groups], **optimizer_kwargs)
+        owner = [layout.optimizer_group_of(index) for index in range(len(self.groups))]
+        self.optimizer = optimizer_class(
+            [dict(options, params=[group.master for group, g in zip(self.groups, owner) if g == index])
+             for index, (options, _) in enumerate(layout.optimizer_groups)], **optimizer_kwargs)
         self._group_of = {id(param): group for group in self.groups for param in group.params}
         self._ready = {id(group): 0 for group in self.groups}
         self._in_flight: dict[int, tuple[ShardedGroup, int]] = {}

@@ -25,13 +25,21 @@ COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 @dataclass
 class Layout:
     """The trainable parameters (registration order), their names, the partition, this rank's
-    shard index and, for stage 3, each unit's module with its group indices."""
+    shard index, for stage 3 each unit's module with its flat-group indices, and the optimizer's
+    parameter groups: each group's own options and its parameters' indices in the order given
+    (one group of every parameter, in registration order, when none are given)."""
 
     params: list[torch.nn.Parameter]
     names: list[str]
     partition: Partition
     shard: int
     units: list[tuple[torch.nn.Module, list[int]]]
+    optimizer_groups: list[tuple[dict, list[int]]]
+
+    def optimizer_group_of(self, flat_group: int) -> int:
+        """The optimizer group whose parameters flat group ``flat_group`` holds (one, by construction)."""
+        first = self.partition.groups[flat_group].params[0]
+        return next(g for g, (_, members) in enumerate(self.optimizer_groups) if first in members)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -40,11 +48,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs: dict, *, stage: int,
                 process_set: ProcessSet, compute_dtype: torch.dtype | None, reduce_bucket_size: int,
-                allgather_bucket_size: int, overlap: bool | None) -> Layout:
+                allgather_bucket_size: int, overlap: bool | None, param_groups: list[dict] | None) -> Layout:
     """Check the arguments, then (one collective) that every rank wraps the same model; nothing
     is changed yet, so an error leaves the model as it was."""
     _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dtype, reduce_bucket_size,
-                     allgather_bucket_size, overlap)
+                     allgather_bucket_size, overlap, param_groups)
     named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
     if not named:
         raise InvalidArgumentError("ZeRO: the model has no trainable parameters")
@@ -54,24 +62,61 @@ def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs:
                                        "only floating-point parameters can be trained")
     names, params = [name for name, _ in named], [param for _, param in named]
     infos = [ParamInfo(name, tuple(param.shape), dtype_name(param.dtype)) for name, param in named]
+    optimizer_groups = _optimizer_groups(param_groups, model, params, names)
+    group_of = {index: g for g, (_, members) in enumerate(optimizer_groups) for index in members}
     units: list[tuple[torch.nn.Module, list[list[int]]]] = []
     if stage == 3:
-        units = _units(model, params, names)
+        units = _units(model, params, names, group_of)
         groups = [group for _, module_groups in units for group in module_groups]
     else:
-        groups = _buckets(params, reduce_bucket_size)
-    _check_same_on_every_rank(infos, params, process_set)
+        groups = [bucket for _, members in optimizer_groups
+                  for bucket in _buckets(params, sorted(members), reduce_bucket_size)]
+        groups.sort(key=max, reverse=True)  # in the order backward completes them
+    _check_same_on_every_rank(infos, params, [group_of[i] for i in range(len(params))], process_set)
     num_shards = 1 if stage == 0 else process_set.size()
     partition = Partition.build(infos, groups, num_shards)
     unit_groups, next_group = [], 0
     for module, module_groups in units:
         unit_groups.append((module, list(range(next_group, next_group + len(module_groups)))))
         next_group += len(module_groups)
-    return Layout(params, names, partition, 0 if stage == 0 else process_set.rank(), unit_groups)
+    return Layout(params, names, partition, 0 if stage == 0 else process_set.rank(), unit_groups, optimizer_groups)
+
+
+def _optimizer_groups(param_groups: list[dict] | None, model: torch.nn.Module, params: list[torch.nn.Parameter],
+                      names: list[str]) -> list[tuple[dict, list[int]]]:
+    """Each group's options and the indices of its parameters, checked to cover every
+    trainable parameter exactly once (as torch's optimizers require of their groups)."""
+    if param_groups is None:
+        return [({}, list(range(len(params))))]
+    index_of = {id(param): index for index, param in enumerate(params)}
+    frozen = {id(param): name for name, param in model.named_parameters() if not param.requires_grad}
+    placed: dict[int, int] = {}
+    groups = []
+    for g, group in enumerate(param_groups):
+        members = []
+        for param in group["params"]:
+            if id(param) in frozen:
+                raise InvalidArgumentError(f"ZeRO: parameter group {g} lists {frozen[id(param)]!r}, which does not "
+                                           "require a gradient; leave frozen parameters out of the groups")
+            if id(param) not in index_of:
+                raise InvalidArgumentError(f"ZeRO: parameter group {g} lists a tensor of shape {tuple(param.shape)} "
+                                           "that is not a parameter of the model")
+            index = index_of[id(param)]
+            if index in placed:
+                raise InvalidArgumentError(f"ZeRO: parameter {names[index]!r} is in parameter groups {placed[index]} "
+                                           f"and {g}; each parameter belongs to one group")
+            placed[index] = g
+            members.append(index)
+        groups.append(({key: value for key, value in group.items() if key != "params"}, members))
+    missing = [names[i] for i in range(len(params)) if i not in placed]
+    if missing:
+        raise InvalidArgumentError(f"ZeRO: trainable parameters {missing[:5]} are in no parameter group; put every "
+                                   "trainable parameter in one group, or freeze it (requires_grad_(False))")
+    return groups
 
 
 def _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dtype, reduce_bucket_size,
-                     allgather_bucket_size, overlap) -> None:
+                     allgather_bucket_size, overlap, param_groups) -> None:
     if isinstance(stage, bool) or stage not in STAGES:
         raise InvalidArgumentError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     if not isinstance(model, torch.nn.Module):
@@ -88,30 +133,39 @@ def _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dt
             raise InvalidArgumentError(f"{what} must be a positive int (elements), got {value!r}")
     if overlap is not None and not isinstance(overlap, bool):
         raise ArgumentTypeError(f"overlap must be a bool or None, got {overlap!r}")
-    try:  # the optimizer's own argument checks, on a stand-in parameter
-        optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_kwargs)
+    if param_groups is not None and not (
+            isinstance(param_groups, (list, tuple)) and param_groups
+            and all(isinstance(group, dict) and "params" in group for group in param_groups)):
+        raise ArgumentTypeError("param_groups must be a non-empty list of dicts, each with a 'params' list "
+                                f"(as torch.optim takes them), got {param_groups!r:.200}")
+    groups = [{}] if param_groups is None else [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+    try:  # the optimizer's own argument checks, on a stand-in parameter per group
+        optimizer_class([dict(group, params=[torch.zeros(1, requires_grad=True)]) for group in groups],
+                        **optimizer_kwargs)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"{optimizer_class.__name__}(params, **{optimizer_kwargs!r}) is refused: "
-                                   f"{exc}") from exc
+        raise InvalidArgumentError(f"{optimizer_class.__name__}(params, **{optimizer_kwargs!r}) with groups' "
+                                   f"options {groups!r} is refused: {exc}") from exc
 
 
-def _buckets(params: list[torch.nn.Parameter], bucket_elements: int) -> list[list[int]]:
-    """Gradient buckets in the order backward produces them (reverse registration), as
-    DistributedOptimizer plans them; each bucket's parameters in registration order."""
-    last = len(params) - 1
-    slots = [Slot(param.numel(), 1, param.dtype) for param in reversed(params)]
+def _buckets(params: list[torch.nn.Parameter], members: list[int], bucket_elements: int) -> list[list[int]]:
+    """Gradient buckets of the parameters ``members`` (indices in registration order) in the
+    order backward produces them (reverse registration), as DistributedOptimizer plans them;
+    each bucket's parameters in registration order."""
+    backward = members[::-1]
+    slots = [Slot(params[index].numel(), 1, params[index].dtype) for index in backward]
     buckets = plan_buckets(slots, first_bucket_bytes=bucket_elements, bucket_bytes=bucket_elements)
-    return [sorted(last - slot for slot in bucket.members) for bucket in buckets]
+    return [sorted(backward[slot] for slot in bucket.members) for bucket in buckets]
 
 
-def _units(model: torch.nn.Module, params: list[torch.nn.Parameter],
-           names: list[str]) -> list[tuple[torch.nn.Module, list[list[int]]]]:
-    """Each module owning trainable parameters directly, with its parameters split by dtype."""
+def _units(model: torch.nn.Module, params: list[torch.nn.Parameter], names: list[str],
+           group_of: dict[int, int]) -> list[tuple[torch.nn.Module, list[list[int]]]]:
+    """Each module owning trainable parameters directly, with its parameters split by dtype and
+    optimizer group."""
     index_of = {id(param): index for index, param in enumerate(params)}
     owner: dict[int, str] = {}
     units = []
     for module_name, module in model.named_modules():
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        by_dtype: dict[tuple[torch.dtype, int], list[int]] = {}
         for param in module.parameters(recurse=False):
             if id(param) not in index_of:
                 continue
@@ -120,7 +174,7 @@ def _units(model: torch.nn.Module, params: list[torch.nn.Parameter],
                     f"ZeRO stage 3: parameter {names[index_of[id(param)]]!r} is registered in both module "
                     f"{owner[id(param)]!r} and {module_name!r}; shared (tied) parameters need stage 0-2")
             owner[id(param)] = module_name
-            by_dtype.setdefault(param.dtype, []).append(index_of[id(param)])
+            by_dtype.setdefault((param.dtype, group_of[index_of[id(param)]]), []).append(index_of[id(param)])
         if by_dtype:
             units.append((module, list(by_dtype.values())))
     return units
@@ -131,21 +185,25 @@ def _digest(param: torch.Tensor) -> str:
     return hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
 
 
-def _check_same_on_every_rank(infos: list[ParamInfo], params: list[torch.nn.Parameter],
+def _check_same_on_every_rank(infos: list[ParamInfo], params: list[torch.nn.Parameter], group_of: list[int],
                               process_set: ProcessSet) -> None:
-    mine = [(info, _digest(param)) for info, param in zip(infos, params)]
+    mine = [(info, _digest(param), group) for info, param, group in zip(infos, params, group_of)]
     every = hvd.allgather_object(mine, name="zero.wrap.parameters", process_set=process_set)
     reference = every[0]
     for set_rank, theirs in enumerate(every[1:], start=1):
         if len(theirs) != len(reference):
             raise InvalidArgumentError(f"ZeRO: rank {set_rank} of the process set has {len(theirs)} trainable "
                                        f"parameters, rank 0 has {len(reference)}: every rank must wrap the same model")
-        for (info0, _), (info, _) in zip(reference, theirs):
+        for (info0, _, group0), (info, _, group) in zip(reference, theirs):
             if info != info0:
                 raise InvalidArgumentError(f"ZeRO: parameter {info.name!r} on rank {set_rank} of the process set "
                                            f"is {info}, on rank 0 {info0}: every rank must wrap the same model")
+            if group != group0:
+                raise InvalidArgumentError(f"ZeRO: parameter {info.name!r} is in parameter group {group} on rank "
+                                           f"{set_rank} of the process set, in group {group0} on rank 0: every rank "
+                                           "must pass the same param_groups")
     for set_rank, theirs in enumerate(every[1:], start=1):
-        for (info, digest0), (_, digest) in zip(reference, theirs):
+        for (info, digest0, _), (_, digest, _) in zip(reference, theirs):
             if digest != digest0:
                 raise InvalidArgumentError(
                     f"ZeRO: parameter {info.name!r} has different values on rank {set_rank} and rank 0 of "

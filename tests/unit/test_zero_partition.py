@@ -75,10 +75,13 @@ def test_the_partition_is_the_same_value_every_time():
 
 def test_gradient_buckets_follow_backward_order_and_the_size_cap():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (45, 477, 53, 159, 3)]
-    assert _buckets(params, 200) == [[2, 3, 4], [1], [0]]
-    assert _buckets(params, 10_000) == [[0, 1, 2, 3, 4]]
+    everything = list(range(5))
+    assert _buckets(params, everything, 200) == [[2, 3, 4], [1], [0]]
+    assert _buckets(params, everything, 10_000) == [[0, 1, 2, 3, 4]]
     mixed = params[:2] + [torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
-    assert sorted(map(sorted, _buckets(mixed, 10_000))) == [[0, 1], [2]]
+    assert sorted(map(sorted, _buckets(mixed, [0, 1, 2], 10_000))) == [[0, 1], [2]]
+    # one optimizer group's parameters only (as ZeroOptimizer plans each group's buckets)
+    assert _buckets(params, [0, 2, 4], 50) == [[2, 4], [0]]
 
 
 @pytest.mark.parametrize("stage, want", [(0, (2, 2, 12)), (1, (2, 2, 3)), (2, (2, 0.5, 3)), (3, (0.5, 0.5, 3))])

@@ -6,13 +6,15 @@ except the mixed-precision checks.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 import warnings
 
 import torch
 
 import psrt.torch as hvd
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
-from psrt.zero import ZeroOptimizer, expected_bytes
+from psrt.zero import ZeroOptimizer, consolidate, expected_bytes
 
 import _harness
 from _training_common import expect_raises
@@ -237,6 +239,95 @@ def check_parameters_that_differ_across_ranks_are_refused(key: str) -> None:
                   "'last.weight' on rank 1", "other shape on rank 1")
 
 
+def groups_of(model: torch.nn.Module) -> list[dict]:
+    """The usual split, listed out of registration order: biases without weight decay at a
+    higher learning rate, then the weights with weight decay."""
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    weights = [p for name, p in model.named_parameters() if not name.endswith("bias")]
+    return [{"params": biases, "weight_decay": 0.0, "lr": 0.02}, {"params": weights, "weight_decay": 0.1}]
+
+
+def check_param_groups_match_torch(key: str, stage: int) -> None:
+    """AdamW with two parameter groups equals torch's AdamW with the same groups on the whole
+    batch; the checkpoint keeps the groups, consolidates into a state_dict that torch's
+    optimizer with those groups loads, and a new wrap resumes from it in step with torch."""
+    model, reference = ZNet(key), ZNet(key)
+    zero = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, reduce_bucket_size=BUCKET,
+                         param_groups=groups_of(model), lr=0.01)
+    reference_optimizer = torch.optim.AdamW(groups_of(reference), lr=0.01)
+    assert [g["weight_decay"] for g in zero.param_groups] == [0.0, 0.1], "groups' options on the shards"
+
+    def step(optimizer_, step_index: int) -> None:
+        x, y = batch(key, step_index, 0)
+        loss_of(model, mine(x), mine(y), 1).backward()
+        loss_of(reference, x, y, 1).backward()
+        optimizer_.step()
+        optimizer_.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+
+    for step_index in range(STEPS):
+        step(zero, step_index)
+    assert_shards_match(zero, reference, reference_optimizer, f"after {STEPS} steps", **TIGHT)
+    assert_model_matches(zero, reference, "vs torch with the same groups", **TIGHT)
+    directory = hvd.broadcast_object(tempfile.mkdtemp(prefix="psrt-zero-groups-") if hvd.rank() == 0 else None,
+                                     root_rank=0, name=f"{key}.dir")
+    try:
+        zero.save(directory)
+        full = consolidate(directory)
+        plain = ZNet(key + "/fresh")
+        plain.load_state_dict(full["model"])
+        plain_optimizer = torch.optim.AdamW(groups_of(plain), lr=0.01)
+        plain_optimizer.load_state_dict(full["optimizer"])
+        want = reference_optimizer.state_dict()
+        got = plain_optimizer.state_dict()
+        assert got["param_groups"] == want["param_groups"], f"consolidated groups {got['param_groups']}"
+        for index, state in want["state"].items():
+            for name, value in state.items():
+                torch.testing.assert_close(got["state"][index][name], value, **TIGHT,
+                                           msg=lambda m, i=index, n=name: f"consolidated {n} of parameter {i}: {m}")
+        resumed_model = ZNet(key + "/other-start")
+        resumed = ZeroOptimizer(resumed_model, torch.optim.AdamW, stage=stage, reduce_bucket_size=BUCKET,
+                                param_groups=groups_of(resumed_model), lr=0.5)
+        resumed.load(directory)
+        assert [g["lr"] for g in resumed.param_groups] == [0.02, 0.01], "learning rates not restored per group"
+        model = resumed_model
+        step(resumed, STEPS)
+        assert_model_matches(resumed, reference, "resumed, one step later", **TIGHT)
+        ungrouped_model = ZNet(key)
+        ungrouped = ZeroOptimizer(ungrouped_model, torch.optim.AdamW, stage=stage, lr=0.01)
+        expect_raises(InvalidArgumentError, lambda: ungrouped.load(directory),
+                      "has parameter groups [[2, 4], [0, 1, 3]] (parameter indices), this optimizer [[0, 1, 2, 3, 4]]",
+                      "a grouped checkpoint into an ungrouped optimizer")
+    finally:
+        hvd.barrier()
+        if hvd.rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def check_bad_param_groups(key: str) -> None:
+    """Refused on the calling rank before any communication, naming the parameter."""
+    model = ZNet(key)
+    weights = [model.first.weight, model.middle.weight, model.last.weight]
+    biases = [model.middle.bias, model.last.bias]
+
+    def wrap(groups):
+        return ZeroOptimizer(model, torch.optim.AdamW, stage=2, param_groups=groups, lr=0.01)
+
+    expect_raises(InvalidArgumentError, lambda: wrap([{"params": weights}]),
+                  "trainable parameters ['middle.bias', 'last.bias'] are in no parameter group", "a parameter left out")
+    expect_raises(InvalidArgumentError, lambda: wrap([{"params": weights + biases[:1]}, {"params": biases}]),
+                  "parameter 'middle.bias' is in parameter groups 0 and 1", "a parameter in two groups")
+    stranger = torch.nn.Parameter(torch.zeros(2, 2))
+    expect_raises(InvalidArgumentError, lambda: wrap([{"params": weights + biases + [stranger]}]),
+                  "lists a tensor of shape (2, 2) that is not a parameter of the model", "a foreign tensor")
+    expect_raises(ArgumentTypeError, lambda: wrap({"params": weights + biases}),
+                  "param_groups must be a non-empty list of dicts", "one dict instead of a list")
+    model.first.weight.requires_grad_(False)
+    expect_raises(InvalidArgumentError, lambda: wrap([{"params": weights + biases}]),
+                  "lists 'first.weight', which does not require a gradient", "a frozen parameter")
+
+
 def check_tied_parameters_are_refused_in_stage_3(key: str) -> None:
     model = ZNet(key)
     torch.manual_seed(0)
@@ -286,6 +377,9 @@ def main() -> None:
     checks.add("errors/bad_arguments", check_bad_arguments_raise_before_communicating)
     checks.add("errors/parameters_differ_across_ranks", check_parameters_that_differ_across_ranks_are_refused)
     checks.add("errors/tied_parameters_in_stage_3", check_tied_parameters_are_refused_in_stage_3)
+    for stage in (1, 2, 3):
+        checks.add(f"param_groups/stage{stage}/match_torch_and_resume", check_param_groups_match_torch, stage)
+    checks.add("errors/bad_param_groups", check_bad_param_groups)
     if hvd.size() == 4:
         checks.add("process_sets/two_sets_train_independently", check_two_process_sets_train_independently)
     _harness.run(checks)
