@@ -35,8 +35,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     then rule, and a ``mode``, ``max_staleness`` or ``reduce`` that differs from them is an
     error rather than silently ignored.  ``named_parameters`` names the keys (default
     ``param.<i>`` in optimizer order); every worker wraps the same model the same way.
-    Every parameter group must share the same hyperparameters, and the optimizer must be
-    a ``torch.optim`` class, since that is what the servers run.
+    Each parameter group gets a store of its own (with the first store's settings), whose
+    servers run the optimizer with that group's hyperparameters; the optimizer must be a
+    ``torch.optim`` class, since that is what the servers run.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -72,16 +73,13 @@ def _wrapped_class(base: type) -> type:
     return type(base.__name__, (_PsOptimizer, base), {"__module__": base.__module__})
 
 
-def _hyperparameters(base: type, param_groups: list[dict]) -> dict:
+def _hyperparameters(base: type, group: dict) -> dict:
+    """The group's options that ``base`` takes as hyperparameters (what its servers run)."""
     accepted = set(inspect.signature(base.__init__).parameters) - {"self", "params"}
-    options = [{k: v for k, v in group.items() if k in accepted} for group in param_groups]
-    if any(o != options[0] for o in options[1:]):
-        raise InvalidArgumentError("parameter groups with different hyperparameters are not supported "
-                                   "by the parameter-server optimizer: the servers run one optimizer "
-                                   f"per store (groups: {options})")
-    if isinstance(options[0].get("lr"), torch.Tensor):
-        options[0]["lr"] = float(options[0]["lr"])
-    return options[0]
+    options = {k: v for k, v in group.items() if k in accepted}
+    if isinstance(options.get("lr"), torch.Tensor):
+        options["lr"] = float(options["lr"])
+    return options
 
 
 class _PsOptimizer:
@@ -94,22 +92,30 @@ class _PsOptimizer:
         else:
             in_optimizer = {id(p) for p in params}
             named = [(n, p) for n, p in _check_names(list(named_parameters), params) if id(p) in in_optimizer]
-        self.store = store
+        self.store = store  # the first group's; self.stores holds one per group
         self._named = named
         self._pulled = {name: torch.empty_like(p, device="cpu") for name, p in named}
         self._inflight: dict[str, Handle] = {}
-        hyperparameters = _hyperparameters(base, self.param_groups)
-        self._sent_lr = hyperparameters.get("lr")
-        store.set_optimizer(optimizer_spec(base, hyperparameters).name, **hyperparameters)
-        for name, p in named:
-            store.init(name, p.detach())
+        name_of = {id(p): name for name, p in named}
+        self.stores, self._sent_lr, self._store_of = [], [], {}
+        for index, group in enumerate(self.param_groups):
+            group_store = store if index == 0 else KVStore(store.mode, max_staleness=store.max_staleness,
+                                                           reduce=store.reduce)
+            hyperparameters = _hyperparameters(base, group)
+            group_store.set_optimizer(optimizer_spec(base, hyperparameters).name, **hyperparameters)
+            for p in group["params"]:
+                if id(p) in name_of:
+                    group_store.init(name_of[id(p)], p.detach())
+                    self._store_of[name_of[id(p)]] = group_store
+            self.stores.append(group_store)
+            self._sent_lr.append(hyperparameters.get("lr"))
         self._pull_parameters()
         for name, p in named:
             p.register_post_accumulate_grad_hook(functools.partial(_push_hook, self, name))
 
     def _pull_parameters(self) -> None:
         """Every worker starts from (and, after a load, resumes with) the servers' values."""
-        handles = [(p, self.store.pull_async(name, self._pulled[name])) for name, p in self._named]
+        handles = [(p, self._store_of[name].pull_async(name, self._pulled[name])) for name, p in self._named]
         self._write(handles)
 
     @staticmethod
@@ -125,14 +131,15 @@ class _PsOptimizer:
                                        "optimizer; call step() after every backward")
         if not self._inflight:
             self._send_learning_rate()
-        self._inflight[name] = self.store.push_pull_async(name, gradient, self._pulled[name])
+        self._inflight[name] = self._store_of[name].push_pull_async(name, gradient, self._pulled[name])
 
     def _send_learning_rate(self) -> None:
-        lr = self.param_groups[0]["lr"]
-        lr = float(lr) if isinstance(lr, torch.Tensor) else lr
-        if lr != self._sent_lr:
-            self.store.set_learning_rate(lr)
-            self._sent_lr = lr
+        """Each group's learning rate, to its store, where a scheduler changed it."""
+        for index, (group, group_store) in enumerate(zip(self.param_groups, self.stores)):
+            lr = float(group["lr"]) if isinstance(group["lr"], torch.Tensor) else group["lr"]
+            if lr != self._sent_lr[index]:
+                group_store.set_learning_rate(lr)
+                self._sent_lr[index] = lr
 
     def step(self, closure=None):
         """Wait for the servers' updated values and copy them into the parameters.
@@ -151,19 +158,30 @@ class _PsOptimizer:
         return loss
 
     def stats(self) -> dict:
-        """The servers' counts for this optimizer's store (:meth:`psrt.ps.KVStore.stats`):
-        pushes applied and updates per key, and the staleness pulls were answered at."""
-        return self.store.stats()
+        """The servers' counts for this optimizer's keys, over its stores (as
+        :meth:`psrt.ps.KVStore.stats`): pushes applied and updates per key, and how many pulls
+        were answered at each staleness."""
+        merged: dict = {"pushes_applied": {}, "updates": {}, "staleness": {}, "max_staleness": 0}
+        for group_store in self.stores:
+            counts = group_store.stats()
+            merged["pushes_applied"].update(counts["pushes_applied"])
+            merged["updates"].update(counts["updates"])
+            for lead, count in counts["staleness"].items():
+                merged["staleness"][lead] = merged["staleness"].get(lead, 0) + count
+            merged["max_staleness"] = max(merged["max_staleness"], counts["max_staleness"])
+        merged["staleness"] = dict(sorted(merged["staleness"].items()))
+        return merged
 
     def save(self, path: str) -> None:
-        """Checkpoint the servers (every worker calls it after the same step)."""
+        """Checkpoint the servers, every group's store (every worker calls it after the same step)."""
         self.store.save(path)
 
     def load(self, path: str) -> int:
         """Restore a checkpoint into the servers and the model; returns the steps it had taken."""
         steps = self.store.load(path)
         self._pull_parameters()
-        self._sent_lr = None  # the checkpoint brought its own: send this optimizer's before the next step
+        # the checkpoint brought its own learning rates: send this optimizer's before the next step
+        self._sent_lr = [None] * len(self.stores)
         return steps
 
 

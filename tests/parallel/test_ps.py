@@ -15,7 +15,8 @@ pytestmark = pytest.mark.parallel
 
 CHECKS = [
     "sync/sgd_momentum_matches_allreduce_and_single_process", "sync/adam_matches_allreduce_and_single_process",
-    "sync/lr_scheduler_reaches_the_servers", "async/every_push_applied_exactly_once",
+    "sync/lr_scheduler_reaches_the_servers", "sync/param_groups_match_allreduce_and_single_process",
+    "sync/param_groups_follow_the_lr_scheduler", "async/every_push_applied_exactly_once",
     "async/least_squares_converges", "bounded/holds_the_fast_worker_within_tau_1",
     "bounded/holds_the_fast_worker_within_tau_2", "bounded/tau_0_equals_sync",
     "errors/bad_keys_shapes_and_dtypes", "errors/workers_init_different_shapes",

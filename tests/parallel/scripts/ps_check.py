@@ -40,7 +40,7 @@ def check_sync_matches_references(key: str, make, with_scheduler: bool = False) 
         model = Mlp(key)
         if kind == "single":
             zero_grads(model)  # the unused head steps with zero gradients, as in DP
-        optimizer = make(model.parameters())
+        optimizer = make(model)
         if kind == "ps":
             optimizer = ps.DistributedOptimizer(optimizer, model.named_parameters(), mode="sync")
         elif kind == "allreduce":
@@ -52,12 +52,20 @@ def check_sync_matches_references(key: str, make, with_scheduler: bool = False) 
     assert_params_close(trained["ps"], trained["single"], "ps sync vs single process")
 
 
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
-def adam(params):
-    return torch.optim.Adam(params, lr=0.01)
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def sgd_groups(model):
+    """Two groups with different hyperparameters: each is a store of its own on the servers."""
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    weights = [p for name, p in model.named_parameters() if not name.endswith("bias")]
+    return torch.optim.SGD([{"params": biases, "weight_decay": 0.0, "lr": 0.05}, {"params": weights}],
+                           lr=0.1, momentum=0.9, weight_decay=0.01)
 
 
 def least_squares(key: str, noise: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -252,6 +260,8 @@ def main() -> None:
     checks.add("sync/sgd_momentum_matches_allreduce_and_single_process", check_sync_matches_references, sgd)
     checks.add("sync/adam_matches_allreduce_and_single_process", check_sync_matches_references, adam)
     checks.add("sync/lr_scheduler_reaches_the_servers", check_sync_matches_references, sgd, True)
+    checks.add("sync/param_groups_match_allreduce_and_single_process", check_sync_matches_references, sgd_groups)
+    checks.add("sync/param_groups_follow_the_lr_scheduler", check_sync_matches_references, sgd_groups, True)
     checks.add("async/every_push_applied_exactly_once", check_async_pushes_applied_exactly_once)
     checks.add("async/least_squares_converges", check_async_least_squares_converges)
     checks.add("bounded/holds_the_fast_worker_within_tau_1", check_bounded_holds_the_fast_worker_within_tau, 1)

@@ -1,6 +1,6 @@
 """Checkpoint, restart, resume: two jobs of ``python ps_resume.py PHASE DIR`` (1 server, 2 workers).
 
-``first`` trains STEPS steps, saves the servers to DIR/ckpt, writes the
+``first`` trains STEPS steps (Adam, two parameter groups), saves the servers to DIR/ckpt, writes the
 parameters there and after STEPS more steps to DIR/first.pt (worker 0).
 ``second`` is a new job on a freshly (and differently) initialised model: it
 loads DIR/ckpt, writes the parameters it got, trains the same STEPS more
@@ -63,8 +63,11 @@ def main(phase: str, directory: str) -> None:
         hvd.shutdown()
         return
     model = Mlp("resume" if phase == "first" else "a different start")
-    optimizer = ps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                        model.named_parameters(), mode="sync")
+    # two parameter groups (a store each on the servers): the checkpoint holds both
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    weights = [p for name, p in model.named_parameters() if not name.endswith("bias")]
+    optimizer = ps.DistributedOptimizer(torch.optim.Adam([{"params": biases, "lr": 0.02}, {"params": weights}],
+                                                         lr=0.01), model.named_parameters(), mode="sync")
     record = {}
     if phase == "first":
         train(model, optimizer, 0)
