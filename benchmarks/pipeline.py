@@ -1,5 +1,6 @@
-"""Pipeline benchmark: measured bubble fraction of the GPipe and 1F1B schedules against the
-theoretical (p - 1) / (m + p - 1), and peak activation memory per stage, in one job.
+"""Pipeline benchmark: measured bubble fraction of the GPipe, 1F1B and ZB-H1 schedules against
+the theoretical (p - 1) / (m + p - 1) (ZB-H1: (p - 1) / (3m + p - 1)), and peak activation
+memory per stage, in one job.
 
 Run under a launcher; the number of pipeline stages p is the world size::
 
@@ -10,7 +11,8 @@ Run under a launcher; the number of pipeline stages p is the world size::
 Stage compute (``--compute``):
 
   sleep  (default) each stage is one block whose forward sleeps ``--forward-ms`` per
-         micro-batch and whose backward sleeps twice that, so the schedule, not the CPU,
+         micro-batch and whose backward sleeps twice that (half on the input gradient's
+         branch, half on the weight's, which ZB-H1 runs apart), so the schedule, not the CPU,
          sets the timing: sleeping ranks do not compete for cores, and 4 ranks on a 2-core
          host measure the same bubble as 4 hosts would.  The block carries a real
          activation of ``--batch`` x ``--width`` floats per step (saved for backward, sent
@@ -33,7 +35,9 @@ turns.  The sleep is per micro-batch whatever m, so a step lasts about
 
 Peak activation is the most bytes autograd held for backward at once on each stage
 (sleep: in-flight x one micro-batch's activation; the last stage also holds the loss's
-saved tensors); in-flight is the most micro-batches held (1F1B: p - stage, GPipe: m).
+saved tensors); in-flight is the most micro-batches held (1F1B: p - stage, GPipe: m, ZB-H1:
+min(p, m) on every stage, from forward to weight half; it also keeps each deferred weight
+half's output gradient).
 Rank 0 prints a table and one JSON line.  Nothing is asserted.
 """
 from __future__ import annotations
@@ -49,34 +53,51 @@ import psrt.torch as hvd
 from psrt import pp
 from psrt.grid import ProcessGrid
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
-class _Sleep(torch.autograd.Function):
-    """``x * w`` that sleeps ``ms`` in forward and ``2 * ms`` in backward; saves ``x``."""
+class _SleepForward(torch.autograd.Function):
+    """Identity that sleeps ``ms`` in forward."""
 
     @staticmethod
-    def forward(ctx, x, w, ms):
+    def forward(ctx, x, ms):
         time.sleep(ms / 1e3)
-        ctx.save_for_backward(x, w)
-        ctx.ms = ms
-        return x * w
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        time.sleep(2 * ctx.ms / 1e3)
-        return grad * w, (grad * x).sum().reshape(1), None
+        return grad, None
+
+
+class _SleepBackward(torch.autograd.Function):
+    """Identity that sleeps ``ms`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, ms):
+        ctx.ms = ms
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.ms / 1e3)
+        return grad, None
 
 
 class SleepBlock(torch.nn.Module):
+    """``x * w``: forward sleeps ``ms``; backward sleeps ``ms`` on the input's branch and ``ms``
+    on the weight's, so a whole backward takes 2 ms and ZB-H1's split halves take one each."""
+
     def __init__(self, forward_ms: float) -> None:
         super().__init__()
         self.forward_ms = forward_ms
         self.w = torch.nn.Parameter(torch.ones(1))  # so the first stage has something to differentiate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.w, self.forward_ms)
+        if not x.requires_grad:  # the first stage's input branch costs what every stage's does
+            x = x.detach().requires_grad_()
+        ms = self.forward_ms
+        product = _SleepBackward.apply(x, ms) * _SleepBackward.apply(self.w, ms)
+        return _SleepForward.apply(product, ms)
 
 
 def build_stage(args, grid: ProcessGrid, p: int) -> pp.PipelineStage:
@@ -94,7 +115,12 @@ def mse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (y - target).pow(2).mean()
 
 
-def theoretical(p: int, m: int) -> float:
+def theoretical(schedule: str, p: int, m: int) -> float | None:
+    """The bubble theory predicts, with backward = 2 x forward: (p - 1)/(m + p - 1) for GPipe and
+    1F1B; for ZB-H1, whose weight half (1 forward) fills the cool-down, (p - 1)/(3m + p - 1)
+    once m >= p (fewer micro-batches than stages: no closed form, see the simulated column)."""
+    if schedule == "zb-h1":
+        return (p - 1) / (3 * m + p - 1) if m >= p else None
     return (p - 1) / (m + p - 1)
 
 
@@ -131,9 +157,9 @@ def measure(args, grid: ProcessGrid, stage: pp.PipelineStage, p: int, m: int, x,
     out = {}
     for s in pipes:
         median = {k: statistics.median(v) for k, v in figures[s].items()}
-        theory = theoretical(p, m)
+        theory = theoretical(s, p, m)
         plan = pp.build(s, p, m)
-        simulated = pp.bubble_fraction(pp.simulate(plan, forward_time=1.0, backward_time=2.0))
+        simulated = pp.bubble_fraction(pp.simulate(plan, forward_time=1.0, backward_time=2.0, weight_time=1.0))
         out[s] = {"schedule": s, "p": p, "m": m, "measured": median["step"], "rank_mean_idle": median["rank_mean"],
                   "simulated": simulated, "theoretical": theory,
                   "ratio": median["step"] / theory if theory else None, "step_s": median["wall"],
@@ -153,7 +179,7 @@ def timeline(args, grid: ProcessGrid, stage: pp.PipelineStage, p: int, x, y) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", default="1,4,8,16", help="comma-separated m values")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated: gpipe, 1f1b")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated: gpipe, 1f1b, zb-h1")
     parser.add_argument("--compute", choices=["sleep", "real"], default="sleep")
     parser.add_argument("--forward-ms", type=float, default=20.0, help="sleep: forward per micro-batch")
     parser.add_argument("--batch", type=int, default=64, help="rows per step (every m must divide it)")
@@ -188,9 +214,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows.values():
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        theory = f"{r['theoretical']:.3f}" if r["theoretical"] is not None else f"({r['simulated']:.3f} sim.)"
         peaks = ", ".join(f"{b / 1e6:.2f}" for b in r["peak_activation_bytes"])
         print(f"| {r['schedule']} | {p} | {r['m']} | {r['measured']:.3f} | {r['rank_mean_idle']:.3f} | "
-              f"{r['theoretical']:.3f} | {ratio} | {r['step_s'] * 1e3:.0f} | [{peaks}] | {r['in_flight']} |")
+              f"{theory} | {ratio} | {r['step_s'] * 1e3:.0f} | [{peaks}] | {r['in_flight']} |")
     if drawing:
         print(drawing)
     print(json.dumps({"benchmark": "pipeline", "stages": p, "compute": args.compute,

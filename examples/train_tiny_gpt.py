@@ -25,8 +25,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp × pp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved"),
-                   help="default: interleaved with --chunks > 1, else 1f1b")
+    p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+                   help="default: interleaved with --chunks > 1, else 1f1b; zb-h1 splits each backward and "
+                        "defers the weight half into the bubble")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedule)")
     p.add_argument("--sequence-parallel", action="store_true")

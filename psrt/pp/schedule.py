@@ -19,13 +19,20 @@ from psrt.errors import InvalidArgumentError
 
 
 class Op(enum.Enum):
-    """What one step of a rank does; the value is the short name used in messages."""
+    """What one step of a rank does; the value is the short name used in messages.
+
+    ``BACKWARD`` is a whole backward.  Zero-bubble schedules split it in two:
+    ``BACKWARD_INPUT`` (the gradient of the stage's input, which the previous stage waits
+    for) and ``BACKWARD_WEIGHT`` (the parameters' gradients, which nobody waits for and
+    can fill a bubble later)."""
 
     RECV_FORWARD = "RF"
     FORWARD = "F"
     SEND_FORWARD = "SF"
     RECV_BACKWARD = "RB"
     BACKWARD = "B"
+    BACKWARD_INPUT = "BI"
+    BACKWARD_WEIGHT = "W"
     SEND_BACKWARD = "SB"
 
 
@@ -64,9 +71,10 @@ def _forward(k: int, chunk: int, stage: int, last: int) -> list[Action]:
     return actions
 
 
-def _backward(k: int, chunk: int, stage: int, last: int) -> list[Action]:
-    """A backward with the receive of its output gradient and the send of its input gradient."""
-    actions = [Action(Op.BACKWARD, k, chunk)]
+def _backward(k: int, chunk: int, stage: int, last: int, op: Op = Op.BACKWARD) -> list[Action]:
+    """A backward (or its input half) with the receive of its output gradient and the send
+    of its input gradient."""
+    actions = [Action(op, k, chunk)]
     if stage < last:
         actions.insert(0, Action(Op.RECV_BACKWARD, k, chunk))
     if stage > 0:
@@ -101,6 +109,40 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
         # Cool-down: the backwards of the warm-up forwards.
         for k in range(microbatches - warmup, microbatches):
             actions += _backward(k, 0, r, last)
+        schedule.append(actions)
+    return schedule
+
+
+def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B's order of forwards
+    and input-gradient backwards, with each weight-gradient backward split off and deferred.
+
+    Rank r defers its first r weight passes, so the input gradients travel up the pipeline
+    without waiting for them, and the deferred ones fill the cool-down's idle time.  A rank
+    holds at most p micro-batches (from forward to weight pass), the most any 1F1B rank
+    holds (rank 0), and with equal forward, input- and weight-backward times the bubble
+    is a third of 1F1B's: (p − 1)/(3m + p − 1) of the step.  The messages, and so the
+    deadlock-freedom the checker proves, are 1F1B's."""
+    _check_counts(stages, microbatches, 1)
+    last = stages - 1
+    schedule = []
+    for r in range(stages):
+        warmup = min(stages - r - 1, microbatches)
+        deferred: list[int] = []  # micro-batches whose weight pass is still to run
+
+        def backward(k: int) -> list[Action]:
+            deferred.append(k)
+            actions = _backward(k, 0, r, last, Op.BACKWARD_INPUT)
+            if len(deferred) > r:  # keep r weight passes back for the cool-down
+                actions.append(Action(Op.BACKWARD_WEIGHT, deferred.pop(0)))
+            return actions
+
+        actions = [a for k in range(warmup) for a in _forward(k, 0, r, last)]
+        for k in range(microbatches - warmup):
+            actions += _forward(k + warmup, 0, r, last) + backward(k)
+        for k in range(microbatches - warmup, microbatches):
+            actions += backward(k)
+        actions += [Action(Op.BACKWARD_WEIGHT, k) for k in deferred]
         schedule.append(actions)
     return schedule
 
@@ -151,12 +193,13 @@ def _interleaved_ids(i: int, stages: int, chunks: int, forward: bool) -> tuple[i
     return group * stages + i % stages, chunk
 
 
-_BUILDERS = {"gpipe": "gpipe", "afab": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved"}
+_BUILDERS = {"gpipe": "gpipe", "afab": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved",
+             "zb-h1": "zb-h1", "zbh1": "zb-h1"}
 
 
 def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """The schedule called ``name`` ("gpipe"/"afab", "1f1b" or "interleaved"), for the
-    configuration-driven caller; ``chunks`` > 1 is only meaningful for "interleaved"."""
+    """The schedule called ``name`` ("gpipe"/"afab", "1f1b", "interleaved" or "zb-h1"), for
+    the configuration-driven caller; ``chunks`` > 1 is only meaningful for "interleaved"."""
     kind = _BUILDERS.get(name.lower()) if isinstance(name, str) else None
     if kind is None:
         raise InvalidArgumentError(
@@ -166,6 +209,8 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedul
         return interleaved_one_f_one_b(stages, microbatches, chunks)
     if chunks != 1:
         raise InvalidArgumentError(f"chunks={chunks} needs the 'interleaved' schedule, not {name!r}")
+    if kind == "zb-h1":
+        return zero_bubble_h1(stages, microbatches)
     return gpipe(stages, microbatches) if kind == "gpipe" else one_f_one_b(stages, microbatches)
 
 

@@ -14,7 +14,8 @@ from psrt.pp.schedule import Action, Op, Schedule, virtual_stage
 
 _SENDS = {Op.SEND_FORWARD: +1, Op.SEND_BACKWARD: -1}
 _RECVS = {Op.RECV_FORWARD: -1, Op.RECV_BACKWARD: +1}
-_COMPUTE = (Op.FORWARD, Op.BACKWARD)
+_COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+_RELEASES = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the last compute of a micro-batch
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def check(schedule: Schedule, microbatches: int, chunks: int = 1) -> None:
         for c in range(chunks):
             for k in range(microbatches):
                 _check_order(r, pos, k, c, len(schedule), chunks)
-        extra = set(pos) - set(_expected(r, microbatches, chunks, len(schedule)))
+        extra = set(pos) - set(_expected(r, pos, microbatches, chunks, len(schedule)))
         if extra:
             raise ScheduleError(f"rank {r}: unexpected action {min(extra, key=str)}")
     _check_links(schedule)
@@ -72,13 +73,22 @@ def _positions(rank: int, actions: list[Action], microbatches: int, chunks: int)
     return pos
 
 
-def _expected(rank: int, microbatches: int, chunks: int, ranks: int) -> list[Action]:
+def _split(pos: dict[Action, int], k: int, c: int) -> bool:
+    """Whether micro-batch k of chunk c runs its backward split in two (input, then weight)."""
+    return Action(Op.BACKWARD_INPUT, k, c) in pos
+
+
+def _expected(rank: int, pos: dict[Action, int], microbatches: int, chunks: int, ranks: int) -> list[Action]:
     """Every action a rank must run, in no particular order."""
     last = ranks * chunks - 1
     out = []
     for c in range(chunks):
         s = virtual_stage(rank, c, ranks)
-        ops = list(_COMPUTE) + ([Op.RECV_FORWARD, Op.SEND_BACKWARD] if s > 0 else [])
+        split = {k: _split(pos, k, c) for k in range(microbatches)}
+        out += [Action(op, k, c) for k in range(microbatches)
+                for op in ((Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if split[k]
+                           else (Op.FORWARD, Op.BACKWARD))]
+        ops = [Op.RECV_FORWARD, Op.SEND_BACKWARD] if s > 0 else []
         ops += [Op.SEND_FORWARD, Op.RECV_BACKWARD] if s < last else []
         out += [Action(op, k, c) for op in ops for k in range(microbatches)]
     return out
@@ -88,8 +98,15 @@ def _check_order(rank: int, pos: dict[Action, int], k: int, c: int, ranks: int, 
     """Forward before backward; each receive before the compute that needs it; each send after
     the compute that produced it.  With paired links this orders stage s after stage s-1."""
     stage, last = virtual_stage(rank, c, ranks), ranks * chunks - 1
-    f, b = Action(Op.FORWARD, k, c), Action(Op.BACKWARD, k, c)
-    before = [(f, b)]
+    f = Action(Op.FORWARD, k, c)
+    if _split(pos, k, c):
+        b = Action(Op.BACKWARD_INPUT, k, c)
+        before = [(f, b), (b, Action(Op.BACKWARD_WEIGHT, k, c))]
+        if Action(Op.BACKWARD, k, c) in pos:
+            raise ScheduleError(f"rank {rank}: micro-batch {k} (chunk {c}) runs both a whole and a split backward")
+    else:
+        b = Action(Op.BACKWARD, k, c)
+        before = [(f, b)]
     if stage > 0:
         before += [(Action(Op.RECV_FORWARD, k, c), f), (b, Action(Op.SEND_BACKWARD, k, c))]
     if stage < last:
@@ -125,11 +142,15 @@ def _check_links(schedule: Schedule) -> None:
 
 
 def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 1.0,
-             chunks: int = 1) -> list[list[Event]]:
+             chunks: int = 1, weight_time: float | None = None) -> list[list[Event]]:
     """Run ``schedule`` in the execution model with zero-time communication and fixed compute
-    times (per chunk ``forward_time / chunks``); returns each rank's compute events."""
+    times (per chunk ``forward_time / chunks``); returns each rank's compute events.  A split
+    backward takes ``backward_time - weight_time`` for the input gradient and ``weight_time``
+    (default half the backward) for the weights."""
     ranks = len(schedule)
-    duration = {Op.FORWARD: forward_time / chunks, Op.BACKWARD: backward_time / chunks}
+    weight_time = backward_time / 2 if weight_time is None else weight_time
+    duration = {Op.FORWARD: forward_time / chunks, Op.BACKWARD: backward_time / chunks,
+                Op.BACKWARD_INPUT: (backward_time - weight_time) / chunks, Op.BACKWARD_WEIGHT: weight_time / chunks}
     pc, clock = [0] * ranks, [0.0] * ranks
     events: list[list[Event]] = [[] for _ in range(ranks)]
     queues: dict[tuple, deque] = {}
@@ -170,15 +191,15 @@ def _raise_if_stuck(schedule: Schedule, pc: list[int]) -> None:
 
 
 def in_flight(actions: list[Action]) -> int:
-    """Most (micro-batch, chunk) pairs whose forward has run and backward has not: the number of
-    activations a rank must hold at once."""
+    """Most (micro-batch, chunk) pairs whose forward has run and last backward (the whole one,
+    or the weight half) has not: the number of activations a rank must hold at once."""
     live: set[tuple[int, int]] = set()
     most = 0
     for a in actions:
         if a.op is Op.FORWARD:
             live.add((a.microbatch, a.chunk))
             most = max(most, len(live))
-        elif a.op is Op.BACKWARD:
+        elif a.op in _RELEASES:
             live.discard((a.microbatch, a.chunk))
     return most
 

@@ -13,6 +13,7 @@ from psrt.comm.base import Request
 from psrt.pp.p2p import BACKWARD_TAG, FORWARD_TAG, message_id
 from psrt.pp.schedule import Action, Op
 from psrt.pp.simulate import Event
+from psrt.pp.split_backward import WeightPass, backward_input
 
 if TYPE_CHECKING:
     from psrt.pp.executor import Pipeline
@@ -43,12 +44,13 @@ class StepProfile:
 
 @dataclass
 class _Held:
-    """A micro-batch between its forward and its backward."""
+    """A micro-batch between its forward and its (last) backward."""
 
     input: torch.Tensor
     output: torch.Tensor
     bytes: int
     send: Request | None = None
+    weight_pass: WeightPass | None = None  # a split backward's weight half, until it runs
 
 
 class StepRun:
@@ -109,6 +111,10 @@ class StepRun:
                                              self.device, like=self.held[key].output)
         elif a.op is Op.BACKWARD:
             self._timed(a, self._backward, a, key)
+        elif a.op is Op.BACKWARD_INPUT:
+            self._timed(a, self._backward_input, a, key)
+        elif a.op is Op.BACKWARD_WEIGHT:
+            self._timed(a, self._backward_weight, a, key)
         else:  # SEND_BACKWARD
             dest, virtual = self._peer(a.chunk, -1)
             x = self.received.pop(key)
@@ -142,12 +148,33 @@ class StepRun:
         self.profile.in_flight = max(self.profile.in_flight, len(self.held))
 
     def _backward(self, a: Action, key: Key) -> None:
-        held = self.held.pop(key)
+        held = self.held[key]
         if held.output.requires_grad:  # else nothing before this point needs a gradient
-            if self.stage.is_last(a.chunk):
-                held.output.backward()
-            else:
-                held.output.backward(self.grads.pop(key))
+            held.output.backward(self._output_grad(a, key))
+        self._release(key)
+
+    def _backward_input(self, a: Action, key: Key) -> None:
+        """The input half of a split backward; the micro-batch stays held until its weight half."""
+        held = self.held[key]
+        if held.output.requires_grad:
+            params = [p for index in self.stage.chunk_ranges[a.chunk]
+                      for p in self.stage._modules[str(index)].parameters()]
+            held.weight_pass = backward_input(held.output, self._output_grad(a, key), held.input, params)
+
+    def _backward_weight(self, a: Action, key: Key) -> None:
+        weight_pass = self.held[key].weight_pass
+        if weight_pass is not None:
+            weight_pass.run()
+        self._release(key)
+
+    def _output_grad(self, a: Action, key: Key) -> torch.Tensor | None:
+        """The gradient flowing into this chunk's output: none for the loss, else the one received."""
+        grad = self.grads.pop(key, None)
+        return None if self.stage.is_last(a.chunk) else grad
+
+    def _release(self, key: Key) -> None:
+        """The micro-batch's backward is complete: drop what it held."""
+        held = self.held.pop(key)
         self.grads.pop(key, None)
         self.live_bytes -= held.bytes
         if held.send is not None and not held.send.test():

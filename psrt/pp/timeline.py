@@ -14,7 +14,10 @@ _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def _symbol(event: Event) -> str:
-    """Forward of micro-batch k: the k-th uppercase letter (wrapping after Z); backward: lowercase."""
+    """Forward of micro-batch k: the k-th uppercase letter (wrapping after Z); backward (or its
+    input half): lowercase; the weight half of a split backward: '#'."""
+    if event.op is Op.BACKWARD_WEIGHT:
+        return "#"
     letter = _LETTERS[event.microbatch % len(_LETTERS)]
     return letter if event.op is Op.FORWARD else letter.lower()
 
@@ -32,7 +35,8 @@ def render(events: list[list[Event]], width: int | None = None) -> str:
         width = min(_MAX_WIDTH, max(1, math.ceil(span / shortest - 1e-9)))
     scale = width / span if span > 0 else 0.0
     label = len(str(len(events) - 1))
-    lines = [f"legend: A-Z forward of micro-batch 0-25 (A = 0), a-z its backward, '.' idle; "
+    lines = [f"legend: A-Z forward of micro-batch 0-25 (A = 0), a-z its backward (input half if split), "
+             f"'#' a weight half, '.' idle; "
              f"1 column = {span / width:.3g} time units"]
     for r, row_events in enumerate(events):
         row = ["."] * width

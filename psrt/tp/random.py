@@ -181,5 +181,6 @@ def replicated_dropout(x: torch.Tensor, p: float, process_set: ProcessSet | None
         return _apply(x, dropout_mask(x.shape, p, x.device), p)
     full = list(x.shape)
     full[sequence_dim] *= size
-    keep = dropout_mask(full, p, x.device).chunk(size, sequence_dim)[group_rank(process_set)]
+    # a copy of this rank's block, so that backward keeps 1/size of the mask, not all of it
+    keep = dropout_mask(full, p, x.device).chunk(size, sequence_dim)[group_rank(process_set)].contiguous()
     return _apply(x, keep, p)

@@ -14,7 +14,7 @@ the sequence), as Megatron-LM and the Ultra-Scale Playbook recommend.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
@@ -31,27 +31,38 @@ def check_mode(recompute: object, allowed: tuple = RECOMPUTE_MODES) -> str | Non
     return recompute
 
 
+class _Record(contextlib.AbstractContextManager):
+    """Entered around the forward: records the tracker's states."""
+
+    def __init__(self) -> None:
+        self.states: dict = {}
+
+    def __enter__(self) -> None:
+        self.states = rng_tracker().get_states()
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _Replay(contextlib.AbstractContextManager):
+    """Entered around each recomputation (one per backward that needs it: a split backward
+    recomputes twice): runs with the recorded states and puts the current ones back."""
+
+    def __init__(self, record: _Record) -> None:
+        self.record, self.current = record, None
+
+    def __enter__(self) -> None:
+        self.current = rng_tracker().get_states()
+        rng_tracker().set_states(self.record.states)
+
+    def __exit__(self, *exc) -> None:
+        rng_tracker().set_states(self.current)
+
+
 def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """The forward context records the tracker's states; the recomputation's context runs
-    with those states and puts the current ones back afterwards."""
-    recorded: dict = {}
-
-    @contextlib.contextmanager
-    def forward() -> Iterator[None]:
-        recorded.update(rng_tracker().get_states())
-        yield
-
-    @contextlib.contextmanager
-    def recomputation() -> Iterator[None]:
-        tracker = rng_tracker()
-        current = tracker.get_states()
-        tracker.set_states(recorded)
-        try:
-            yield
-        finally:
-            tracker.set_states(current)
-
-    return forward(), recomputation()
+    """The forward's context and the recomputation's, sharing what the first records."""
+    record = _Record()
+    return record, _Replay(record)
 
 
 def checkpoint(function: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ TP_CHECKS = ["grid/coordinates_sets_and_neighbours"] + [
 
 
 def pp_checks(p: int) -> list[str]:
-    return ([f"match/{schedule}/m{m}" for schedule in ("gpipe", "1f1b") for m in (1, 2, 3, 4, 8)]
+    return ([f"match/{schedule}/m{m}" for schedule in ("gpipe", "1f1b", "zb-h1") for m in (1, 2, 3, 4, 8)]
             + [f"match/interleaved/v2/m{m}" for m in (p, 2 * p)]
             + ["match/1f1b/m4/recompute_full", "match/interleaved/v2/recompute_full",
                "memory/full_recompute_keeps_less"]
@@ -39,7 +39,8 @@ GPT_CHECKS = ["gpt/dp1_tp2_pp2/1f1b", "gpt/dp2_tp1_pp2/gpipe", "gpt/dp2_tp2_pp1/
               "gpt/dp1_tp2_pp2/1f1b/sequence_parallel", "gpt/dp2_tp2_pp1/zero1", "gpt/dp2_tp1_pp2/interleaved_v2",
               "gpt/dp2_tp2_pp1/overlapped_allreduce", "gpt/dp2_tp1_pp2/overlapped_allreduce",
               "gpt/dp1_tp2_pp2/interleaved_v2/sequence_parallel", "gpt/dp1_tp2_pp2/1f1b/recompute_full",
-              "gpt/dp2_tp2_pp1/1f1b/recompute_selective/sequence_parallel"]
+              "gpt/dp2_tp2_pp1/1f1b/recompute_selective/sequence_parallel", "gpt/dp1_tp2_pp2/zb-h1/sequence_parallel",
+              "gpt/dp2_tp1_pp2/zb-h1/overlapped_allreduce", "gpt/dp1_tp2_pp2/zb-h1/recompute_full"]
 
 
 @pytest.mark.parametrize("check", TP_CHECKS)

@@ -175,3 +175,54 @@ def test_render_scales_measured_times_to_width() -> None:
     events = simulate(one_f_one_b(2, 3), forward_time=0.0123, backward_time=0.0246)
     rows = render(events, width=40).splitlines()[1:]
     assert [len(row.split("|")[1]) for row in rows] == [40, 40]
+
+
+ZB = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 8)]
+
+
+@pytest.mark.parametrize("p,m", ZB)
+def test_zb_h1_passes_checker_and_cuts_the_bubble_to_a_third(p: int, m: int) -> None:
+    """With forward = input-backward = weight-backward time, ZB-H1's bubble is (p − 1)/(3m + p − 1)
+    once m >= p (1F1B's, with a whole backward of 2, is (p − 1)/(m + p − 1)); fewer micro-batches
+    than stages leave more idle time than that, never more than 1F1B's."""
+    schedule = build("zb-h1", p, m)
+    check(schedule, m)
+    zero_bubble = bubble_fraction(simulate(schedule, forward_time=1.0, backward_time=2.0, weight_time=1.0))
+    one_f = bubble_fraction(simulate(one_f_one_b(p, m), forward_time=1.0, backward_time=2.0))
+    if m >= p:
+        assert zero_bubble == pytest.approx((p - 1) / (3 * m + p - 1))
+    else:
+        assert (p - 1) / (3 * m + p - 1) - 1e-12 <= zero_bubble <= one_f + 1e-12
+
+
+@pytest.mark.parametrize("p,m", ZB)
+def test_zb_h1_holds_at_most_p_microbatches_and_keeps_1f1b_messages(p: int, m: int) -> None:
+    """Peak memory of 1F1B's busiest rank (p micro-batches, from forward to weight pass) on
+    every rank, and exactly 1F1B's communication, in 1F1B's order."""
+    schedule, reference = build("zb-h1", p, m), one_f_one_b(p, m)
+    assert [in_flight(actions) for actions in schedule] == [min(p, m)] * p
+    for r in range(p):
+        messages = [a for a in schedule[r] if a.op not in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)]
+        assert messages == [a for a in reference[r] if a.op not in (Op.FORWARD, Op.BACKWARD)]
+        defers = [a.microbatch for a in schedule[r] if a.op is Op.BACKWARD_WEIGHT]
+        assert sorted(defers) == list(range(m))
+
+
+def test_checker_catches_a_weight_pass_before_its_input_pass_and_a_mixed_backward() -> None:
+    schedule = build("zb-h1", 2, 2)
+    swapped = [list(actions) for actions in schedule]
+    i = swapped[1].index(Action(Op.BACKWARD_INPUT, 0))
+    w = swapped[1].index(Action(Op.BACKWARD_WEIGHT, 0))
+    swapped[1][i], swapped[1][w] = swapped[1][w], swapped[1][i]
+    with pytest.raises(ScheduleError, match="BI0 at step"):
+        check(swapped, 2)
+    mixed = [list(actions) for actions in schedule]
+    mixed[0].append(Action(Op.BACKWARD, 1))
+    with pytest.raises(ScheduleError, match="runs both a whole and a split backward"):
+        check(mixed, 2)
+
+
+def test_render_marks_weight_passes() -> None:
+    text = render(simulate(build("zb-h1", 2, 3), forward_time=1.0, backward_time=2.0, weight_time=1.0))
+    cells = "".join(line.split("|")[1] for line in text.splitlines() if line.startswith("stage "))
+    assert cells.count("#") == sum(ch.isupper() for ch in cells) == sum(ch.islower() for ch in cells) == 2 * 3

@@ -86,6 +86,10 @@ LAYOUTS = [
     ("dp1_tp2_pp2/1f1b/recompute_full", 1, 2, 2, "1f1b", {"recompute": "full"}),
     ("dp2_tp2_pp1/1f1b/recompute_selective/sequence_parallel", 2, 2, 1, "1f1b",
      {"recompute": "selective", "sequence_parallel": True}),
+    ("dp1_tp2_pp2/zb-h1/sequence_parallel", 1, 2, 2, "zb-h1", {"sequence_parallel": True}),
+    ("dp2_tp1_pp2/zb-h1/overlapped_allreduce", 2, 1, 2, "zb-h1", {"overlap": True}),
+    # a split backward recomputes a block twice (input half, then weight half), masks replayed both times
+    ("dp1_tp2_pp2/zb-h1/recompute_full", 1, 2, 2, "zb-h1", {"recompute": "full"}),
 ]
 
 

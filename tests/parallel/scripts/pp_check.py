@@ -58,7 +58,8 @@ def check_matches_unsplit_model(key: str, schedule: str, microbatches: int, chun
     expected = {"gpipe": microbatches, "1f1b": min(p - r, microbatches)}.get(schedule, pp.in_flight(pipe.actions))
     assert held == expected, f"stage {r} held {held} micro-batches at once, expected {expected}"
     events = pipe.profile.events
-    assert len(events) == 2 * microbatches * chunks, f"{len(events)} compute events"
+    computes = (3 if schedule == "zb-h1" else 2) * microbatches * chunks  # ZB-H1 splits each backward in two
+    assert len(events) == computes, f"{len(events)} compute events, expected {computes}"
     assert 0 < pipe.profile.compute <= pipe.profile.wall and pipe.profile.peak_activation_bytes > 0
 
 
@@ -225,7 +226,7 @@ def main() -> None:
     hvd.init()
     p = grid().shape.pp
     checks = _harness.Checks()
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         for m in (1, 2, 3, 4, 8):
             checks.add(f"match/{schedule}/m{m}", check_matches_unsplit_model, schedule, m, 1)
     for m in (p, 2 * p):
