@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import psrt.torch as hvd
-from psrt import pp, tp
+from psrt import cp, pp, tp
 from psrt.grid import ProcessGrid
 from psrt.topology import ProcessSet
 from psrt.torch.optimizer import Bucketing
@@ -36,23 +36,30 @@ class GPTConfig:
 
 class Embedding(nn.Module):
     """Token (vocab-parallel) plus position embeddings; with sequence parallelism each
-    rank leaves with its block of the sequence."""
+    rank leaves with its block of the sequence.  With context parallelism the ids are this
+    rank's zig-zag part of the sequence, and each token gets its position in the whole."""
 
-    def __init__(self, config: GPTConfig, process_set: ProcessSet | None) -> None:
+    def __init__(self, config: GPTConfig, process_set: ProcessSet | None,
+                 context_parallel: ProcessSet | None = None) -> None:
         super().__init__()
         self.process_set, self.sequence_parallel = process_set, config.sequence_parallel
+        self.context_parallel = context_parallel
         self.tokens = tp.VocabParallelEmbedding(config.vocab_size, config.dim, process_set=process_set,
                                                 sequence_parallel=config.sequence_parallel)
         self.positions = nn.Embedding(config.sequence_length, config.dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         hidden = self.tokens(ids)
-        if not self.sequence_parallel:
-            return hidden + self.positions.weight[:ids.shape[1]]
-        (weight,) = tp.sequence_parallel_parameters(self.process_set, self.positions.weight)
-        rows = hidden.shape[1]  # this rank's block of the sequence
-        start = rows * tp.comm.group_rank(self.process_set)
-        return hidden + weight[start:start + rows]
+        where = torch.arange(ids.shape[1], device=ids.device)
+        if self.context_parallel is not None:
+            ring = self.context_parallel
+            where = cp.positions(ids.shape[1] * ring.size(), ring.rank(), ring.size(), device=ids.device)
+        weight = self.positions.weight
+        if self.sequence_parallel:
+            (weight,) = tp.sequence_parallel_parameters(self.process_set, weight)
+            rows = hidden.shape[1]  # this rank's block of the sequence
+            where = where[rows * tp.comm.group_rank(self.process_set):][:rows]
+        return hidden + weight[where]
 
 
 class Head(nn.Module):
@@ -69,14 +76,15 @@ class Head(nn.Module):
         return self.out(self.norm(hidden))
 
 
-def build_blocks(config: GPTConfig, process_set: ProcessSet | None = None) -> list[nn.Module]:
-    """The model as a list of blocks; the same seed gives the same weights at any TP size."""
-    blocks: list[nn.Module] = [Embedding(config, process_set)]
+def build_blocks(config: GPTConfig, process_set: ProcessSet | None = None,
+                 context_parallel: ProcessSet | None = None) -> list[nn.Module]:
+    """The model as a list of blocks; the same seed gives the same weights at any TP or CP size."""
+    blocks: list[nn.Module] = [Embedding(config, process_set, context_parallel)]
     for _ in range(config.layers):
         blocks.append(tp.ParallelTransformerBlock(
             config.dim, config.heads, process_set=process_set, sequence_parallel=config.sequence_parallel,
             dropout=config.dropout, attention_dropout=config.dropout,
-            recompute="selective" if config.recompute == "selective" else None))
+            recompute="selective" if config.recompute == "selective" else None, context_parallel=context_parallel))
     blocks.append(Head(config, process_set))
     return blocks
 
@@ -116,34 +124,38 @@ class Trainer:
 def build_trainer(config: GPTConfig, grid: ProcessGrid, *, schedule: str | None = None, microbatches: int = 4,
                   chunks: int = 1, zero: bool = False, overlap: bool | None = None, lr: float = 3e-3,
                   seed: int = 0) -> Trainer:
-    """The tiny GPT on ``grid``: TP layers over the TP set, stages over the PP set, and AdamW
-    data-parallel over the DP set (allreduce after the step's last backward, or ZeRO-1).
+    """The tiny GPT on ``grid``: TP layers over the TP set, ring attention over the CP set,
+    stages over the PP set, and AdamW data-parallel over the DP × CP set (every rank holding
+    the same parameters; allreduce after the step's last backward, or ZeRO-1).
     ``overlap`` is DistributedOptimizer's choice to all-reduce during that backward (default:
     when it pays; turn it off for CUDA with TP or PP, see the README)."""
     tp.manual_seed(seed, grid.tp_set)  # every rank draws the full model, then keeps its share
-    stage = pp.PipelineStage(build_blocks(config, grid.tp_set), grid.pp_set, chunks=chunks,
+    stage = pp.PipelineStage(build_blocks(config, grid.tp_set, grid.cp_set), grid.pp_set, chunks=chunks,
                              recompute="full" if config.recompute == "full" else None)
     pipeline = pp.Pipeline(stage, loss_function(config, grid.tp_set), microbatches=microbatches,
                            schedule=schedule)
     if zero:
-        optimizer = ZeroOptimizer(stage, torch.optim.AdamW, stage=1, process_set=grid.dp_set, lr=lr)
+        optimizer = ZeroOptimizer(stage, torch.optim.AdamW, stage=1, process_set=grid.dp_cp_set, lr=lr)
     else:
         optimizer = hvd.DistributedOptimizer(torch.optim.AdamW(stage.parameters(), lr=lr),
                                              named_parameters=stage.named_parameters(),
-                                             backward_passes_per_step=microbatches, process_set=grid.dp_set,
+                                             backward_passes_per_step=microbatches, process_set=grid.dp_cp_set,
                                              bucketing=Bucketing(overlap=overlap))
     return Trainer(grid, stage, pipeline, optimizer)
 
 
 def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-    """One step on the global batch (each DP replica takes its rows); returns the global mean loss."""
+    """One step on the global batch (each DP replica takes its rows, each CP rank its zig-zag
+    part of every sequence); returns the global mean loss."""
     grid = trainer.grid
     if inputs.shape[0] % grid.shape.dp:
         raise ValueError(f"a global batch of {inputs.shape[0]} sequences does not split over dp={grid.shape.dp}")
     rows = inputs.shape[0] // grid.shape.dp
     mine = slice(grid.coords.dp * rows, (grid.coords.dp + 1) * rows)
-    loss = trainer.pipeline.step(inputs[mine] if grid.is_first_stage else None,
-                                 targets[mine] if grid.is_last_stage else None)
+    inputs, targets = inputs[mine], targets[mine]
+    if grid.cp_set is not None:
+        inputs, targets = (cp.split(t, 1, grid.coords.cp, grid.shape.cp) for t in (inputs, targets))
+    loss = trainer.pipeline.step(inputs if grid.is_first_stage else None, targets if grid.is_last_stage else None)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad()
-    return hvd.allreduce(loss.reshape(1), name="tiny_gpt.loss", process_set=grid.dp_set).item()
+    return hvd.allreduce(loss.reshape(1), name="tiny_gpt.loss", process_set=grid.dp_cp_set).item()

@@ -1,8 +1,8 @@
 """Training a tiny character-level GPT on any DP × TP × PP layout.
 
 Run with ``psrun -np 4 python examples/train_tiny_gpt.py --dp 1 --tp 2 --pp 2``
-(``make demo-gpt``); the product of ``--dp --tp --pp`` must equal the number of
-ranks.  The text is the source of Python's ``textwrap`` module.  Every layout
+(``make demo-gpt``); the product of ``--dp --tp --pp --cp`` must equal the number
+of ranks.  The text is the source of Python's ``textwrap`` module.  Every layout
 starts from the same weights (one seed, whatever the split) and sees the same
 global batches, so every layout follows the same loss curve as one process.
 Rank 0 shows a progress bar with the loss and ends with a line such as
@@ -25,6 +25,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ranks / (tp × pp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention over the sequence)")
     p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
                    help="default: interleaved with --chunks > 1, else 1f1b; zb-h1 splits each backward and "
                         "defers the weight half into the bubble")
@@ -49,8 +50,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     hvd.init()
-    dp = args.dp if args.dp is not None else max(1, hvd.size() // (args.tp * args.pp))
-    grid = ProcessGrid(dp=dp, tp=args.tp, pp=args.pp)
+    dp = args.dp if args.dp is not None else max(1, hvd.size() // (args.tp * args.pp * args.cp))
+    grid = ProcessGrid(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp)
     data, alphabet = corpus()
     config = GPTConfig(vocab_size=len(alphabet), sequence_length=args.sequence_length, dim=args.dim,
                        heads=args.heads, layers=args.layers, sequence_parallel=args.sequence_parallel,
@@ -58,7 +59,7 @@ def main() -> None:
     trainer = build_trainer(config, grid, schedule=args.schedule, microbatches=args.microbatches,
                             chunks=args.chunks, zero=args.zero, lr=args.lr, seed=args.seed)
     generator = torch.Generator().manual_seed(args.seed)
-    layout = f"dp={dp} tp={args.tp} pp={args.pp}"
+    layout = f"dp={dp} tp={args.tp} pp={args.pp}" + (f" cp={args.cp}" if args.cp > 1 else "")
     losses = []
     with tqdm(range(args.steps), desc=f"tiny GPT, {layout}", unit="step", disable=hvd.rank() != 0) as steps:
         for _ in steps:

@@ -1,11 +1,11 @@
-"""The DP × TP × PP process grid: every rank's coordinates, its three process sets
-and its pipeline neighbours.
+"""The DP × CP × TP × PP process grid: every rank's coordinates, its process sets and its
+pipeline neighbours.
 
-Axes are laid out with tensor parallelism innermost, then data, then pipeline
-(Megatron's default order), over the world ranks sorted by host: TP groups, which
-communicate in every layer, share a host whenever the hosts' slot counts are
-multiples of the TP size; PP neighbours, which exchange one activation per
-micro-batch, may cross hosts.
+Axes are laid out with tensor parallelism innermost, then context, then data, then
+pipeline (Megatron's and picotron's order), over the world ranks sorted by host: TP
+groups, which communicate in every layer, share a host whenever the hosts' slot counts
+are multiples of the TP size; CP groups, which pass key/value blocks in every attention,
+come next; PP neighbours, which exchange one activation per micro-batch, may cross hosts.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class Axis(enum.Enum):
     DP = "dp"
     TP = "tp"
     PP = "pp"
+    CP = "cp"
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Coordinates:
     dp: int
     tp: int
     pp: int
+    cp: int = 0
 
     def along(self, axis: Axis) -> int:
         return getattr(self, axis.value)
@@ -40,6 +42,7 @@ class GridShape:
     dp: int
     tp: int
     pp: int
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for axis in Axis:
@@ -51,72 +54,87 @@ class GridShape:
 
     @property
     def size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def check_fits(self, world_size: int) -> None:
         if self.size != world_size:
-            raise InvalidArgumentError(
-                f"dp × tp × pp = {self.dp} × {self.tp} × {self.pp} = {self.size} does not match "
-                f"the {world_size} ranks of the job; choose sizes whose product is {world_size}")
+            sizes = f"dp × tp × pp = {self.dp} × {self.tp} × {self.pp}" if self.cp == 1 else \
+                f"dp × cp × tp × pp = {self.dp} × {self.cp} × {self.tp} × {self.pp}"
+            raise InvalidArgumentError(f"{sizes} = {self.size} does not match the {world_size} ranks of the job; "
+                                       f"choose sizes whose product is {world_size}")
 
     def coordinates(self, position: int) -> Coordinates:
-        """The coordinates of the ``position``-th rank in host order (TP varies fastest)."""
-        return Coordinates(dp=(position // self.tp) % self.dp, tp=position % self.tp,
-                           pp=position // (self.tp * self.dp))
+        """The coordinates of the ``position``-th rank in host order (TP varies fastest, then CP, DP, PP)."""
+        return Coordinates(tp=position % self.tp, cp=(position // self.tp) % self.cp,
+                           dp=(position // (self.tp * self.cp)) % self.dp,
+                           pp=position // (self.tp * self.cp * self.dp))
 
     def position(self, at: Coordinates) -> int:
-        return (at.pp * self.dp + at.dp) * self.tp + at.tp
+        return ((at.pp * self.dp + at.dp) * self.cp + at.cp) * self.tp + at.tp
 
-    def groups(self, axis: Axis) -> list[list[int]]:
-        """Positions of every group along ``axis`` (the other two coordinates fixed), in a
-        fixed order, each listed by increasing coordinate along ``axis``."""
-        others = [a for a in Axis if a is not axis]
-        found: dict[tuple[int, int], list[int]] = {}
+    def groups(self, *axes: Axis) -> list[list[int]]:
+        """Positions of every group spanning ``axes`` (the other coordinates fixed), in a fixed
+        order, each listed by increasing position (for one axis: by its coordinate)."""
+        others = [a for a in Axis if a not in axes]
+        found: dict[tuple[int, ...], list[int]] = {}
         for position in range(self.size):
             at = self.coordinates(position)
-            found.setdefault((at.along(others[0]), at.along(others[1])), []).append(position)
-        return [sorted(group, key=lambda p: self.coordinates(p).along(axis)) for group in found.values()]
+            found.setdefault(tuple(at.along(a) for a in others), []).append(position)
+        return list(found.values())
 
 
 class ProcessGrid:
-    """The DP × TP × PP layout of the job; collective over the world on construction.
+    """The DP × CP × TP × PP layout of the job; collective over the world on construction.
 
     ``dp_set``, ``tp_set`` and ``pp_set`` are ordinary registered process sets; a
     set's rank order follows the coordinate along its axis, so ``tp_set.rank() ==
-    coords.tp`` and ``pp_set.rank() == coords.pp``.  Every rank must build the
-    same grid, in the same order relative to other process-set registrations.
+    coords.tp`` and ``pp_set.rank() == coords.pp``.  With ``cp`` > 1 there are two more:
+    ``cp_set`` (the ranks sharing one sequence) and ``dp_cp_set`` (every rank holding the
+    same parameters: data-parallel optimizers reduce gradients over it, since each CP rank
+    holds the gradient of its own tokens).  With ``cp=1`` ``cp_set`` is None (no context
+    parallelism: ring attention is ordinary attention) and ``dp_cp_set`` is ``dp_set``.
+    Every rank must build the same grid, in the same order relative to other process-set
+    registrations.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1) -> None:
-        self.shape = GridShape(dp=dp, tp=tp, pp=pp)
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+        self.shape = GridShape(dp=dp, tp=tp, pp=pp, cp=cp)
         topology = runtime.current().topology
         self.shape.check_fits(topology.world.size)
         self._world_rank_at = topology.host_order()  # position on the grid -> world rank
         position = self._world_rank_at.index(topology.world.rank)
         self.coords = self.shape.coordinates(position)
-        self._sets: dict[Axis, ProcessSet] = {}
+        self._sets: dict[tuple[Axis, ...], ProcessSet] = {}
         self._registered: list[ProcessSet] = []
-        for axis, groups in world_groups(self.shape, self._world_rank_at).items():
+        for axes, groups in world_groups(self.shape, self._world_rank_at).items():
             for ranks in groups:
                 self._registered.append(topology.add_process_set(ProcessSet(ranks)))
                 if topology.world.rank in ranks:
-                    self._sets[axis] = self._registered[-1]
+                    self._sets[axes] = self._registered[-1]
 
     @property
     def dp_set(self) -> ProcessSet:
-        return self._sets[Axis.DP]
+        return self._sets[(Axis.DP,)]
 
     @property
     def tp_set(self) -> ProcessSet:
-        return self._sets[Axis.TP]
+        return self._sets[(Axis.TP,)]
 
     @property
     def pp_set(self) -> ProcessSet:
-        return self._sets[Axis.PP]
+        return self._sets[(Axis.PP,)]
 
-    def world_rank(self, dp: int, tp: int, pp: int) -> int:
+    @property
+    def cp_set(self) -> ProcessSet | None:
+        return self._sets.get((Axis.CP,))
+
+    @property
+    def dp_cp_set(self) -> ProcessSet:
+        return self._sets.get((Axis.DP, Axis.CP), self.dp_set)
+
+    def world_rank(self, dp: int, tp: int, pp: int, cp: int = 0) -> int:
         """The world rank at these coordinates."""
-        return self._world_rank_at[self.shape.position(Coordinates(dp=dp, tp=tp, pp=pp))]
+        return self._world_rank_at[self.shape.position(Coordinates(dp=dp, tp=tp, pp=pp, cp=cp))]
 
     @property
     def is_first_stage(self) -> bool:
@@ -130,13 +148,13 @@ class ProcessGrid:
     def next_rank(self) -> int | None:
         """World rank of the next pipeline stage (activations go there), or None on the last."""
         at = self.coords
-        return None if self.is_last_stage else self.world_rank(at.dp, at.tp, at.pp + 1)
+        return None if self.is_last_stage else self.world_rank(at.dp, at.tp, at.pp + 1, at.cp)
 
     @property
     def prev_rank(self) -> int | None:
         """World rank of the previous pipeline stage (gradients go there), or None on the first."""
         at = self.coords
-        return None if self.is_first_stage else self.world_rank(at.dp, at.tp, at.pp - 1)
+        return None if self.is_first_stage else self.world_rank(at.dp, at.tp, at.pp - 1, at.cp)
 
     def free(self) -> None:
         """Unregister this grid's process sets (collective, like their registration)."""
@@ -146,27 +164,29 @@ class ProcessGrid:
         self._registered.clear()
 
     def __repr__(self) -> str:
-        at = self.coords
-        return (f"ProcessGrid(dp={self.shape.dp}, tp={self.shape.tp}, pp={self.shape.pp}; "
-                f"this rank at dp={at.dp}, tp={at.tp}, pp={at.pp})")
+        at, shape = self.coords, self.shape
+        cp = f", cp={shape.cp}" if shape.cp > 1 else ""
+        return (f"ProcessGrid(dp={shape.dp}, tp={shape.tp}, pp={shape.pp}{cp}; "
+                f"this rank at dp={at.dp}, tp={at.tp}, pp={at.pp}{f', cp={at.cp}' if cp else ''})")
 
 
-def world_groups(shape: GridShape, world_rank_at: list[int]) -> dict[Axis, list[list[int]]]:
-    """Every group of every axis (TP, DP, PP) as world ranks, given the world rank at each
-    grid position (host order); checked before any is registered."""
-    groups = {axis: [[world_rank_at[p] for p in group] for group in shape.groups(axis)]
-              for axis in (Axis.TP, Axis.DP, Axis.PP)}
-    for axis, members in groups.items():
+def world_groups(shape: GridShape, world_rank_at: list[int]) -> dict[tuple[Axis, ...], list[list[int]]]:
+    """Every group of every axis (TP, DP, PP, and with CP the CP and DP × CP groups) as world
+    ranks, given the world rank at each grid position (host order); checked before any is
+    registered."""
+    spans = [(Axis.TP,), (Axis.DP,), (Axis.PP,)] + ([(Axis.CP,), (Axis.DP, Axis.CP)] if shape.cp > 1 else [])
+    groups = {axes: [[world_rank_at[p] for p in group] for group in shape.groups(*axes)] for axes in spans}
+    for axes, members in groups.items():
         for ranks in members:
-            _check_axis_order(axis, ranks)
+            _check_axis_order(axes, ranks)
     return groups
 
 
-def _check_axis_order(axis: Axis, ranks: list[int]) -> None:
+def _check_axis_order(axes: tuple[Axis, ...], ranks: list[int]) -> None:
     """A process set orders its members by world rank; the grid needs that order to be the
     coordinate order, which holds when each host's ranks are consecutive (placement by
     slot, mpirun's and psrun's default)."""
     if ranks != sorted(ranks):
         raise InvalidArgumentError(
-            f"the {axis.value} group {ranks} of the host-sorted grid is not in increasing world-rank "
-            "order: launch with each host's ranks consecutive (--map-by slot, the default)")
+            f"the {' × '.join(a.value for a in axes)} group {ranks} of the host-sorted grid is not in increasing "
+            "world-rank order: launch with each host's ranks consecutive (--map-by slot, the default)")

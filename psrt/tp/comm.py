@@ -16,33 +16,16 @@ share of a step).
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
 from psrt import runtime
 from psrt.comm.base import ReduceOp
 from psrt.comm.direct import DirectGroup, check_divisible
+from psrt.comm.stats import CommStats
 from psrt.topology import ProcessSet
 
 _LABEL = "tensor-parallel"
-
-
-@dataclass
-class CommStats:
-    """Collectives run since the last ``reset``: how many of each kind, and how long."""
-
-    counts: Counter = field(default_factory=Counter)
-    seconds: float = 0.0
-
-    def reset(self) -> None:
-        self.counts.clear()
-        self.seconds = 0.0
-
-    def add(self, kind: str, since: float) -> None:
-        self.counts[kind] += 1
-        self.seconds += time.perf_counter() - since
 
 
 stats = CommStats()

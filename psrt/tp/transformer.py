@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from psrt.errors import InvalidArgumentError
+from psrt.cp.ring import ring_attention
 from psrt.tp.comm import group_size
 from psrt.tp.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
 from psrt.tp.random import check_probability, replicated_dropout, tensor_parallel_dropout
@@ -46,11 +47,14 @@ class ParallelSelfAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, *, process_set: ProcessSet | None = None,
                  sequence_parallel: bool = False, attention_dropout: float = 0.0,
-                 recompute: str | None = None) -> None:
+                 recompute: str | None = None, context_parallel: ProcessSet | None = None) -> None:
         super().__init__()
         self.recompute = check_mode(recompute, (None, "selective"))
-        self.process_set = process_set
+        self.process_set, self.context_parallel = process_set, context_parallel
         self.attention_dropout = check_probability(attention_dropout, "attention_dropout")
+        if context_parallel is not None and context_parallel.size() > 1 and self.attention_dropout:
+            raise InvalidArgumentError("attention_dropout is not supported with context parallelism: ring attention "
+                                       "never forms the whole probability matrix a mask would apply to")
         size = group_size(process_set)
         if dim % heads:
             raise InvalidArgumentError(f"model dimension ({dim}) is not divisible by the number of heads ({heads})")
@@ -73,9 +77,10 @@ class ParallelSelfAttention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``dropout(softmax(q kᵀ / √d + causal mask)) v`` on this rank's heads ([batch, heads,
-        sequence, head_dim]); the fused kernel when there is no dropout to draw."""
+        sequence, head_dim]); the fused kernel when there is no dropout to draw, ring attention
+        over the context-parallel set (this rank's zig-zag part of the sequence) with one."""
         if not self.training or self.attention_dropout == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return ring_attention(q, k, v, self.context_parallel, causal=True)
         sequence = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (self.head_dim ** -0.5)
         future = torch.ones(sequence, sequence, dtype=torch.bool, device=q.device).triu_(1)
@@ -88,11 +93,12 @@ class ParallelTransformerBlock(nn.Module):
 
     ``recompute="full"`` keeps only the block's input and runs the whole block again in
     backward; ``"selective"`` recomputes only the attention core (see
-    :class:`ParallelSelfAttention`)."""
+    :class:`ParallelSelfAttention`).  ``context_parallel`` is the CP set when the sequence is
+    split over one (each rank holds its zig-zag part; attention runs as ring attention)."""
 
     def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, process_set: ProcessSet | None = None,
                  sequence_parallel: bool = False, dropout: float = 0.0, attention_dropout: float = 0.0,
-                 recompute: str | None = None) -> None:
+                 recompute: str | None = None, context_parallel: ProcessSet | None = None) -> None:
         super().__init__()
         self.recompute = check_mode(recompute)
         self.process_set, self.sequence_parallel = process_set, sequence_parallel
@@ -100,7 +106,8 @@ class ParallelTransformerBlock(nn.Module):
         options = dict(process_set=process_set, sequence_parallel=sequence_parallel)
         self.ln1 = LayerNorm(dim, **options)
         self.attn = ParallelSelfAttention(dim, heads, attention_dropout=attention_dropout,
-                                          recompute="selective" if recompute == "selective" else None, **options)
+                                          recompute="selective" if recompute == "selective" else None,
+                                          context_parallel=context_parallel, **options)
         self.ln2 = LayerNorm(dim, **options)
         self.mlp = ParallelMLP(dim, mlp_ratio * dim, **options)
 

@@ -15,9 +15,10 @@ from psrt.pp import balanced_split, explicit_split
 from psrt.tp.sharding import Sharding
 
 
-@pytest.mark.parametrize("dp,tp_size,pp", [(1, 1, 1), (2, 2, 2), (3, 2, 1), (1, 4, 2), (2, 1, 3)])
-def test_grid_groups_partition_the_ranks_along_each_axis(dp, tp_size, pp):
-    shape = GridShape(dp=dp, tp=tp_size, pp=pp)
+@pytest.mark.parametrize("dp,tp_size,pp,cp", [(1, 1, 1, 1), (2, 2, 2, 1), (3, 2, 1, 1), (1, 4, 2, 1), (2, 1, 3, 1),
+                                              (2, 2, 1, 2), (1, 1, 2, 3), (2, 2, 2, 2)])
+def test_grid_groups_partition_the_ranks_along_each_axis(dp, tp_size, pp, cp):
+    shape = GridShape(dp=dp, tp=tp_size, pp=pp, cp=cp)
     for position in range(shape.size):
         assert shape.position(shape.coordinates(position)) == position
     for axis in Axis:
@@ -35,6 +36,17 @@ def test_tp_is_the_innermost_axis():
     assert [shape.coordinates(p) for p in range(4)] == [
         Coordinates(dp=0, tp=0, pp=0), Coordinates(dp=0, tp=1, pp=0),
         Coordinates(dp=1, tp=0, pp=0), Coordinates(dp=1, tp=1, pp=0)]
+
+
+def test_cp_comes_after_tp_and_before_dp_and_pp():
+    """Megatron's and picotron's order: TP innermost, then CP, DP, PP."""
+    shape = GridShape(dp=2, tp=2, pp=2, cp=2)
+    assert [(c.tp, c.cp, c.dp, c.pp) for c in map(shape.coordinates, (0, 1, 2, 4, 8))] == [
+        (0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)]
+    # the DP × CP group holds every rank with the same TP and PP coordinates
+    assert shape.groups(Axis.DP, Axis.CP)[0] == [0, 2, 4, 6]
+    with pytest.raises(InvalidArgumentError, match=r"dp × cp × tp × pp = 2 × 2 × 2 × 2 = 16 does not match the 8"):
+        shape.check_fits(8)
 
 
 def test_grid_product_must_match_the_world():
@@ -137,8 +149,9 @@ def test_round_robin_hosts_keep_tp_groups_on_one_host():
     # 2 hosts x 4 slots placed by node: host A has ranks 0, 2, 4, 6; host order lists them first
     host_order = [0, 2, 4, 6, 1, 3, 5, 7]
     groups = world_groups(GridShape(dp=2, tp=2, pp=2), host_order)
-    assert groups[Axis.TP] == [[0, 2], [4, 6], [1, 3], [5, 7]]  # each pair on one host
-    assert groups[Axis.PP] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups[(Axis.TP,)] == [[0, 2], [4, 6], [1, 3], [5, 7]]  # each pair on one host
+    assert groups[(Axis.PP,)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert (Axis.CP,) not in groups, "no CP sets are registered without context parallelism"
 
 
 def test_a_placement_that_breaks_the_axis_order_is_refused_before_any_registration():

@@ -46,13 +46,13 @@ def reference_run(cfg: GPTConfig) -> tuple[list[float], dict[str, torch.Tensor]]
 
 def check_follows_single_process(key: str, dp: int, tp_size: int, pp_size: int, schedule: str,
                                  sequence_parallel: bool = False, zero: bool = False, chunks: int = 1,
-                                 overlap: bool | None = None, recompute: str | None = None) -> None:
+                                 overlap: bool | None = None, recompute: str | None = None, cp: int = 1) -> None:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         cfg = config(sequence_parallel, recompute)
         want_losses, want_state = reference_run(config(sequence_parallel))
-        grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size)
+        grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size, cp=cp)
         trainer = build_trainer(cfg, grid, schedule=schedule, microbatches=4 if schedule != "interleaved" else 2,
                                 chunks=chunks, zero=zero, overlap=overlap, lr=LR, seed=SEED)
         generator, losses = torch.Generator().manual_seed(SEED), []
@@ -90,6 +90,10 @@ LAYOUTS = [
     ("dp2_tp1_pp2/zb-h1/overlapped_allreduce", 2, 1, 2, "zb-h1", {"overlap": True}),
     # a split backward recomputes a block twice (input half, then weight half), masks replayed both times
     ("dp1_tp2_pp2/zb-h1/recompute_full", 1, 2, 2, "zb-h1", {"recompute": "full"}),
+    # context parallelism: ring attention over zig-zag parts of every sequence
+    ("dp1_tp1_pp2_cp2/1f1b", 1, 1, 2, "1f1b", {"cp": 2}),
+    ("dp2_tp1_pp1_cp2/1f1b", 2, 1, 1, "1f1b", {"cp": 2}),
+    ("dp1_tp2_pp1_cp2/1f1b/sequence_parallel", 1, 2, 1, "1f1b", {"cp": 2, "sequence_parallel": True}),
 ]
 
 
