@@ -39,18 +39,24 @@ class Coordinates:
 
 @dataclass(frozen=True)
 class GridShape:
+    """Sizes along each axis; ``ep`` (expert parallelism) splits the data-parallel axis."""
+
     dp: int
     tp: int
     pp: int
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for axis in Axis:
-            value = getattr(self, axis.value)
+        for name in [axis.value for axis in Axis] + ["ep"]:
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ArgumentTypeError(f"{axis.value} must be an int, got {value!r}")
+                raise ArgumentTypeError(f"{name} must be an int, got {value!r}")
             if value < 1:
-                raise InvalidArgumentError(f"{axis.value} must be at least 1, got {value}")
+                raise InvalidArgumentError(f"{name} must be at least 1, got {value}")
+        if self.dp % self.ep:
+            raise InvalidArgumentError(f"ep = {self.ep} does not divide dp = {self.dp}: experts are sharded over "
+                                       "data-parallel ranks, so the expert-parallel size must divide the data-parallel one")
 
     @property
     def size(self) -> int:
@@ -82,6 +88,18 @@ class GridShape:
             found.setdefault(tuple(at.along(a) for a in others), []).append(position)
         return list(found.values())
 
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Positions of the EP groups (ep consecutive data-parallel ranks, same TP, PP and CP
+        coordinates) and of the expert-data-parallel groups (the ranks holding the same
+        experts: same TP and PP coordinates and data-parallel rank modulo ep, any CP)."""
+        experts: dict[tuple[int, ...], list[int]] = {}
+        replicas: dict[tuple[int, ...], list[int]] = {}
+        for position in range(self.size):
+            at = self.coordinates(position)
+            experts.setdefault((at.tp, at.pp, at.cp, at.dp // self.ep), []).append(position)
+            replicas.setdefault((at.tp, at.pp, at.dp % self.ep), []).append(position)
+        return list(experts.values()), list(replicas.values())
+
 
 class ProcessGrid:
     """The DP × CP × TP × PP layout of the job; collective over the world on construction.
@@ -93,12 +111,15 @@ class ProcessGrid:
     same parameters: data-parallel optimizers reduce gradients over it, since each CP rank
     holds the gradient of its own tokens).  With ``cp=1`` ``cp_set`` is None (no context
     parallelism: ring attention is ordinary attention) and ``dp_cp_set`` is ``dp_set``.
-    Every rank must build the same grid, in the same order relative to other process-set
-    registrations.
+    With ``ep`` > 1 (which must divide ``dp``) experts are sharded over ``ep_set`` (ep
+    consecutive data-parallel ranks) and ``edp_set`` holds the ranks with the same experts,
+    over which their gradients are reduced; with ``ep=1`` ``ep_set`` is None and ``edp_set``
+    is ``dp_cp_set``.  Every rank must build the same grid, in the same order relative to
+    other process-set registrations.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
-        self.shape = GridShape(dp=dp, tp=tp, pp=pp, cp=cp)
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
+        self.shape = GridShape(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         topology = runtime.current().topology
         self.shape.check_fits(topology.world.size)
         self._world_rank_at = topology.host_order()  # position on the grid -> world rank
@@ -131,6 +152,14 @@ class ProcessGrid:
     @property
     def dp_cp_set(self) -> ProcessSet:
         return self._sets.get((Axis.DP, Axis.CP), self.dp_set)
+
+    @property
+    def ep_set(self) -> ProcessSet | None:
+        return self._sets.get(EXPERTS)
+
+    @property
+    def edp_set(self) -> ProcessSet:
+        return self._sets.get(EXPERT_REPLICAS, self.dp_cp_set)
 
     def world_rank(self, dp: int, tp: int, pp: int, cp: int = 0) -> int:
         """The world rank at these coordinates."""
@@ -166,7 +195,8 @@ class ProcessGrid:
     def __repr__(self) -> str:
         at, shape = self.coords, self.shape
         cp = f", cp={shape.cp}" if shape.cp > 1 else ""
-        return (f"ProcessGrid(dp={shape.dp}, tp={shape.tp}, pp={shape.pp}{cp}; "
+        ep = f", ep={shape.ep}" if shape.ep > 1 else ""
+        return (f"ProcessGrid(dp={shape.dp}, tp={shape.tp}, pp={shape.pp}{cp}{ep}; "
                 f"this rank at dp={at.dp}, tp={at.tp}, pp={at.pp}{f', cp={at.cp}' if cp else ''})")
 
 
@@ -176,17 +206,26 @@ def world_groups(shape: GridShape, world_rank_at: list[int]) -> dict[tuple[Axis,
     registered."""
     spans = [(Axis.TP,), (Axis.DP,), (Axis.PP,)] + ([(Axis.CP,), (Axis.DP, Axis.CP)] if shape.cp > 1 else [])
     groups = {axes: [[world_rank_at[p] for p in group] for group in shape.groups(*axes)] for axes in spans}
+    if shape.ep > 1:
+        experts, replicas = shape.expert_groups()
+        groups[EXPERTS] = [[world_rank_at[p] for p in group] for group in experts]
+        groups[EXPERT_REPLICAS] = [[world_rank_at[p] for p in group] for group in replicas]
     for axes, members in groups.items():
         for ranks in members:
             _check_axis_order(axes, ranks)
     return groups
 
 
-def _check_axis_order(axes: tuple[Axis, ...], ranks: list[int]) -> None:
+# keys of the expert-parallel sets among the grid's sets (spans of DP, named for messages)
+EXPERTS, EXPERT_REPLICAS = ("ep",), ("edp",)
+
+
+def _check_axis_order(axes: tuple, ranks: list[int]) -> None:
     """A process set orders its members by world rank; the grid needs that order to be the
     coordinate order, which holds when each host's ranks are consecutive (placement by
     slot, mpirun's and psrun's default)."""
     if ranks != sorted(ranks):
         raise InvalidArgumentError(
-            f"the {' × '.join(a.value for a in axes)} group {ranks} of the host-sorted grid is not in increasing "
+            f"the {' × '.join(getattr(a, 'value', a) for a in axes)} group {ranks} of the host-sorted grid is not "
+            "in increasing "
             "world-rank order: launch with each host's ranks consecutive (--map-by slot, the default)")

@@ -1,0 +1,52 @@
+"""The all-to-all of expert parallelism, over an EP process set, with its autograd.
+
+Dispatch and combine send each rank a different number of token rows (uneven splits).  They
+run on the set's direct group (:meth:`psrt.comm.direct.DirectGroup.all_to_all`), on the
+caller's thread like TP's collectives: the members exchange their row counts and row shapes
+first, so a rank sending rows of another width is one error on every rank.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from psrt import runtime
+from psrt.comm.stats import CommStats
+from psrt.topology import ProcessSet
+
+_LABEL = "expert-parallel"
+
+stats = CommStats()  # all-to-alls run and the seconds spent in them
+
+
+def exchange(tensor: torch.Tensor, send_rows: Sequence[int], process_set: ProcessSet) -> tuple[torch.Tensor,
+                                                                                                list[int]]:
+    """Rows ``[sum(send_rows[:r]), sum(send_rows[:r + 1]))`` go to member r; returns what
+    arrived (in member order) and how many rows came from each member.  No autograd."""
+    start = time.perf_counter()
+    group = runtime.current().topology.direct(process_set)
+    out, received = group.all_to_all(tensor, list(send_rows), label=_LABEL)
+    stats.add("all_to_all", start)
+    return out, received
+
+
+class _AllToAll(torch.autograd.Function):
+    """:func:`exchange` forward; backward sends each gradient row back where its row came from."""
+
+    @staticmethod
+    def forward(ctx, tensor, send_rows, process_set):
+        out, received = exchange(tensor, send_rows, process_set)
+        ctx.received, ctx.process_set = received, process_set
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back, _ = exchange(grad.contiguous(), ctx.received, ctx.process_set)
+        return back, None, None
+
+
+def all_to_all(tensor: torch.Tensor, send_rows: Sequence[int], process_set: ProcessSet) -> torch.Tensor:
+    """Differentiable :func:`exchange` (the rows received; their counts the caller knows)."""
+    return _AllToAll.apply(tensor, tuple(send_rows), process_set)
