@@ -1,7 +1,8 @@
 """A mixture-of-experts layer whose experts are sharded over an expert-parallel (EP) set.
 
 Each token goes to the ``top_k`` experts its router scores highest, weighted by their
-(renormalised) router probabilities.  Routing happens on the token's own rank; the
+router probabilities (renormalised over the k when k > 1, as Mixtral does; top-1 keeps
+the probability, as Switch does).  Routing happens on the token's own rank; the
 token rows then travel to the ranks holding their experts in one all-to-all (dispatch,
 uneven splits), each expert runs on every row it received, and a second all-to-all brings
 the results back (combine), where they are weighted and summed per token.
