@@ -7,6 +7,7 @@ download.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import textwrap
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 import psrt.torch as hvd
-from psrt import cp, pp, tp
+from psrt import cp, ep, pp, tp
 from psrt.grid import ProcessGrid
 from psrt.topology import ProcessSet
 from psrt.torch.optimizer import Bucketing
@@ -32,6 +33,10 @@ class GPTConfig:
     sequence_parallel: bool = False
     dropout: float = 0.0  # on the attention probabilities and on each residual branch
     recompute: str | None = None  # "full": each block's input is all a stage keeps; "selective": attention core
+    experts: int = 0  # > 0: every MLP is a mixture of this many experts (sharded over the grid's EP set)
+    top_k: int = 2
+    capacity_factor: float | None = None  # None: dropless routing
+    aux_loss_coef: float = 0.0  # weight of the load-balancing loss
 
 
 class Embedding(nn.Module):
@@ -77,16 +82,30 @@ class Head(nn.Module):
 
 
 def build_blocks(config: GPTConfig, process_set: ProcessSet | None = None,
-                 context_parallel: ProcessSet | None = None) -> list[nn.Module]:
-    """The model as a list of blocks; the same seed gives the same weights at any TP or CP size."""
+                 context_parallel: ProcessSet | None = None, expert_parallel: ProcessSet | None = None
+                 ) -> list[nn.Module]:
+    """The model as a list of blocks; the same seed gives the same weights at any TP, CP or EP size."""
     blocks: list[nn.Module] = [Embedding(config, process_set, context_parallel)]
     for _ in range(config.layers):
         blocks.append(tp.ParallelTransformerBlock(
             config.dim, config.heads, process_set=process_set, sequence_parallel=config.sequence_parallel,
             dropout=config.dropout, attention_dropout=config.dropout,
-            recompute="selective" if config.recompute == "selective" else None, context_parallel=context_parallel))
+            recompute="selective" if config.recompute == "selective" else None, context_parallel=context_parallel,
+            mlp=moe(config, process_set, expert_parallel) if config.experts else None))
     blocks.append(Head(config, process_set))
     return blocks
+
+
+def moe(config: GPTConfig, process_set: ProcessSet | None, expert_parallel: ProcessSet | None) -> ep.MoE:
+    """The MoE variant of a block's MLP: experts sharded over the EP set, each split over TP.
+    Under sequence parallelism the TP ranks would hold different tokens and route them
+    differently, which TP-split experts cannot follow."""
+    if config.sequence_parallel and tp.comm.group_size(process_set) > 1:
+        raise ValueError("the MoE variant does not support sequence parallelism with TP > 1")
+    hidden = 4 * config.dim
+    return ep.MoE(config.dim, hidden, config.experts, top_k=config.top_k, capacity_factor=config.capacity_factor,
+                  aux_loss_coef=config.aux_loss_coef, process_set=expert_parallel,
+                  expert=lambda: tp.ParallelMLP(config.dim, hidden, process_set=process_set))
 
 
 def loss_function(config: GPTConfig, process_set: ProcessSet | None):
@@ -118,30 +137,40 @@ class Trainer:
     grid: ProcessGrid
     stage: pp.PipelineStage
     pipeline: pp.Pipeline
-    optimizer: object
+    optimizers: list  # the dense parameters' and, with experts, the experts' (reduced over other ranks)
 
 
 def build_trainer(config: GPTConfig, grid: ProcessGrid, *, schedule: str | None = None, microbatches: int = 4,
                   chunks: int = 1, zero: bool = False, overlap: bool | None = None, lr: float = 3e-3,
                   seed: int = 0) -> Trainer:
     """The tiny GPT on ``grid``: TP layers over the TP set, ring attention over the CP set,
-    stages over the PP set, and AdamW data-parallel over the DP × CP set (every rank holding
-    the same parameters; allreduce after the step's last backward, or ZeRO-1).
-    ``overlap`` is DistributedOptimizer's choice to all-reduce during that backward (default:
-    when it pays; turn it off for CUDA with TP or PP, see the README)."""
+    experts over the EP set, stages over the PP set, and AdamW data-parallel over the DP × CP
+    set (every rank holding the same parameters; allreduce after the step's last backward, or
+    ZeRO-1).  Expert parameters are reduced over the ranks holding the same experts
+    (``grid.edp_set``); each saw the tokens of ``ep`` DP ranks, so their gradients are first
+    divided by ``ep``, which makes the average over ``edp_set`` the mean over every DP rank's
+    loss, as for the dense parameters.  ``overlap`` is DistributedOptimizer's choice to
+    all-reduce during that backward (default: when it pays; turn it off for CUDA with TP or
+    PP, see the README)."""
     tp.manual_seed(seed, grid.tp_set)  # every rank draws the full model, then keeps its share
-    stage = pp.PipelineStage(build_blocks(config, grid.tp_set, grid.cp_set), grid.pp_set, chunks=chunks,
-                             recompute="full" if config.recompute == "full" else None)
+    stage = pp.PipelineStage(build_blocks(config, grid.tp_set, grid.cp_set, grid.ep_set), grid.pp_set,
+                             chunks=chunks, recompute="full" if config.recompute == "full" else None)
     pipeline = pp.Pipeline(stage, loss_function(config, grid.tp_set), microbatches=microbatches,
                            schedule=schedule)
+    experts, dense = ep.expert_parameters(stage)
     if zero:
-        optimizer = ZeroOptimizer(stage, torch.optim.AdamW, stage=1, process_set=grid.dp_cp_set, lr=lr)
-    else:
-        optimizer = hvd.DistributedOptimizer(torch.optim.AdamW(stage.parameters(), lr=lr),
-                                             named_parameters=stage.named_parameters(),
-                                             backward_passes_per_step=microbatches, process_set=grid.dp_cp_set,
-                                             bucketing=Bucketing(overlap=overlap))
-    return Trainer(grid, stage, pipeline, optimizer)
+        if experts:
+            raise ValueError("the tiny GPT's ZeRO-1 option covers dense models only")
+        return Trainer(grid, stage, pipeline,
+                       [ZeroOptimizer(stage, torch.optim.AdamW, stage=1, process_set=grid.dp_cp_set, lr=lr)])
+    if grid.ep_set is not None:
+        for _, param in experts:
+            param.register_hook(functools.partial(torch.mul, other=1.0 / grid.shape.ep))
+    optimizers = [hvd.DistributedOptimizer(torch.optim.AdamW([p for _, p in named], lr=lr), named_parameters=named,
+                                           backward_passes_per_step=microbatches, process_set=reduced_over,
+                                           bucketing=Bucketing(overlap=overlap))
+                  for named, reduced_over in ((dense, grid.dp_cp_set), (experts, grid.edp_set)) if named]
+    return Trainer(grid, stage, pipeline, optimizers)
 
 
 def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -156,6 +185,7 @@ def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) ->
     if grid.cp_set is not None:
         inputs, targets = (cp.split(t, 1, grid.coords.cp, grid.shape.cp) for t in (inputs, targets))
     loss = trainer.pipeline.step(inputs if grid.is_first_stage else None, targets if grid.is_last_stage else None)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad()
+    for optimizer in trainer.optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
     return hvd.allreduce(loss.reshape(1), name="tiny_gpt.loss", process_set=grid.dp_cp_set).item()

@@ -26,6 +26,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention over the sequence)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides the DP size; needs --experts)")
+    p.add_argument("--experts", type=int, default=0, help="make every MLP a mixture of this many experts")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--capacity-factor", type=float, default=None, help="expert capacity (default: dropless)")
+    p.add_argument("--aux-loss-coef", type=float, default=0.01, help="weight of the load-balancing loss")
     p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
                    help="default: interleaved with --chunks > 1, else 1f1b; zb-h1 splits each backward and "
                         "defers the weight half into the bubble")
@@ -50,16 +55,20 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     hvd.init()
+    if args.ep > 1 and not args.experts:
+        raise SystemExit("--ep shards experts: give --experts as well")
     dp = args.dp if args.dp is not None else max(1, hvd.size() // (args.tp * args.pp * args.cp))
-    grid = ProcessGrid(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp)
+    grid = ProcessGrid(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     data, alphabet = corpus()
     config = GPTConfig(vocab_size=len(alphabet), sequence_length=args.sequence_length, dim=args.dim,
                        heads=args.heads, layers=args.layers, sequence_parallel=args.sequence_parallel,
-                       dropout=args.dropout, recompute=args.recompute)
+                       dropout=args.dropout, recompute=args.recompute, experts=args.experts, top_k=args.top_k,
+                       capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
     trainer = build_trainer(config, grid, schedule=args.schedule, microbatches=args.microbatches,
                             chunks=args.chunks, zero=args.zero, lr=args.lr, seed=args.seed)
     generator = torch.Generator().manual_seed(args.seed)
-    layout = f"dp={dp} tp={args.tp} pp={args.pp}" + (f" cp={args.cp}" if args.cp > 1 else "")
+    layout = (f"dp={dp} tp={args.tp} pp={args.pp}" + (f" cp={args.cp}" if args.cp > 1 else "")
+              + (f" ep={args.ep} ({args.experts} experts, top-{args.top_k})" if args.experts else ""))
     losses = []
     with tqdm(range(args.steps), desc=f"tiny GPT, {layout}", unit="step", disable=hvd.rank() != 0) as steps:
         for _ in steps:

@@ -94,11 +94,13 @@ class ParallelTransformerBlock(nn.Module):
     ``recompute="full"`` keeps only the block's input and runs the whole block again in
     backward; ``"selective"`` recomputes only the attention core (see
     :class:`ParallelSelfAttention`).  ``context_parallel`` is the CP set when the sequence is
-    split over one (each rank holds its zig-zag part; attention runs as ring attention)."""
+    split over one (each rank holds its zig-zag part; attention runs as ring attention).
+    ``mlp`` replaces the dense MLP, e.g. with a :class:`psrt.ep.MoE`."""
 
     def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, process_set: ProcessSet | None = None,
                  sequence_parallel: bool = False, dropout: float = 0.0, attention_dropout: float = 0.0,
-                 recompute: str | None = None, context_parallel: ProcessSet | None = None) -> None:
+                 recompute: str | None = None, context_parallel: ProcessSet | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.recompute = check_mode(recompute)
         self.process_set, self.sequence_parallel = process_set, sequence_parallel
@@ -109,7 +111,7 @@ class ParallelTransformerBlock(nn.Module):
                                           recompute="selective" if recompute == "selective" else None,
                                           context_parallel=context_parallel, **options)
         self.ln2 = LayerNorm(dim, **options)
-        self.mlp = ParallelMLP(dim, mlp_ratio * dim, **options)
+        self.mlp = ParallelMLP(dim, mlp_ratio * dim, **options) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self._forward, x) if self.recompute == "full" else self._forward(x)

@@ -24,9 +24,11 @@ STEPS, ROWS, LR, SEED = 4, 8, 1e-2, 3
 DATA, ALPHABET = corpus()
 
 
-def config(sequence_parallel: bool = False, recompute: str | None = None) -> GPTConfig:
+def config(sequence_parallel: bool = False, recompute: str | None = None, experts: int = 0) -> GPTConfig:
+    """Experts route dropless and without the load-balancing loss: both depend on which tokens
+    share a forward, and a pipeline's micro-batches are not the one process's whole batch."""
     return GPTConfig(vocab_size=len(ALPHABET), sequence_length=16, dim=16, heads=4, layers=2,
-                     sequence_parallel=sequence_parallel, recompute=recompute)
+                     sequence_parallel=sequence_parallel, recompute=recompute, experts=experts)
 
 
 def reference_run(cfg: GPTConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -46,14 +48,16 @@ def reference_run(cfg: GPTConfig) -> tuple[list[float], dict[str, torch.Tensor]]
 
 def check_follows_single_process(key: str, dp: int, tp_size: int, pp_size: int, schedule: str,
                                  sequence_parallel: bool = False, zero: bool = False, chunks: int = 1,
-                                 overlap: bool | None = None, recompute: str | None = None, cp: int = 1) -> None:
+                                 overlap: bool | None = None, recompute: str | None = None, cp: int = 1,
+                                 ep: int = 1, experts: int = 0, microbatches: int | None = None) -> None:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        cfg = config(sequence_parallel, recompute)
-        want_losses, want_state = reference_run(config(sequence_parallel))
-        grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size, cp=cp)
-        trainer = build_trainer(cfg, grid, schedule=schedule, microbatches=4 if schedule != "interleaved" else 2,
+        cfg = config(sequence_parallel, recompute, experts)
+        want_losses, want_state = reference_run(config(sequence_parallel, experts=experts))
+        grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size, cp=cp, ep=ep)
+        default = 4 if schedule != "interleaved" else 2
+        trainer = build_trainer(cfg, grid, schedule=schedule, microbatches=microbatches or default,
                                 chunks=chunks, zero=zero, overlap=overlap, lr=LR, seed=SEED)
         generator, losses = torch.Generator().manual_seed(SEED), []
         for _ in range(STEPS):
@@ -94,6 +98,10 @@ LAYOUTS = [
     ("dp1_tp1_pp2_cp2/1f1b", 1, 1, 2, "1f1b", {"cp": 2}),
     ("dp2_tp1_pp1_cp2/1f1b", 2, 1, 1, "1f1b", {"cp": 2}),
     ("dp1_tp2_pp1_cp2/1f1b/sequence_parallel", 1, 2, 1, "1f1b", {"cp": 2, "sequence_parallel": True}),
+    # expert parallelism: the MLPs are 4-expert MoEs, experts over EP (inside DP), split over TP
+    ("dp2_tp1_pp2_ep2/1f1b", 2, 1, 2, "1f1b", {"ep": 2, "experts": 4}),
+    ("dp2_tp2_pp1_ep2/1f1b", 2, 2, 1, "1f1b", {"ep": 2, "experts": 4}),
+    ("dp4_tp1_pp1_ep2/1f1b", 4, 1, 1, "1f1b", {"ep": 2, "experts": 4, "microbatches": 2}),
 ]
 
 
