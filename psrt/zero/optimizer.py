@@ -110,8 +110,8 @@ class ZeroOptimizer:
         if stage == 3:
             self.gatherer = ParameterGatherer(
                 [Unit(module, [self.groups[g] for g in groups]) for module, groups in layout.units],
-                allgather_bucket_size)
-            for module, _ in layout.units:
+                allgather_bucket_size, layout.shared_uses)
+            for module in dict.fromkeys([module for module, _ in layout.units + layout.shared_uses]):
                 module.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
 
     # -- torch.optim.Optimizer's surface --------------------------------------------------

@@ -35,6 +35,7 @@ class Layout:
     shard: int
     units: list[tuple[torch.nn.Module, list[int]]]
     optimizer_groups: list[tuple[dict, list[int]]]
+    shared_uses: list[tuple[torch.nn.Module, int]]  # stage 3: (module, unit) where a module uses a tied parameter
 
     def optimizer_group_of(self, flat_group: int) -> int:
         """The optimizer group whose parameters flat group ``flat_group`` holds (one, by construction)."""
@@ -65,8 +66,9 @@ def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs:
     optimizer_groups = _optimizer_groups(param_groups, model, params, names)
     group_of = {index: g for g, (_, members) in enumerate(optimizer_groups) for index in members}
     units: list[tuple[torch.nn.Module, list[list[int]]]] = []
+    shared_uses: list[tuple[torch.nn.Module, int]] = []
     if stage == 3:
-        units = _units(model, params, names, group_of)
+        units, shared_uses = _units(model, params, group_of)
         groups = [group for _, module_groups in units for group in module_groups]
     else:
         groups = [bucket for _, members in optimizer_groups
@@ -79,7 +81,8 @@ def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs:
     for module, module_groups in units:
         unit_groups.append((module, list(range(next_group, next_group + len(module_groups)))))
         next_group += len(module_groups)
-    return Layout(params, names, partition, 0 if stage == 0 else process_set.rank(), unit_groups, optimizer_groups)
+    return Layout(params, names, partition, 0 if stage == 0 else process_set.rank(), unit_groups, optimizer_groups,
+                  shared_uses)
 
 
 def _optimizer_groups(param_groups: list[dict] | None, model: torch.nn.Module, params: list[torch.nn.Parameter],
@@ -157,27 +160,32 @@ def _buckets(params: list[torch.nn.Parameter], members: list[int], bucket_elemen
     return [sorted(backward[slot] for slot in bucket.members) for bucket in buckets]
 
 
-def _units(model: torch.nn.Module, params: list[torch.nn.Parameter], names: list[str],
-           group_of: dict[int, int]) -> list[tuple[torch.nn.Module, list[list[int]]]]:
+def _units(model: torch.nn.Module, params: list[torch.nn.Parameter], group_of: dict[int, int]
+           ) -> tuple[list[tuple[torch.nn.Module, list[list[int]]]], list[tuple[torch.nn.Module, int]]]:
     """Each module owning trainable parameters directly, with its parameters split by dtype and
-    optimizer group."""
+    optimizer group; and where a module also uses a parameter another module registered first
+    (tied weights), that use, with the unit that holds the parameter (gathered for each use,
+    as FSDP does)."""
     index_of = {id(param): index for index, param in enumerate(params)}
-    owner: dict[int, str] = {}
-    units = []
-    for module_name, module in model.named_modules():
+    unit_of: dict[int, int] = {}
+    units, shared_uses = [], []
+    for module in model.modules():
         by_dtype: dict[tuple[torch.dtype, int], list[int]] = {}
+        uses: list[int] = []
         for param in module.parameters(recurse=False):
             if id(param) not in index_of:
                 continue
-            if id(param) in owner:
-                raise InvalidArgumentError(
-                    f"ZeRO stage 3: parameter {names[index_of[id(param)]]!r} is registered in both module "
-                    f"{owner[id(param)]!r} and {module_name!r}; shared (tied) parameters need stage 0-2")
-            owner[id(param)] = module_name
+            if id(param) in unit_of:
+                uses.append(unit_of[id(param)])
+                continue
             by_dtype.setdefault((param.dtype, group_of[index_of[id(param)]]), []).append(index_of[id(param)])
         if by_dtype:
+            for members in by_dtype.values():
+                for index in members:
+                    unit_of[id(params[index])] = len(units)
             units.append((module, list(by_dtype.values())))
-    return units
+        shared_uses += [(module, unit) for unit in dict.fromkeys(uses)]
+    return units, shared_uses
 
 
 def _digest(param: torch.Tensor) -> str:

@@ -7,6 +7,12 @@ budget); a post-hook frees it and hooks its outputs so that the gradient
 arriving at them gathers the unit again, with the unit before it prefetched,
 just before its own backward runs.  The optimizer frees a unit once its
 gradients are reduced, and whatever is still gathered at the end of backward.
+
+A parameter shared by two modules (tied input and output embeddings) belongs to
+the unit of the first; every other module using it gathers that unit around its
+own forward and again before its own backward, and frees it after its forward.
+Its gradient, summed over the uses by autograd, is reduced once, when the last
+use's backward is done.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ class ParameterGatherer:
     """Gathers and frees units around their forward and backward; records the peak of gathered
     parameter bytes, measured from the buffers' storages."""
 
-    def __init__(self, units: list[Unit], prefetch_elements: int) -> None:
+    def __init__(self, units: list[Unit], prefetch_elements: int,
+                 shared_uses: list[tuple[torch.nn.Module, int]] = ()) -> None:
         self.units, self.prefetch_elements = units, prefetch_elements
         self.order: list[int] = []          # forward order, recorded during the first forward
         self._recording = True
@@ -40,6 +47,9 @@ class ParameterGatherer:
             unit.module.register_forward_pre_hook(lambda module, args, index=index: self._before_forward(index))
             unit.module.register_forward_hook(
                 lambda module, args, output, index=index: self._after_forward(index, output))
+        for module, index in shared_uses:  # another module's use of a unit's (tied) parameter
+            module.register_forward_pre_hook(lambda module, args, index=index: self.gather(index))
+            module.register_forward_hook(lambda module, args, output, index=index: self._after_use(index, output))
 
     def gather(self, index: int) -> None:
         for group in self.units[index].groups:
@@ -88,12 +98,17 @@ class ParameterGatherer:
         self.prefetch(self._next(index, 1))
 
     def _after_forward(self, index: int, output: object) -> None:
+        self._after_use(index, output, self._before_backward)
+
+    def _after_use(self, index: int, output: object, before_backward=None) -> None:
+        """Free the unit, and gather it again when the gradient reaches this use's output."""
         self.release(index)
         if not torch.is_grad_enabled():
             return
+        again = before_backward or self.gather
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         for tensor in tensors:
-            tensor.register_hook(lambda grad, index=index: self._before_backward(index))
+            tensor.register_hook(lambda grad, index=index: again(index))
 
     def _before_backward(self, index: int) -> None:
         self.gather(index)
