@@ -157,3 +157,16 @@ def test_round_robin_hosts_keep_tp_groups_on_one_host():
 def test_a_placement_that_breaks_the_axis_order_is_refused_before_any_registration():
     with pytest.raises(InvalidArgumentError, match=r"the pp group \[0, 4, 1, 5\].*--map-by slot"):
         world_groups(GridShape(dp=2, tp=1, pp=4), [0, 2, 4, 6, 1, 3, 5, 7])
+
+
+def test_full_state_dict_in_one_process_is_the_state_dict_and_loads_back():
+    from psrt.full_state import full_state_dict, load_full_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), tp.LayerNorm(4))
+    whole = full_state_dict(model)
+    assert whole.keys() == model.state_dict().keys()
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), tp.LayerNorm(4))
+    load_full_state_dict(other, {**whole, "9.weight": torch.zeros(1)})  # entries of other ranks are ignored
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), whole.values()))
+    with pytest.raises(InvalidArgumentError, match=r"needs \['1.bias'\], which the state_dict lacks"):
+        load_full_state_dict(other, {k: v for k, v in whole.items() if k != "1.bias"})

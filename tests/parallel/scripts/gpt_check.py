@@ -1,7 +1,8 @@
 """The tiny GPT on 4 ranks laid out as DP × TP × PP in several ways (with 1F1B, GPipe,
 interleaving, sequence parallelism, activation recomputation and ZeRO-1 for the DP
 part) follows the same loss curve as one process training the same model on the same
-global batches, in float64, and ends with the same parameters.
+global batches, in float64, and ends with the same parameters: the whole single-process
+state_dict, from one full_state_dict call on any layout, which load_full_state_dict takes back.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch.nn import functional as F
 
 import _harness
 import psrt.torch as hvd
-from psrt import tp
+from psrt.full_state import full_state_dict, load_full_state_dict
 from psrt.grid import ProcessGrid
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
@@ -63,16 +64,23 @@ def check_follows_single_process(key: str, dp: int, tp_size: int, pp_size: int, 
         for _ in range(STEPS):
             inputs, targets = batch(DATA, ROWS, cfg.sequence_length, generator)
             losses.append(train_step(trainer, inputs, targets))
-        got_state = tp.full_state_dict(trainer.stage, grid.tp_set)
+        got_state = full_state_dict(trainer.stage, grid, trainer.optimizers[0])
+        # the inverse: a model built from another seed takes the state back, and gives it again
+        fresh = build_trainer(cfg, grid, schedule=schedule, microbatches=microbatches or default, chunks=chunks,
+                              lr=LR, seed=SEED + 1).stage
+        load_full_state_dict(fresh, got_state)
+        again = full_state_dict(fresh, grid)
         grid.free()
     finally:
         torch.set_default_dtype(previous)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-9, atol=1e-12,
                                msg=lambda m: f"loss curve {losses} vs one process {want_losses}: {m}")
-    assert got_state, "this rank holds no parameters"
+    assert sorted(got_state) == sorted(want_state), \
+        f"full_state_dict keys differ from one process's: {sorted(set(got_state) ^ set(want_state))[:5]}"
     for name, value in got_state.items():
         torch.testing.assert_close(value, want_state[name], rtol=1e-9, atol=1e-12,
                                    msg=lambda m, n=name: f"{n} after {STEPS} steps: {m}")
+        assert torch.equal(again[name], value), f"{name} after load_full_state_dict and full_state_dict again"
 
 
 LAYOUTS = [

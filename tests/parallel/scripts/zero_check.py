@@ -14,6 +14,7 @@ import torch
 
 import psrt.torch as hvd
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.full_state import full_state_dict
 from psrt.zero import ZeroOptimizer, consolidate, expected_bytes
 
 import _harness
@@ -356,6 +357,12 @@ def check_tied_parameters_match_torch(key: str, stage: int) -> None:
         zero.step()
         zero.zero_grad()
     assert_model_matches(zero, reference, "tied weights vs torch", **TIGHT)
+    whole = full_state_dict(model, optimizer=zero)  # one call, whatever the stage shards
+    want = reference.state_dict()
+    assert sorted(whole) == sorted(want), f"full_state_dict keys {sorted(whole)}"
+    for name, value in want.items():
+        close = torch.testing.assert_close
+        close(whole[name], value, **TIGHT, msg=lambda m, n=name: f"full_state_dict {n}: {m}")
     if stage == 3:
         assert model.tied.weight is model.middle.weight, "the tie was broken"
         assert zero.gatherer.gathered_bytes() == 0, "a tied use left its unit gathered after the step"
