@@ -123,8 +123,10 @@ class FailureScanner:
         return self._failure
 
     def feed(self, line: str) -> None:
-        """Take one line of stderr (with or without its newline)."""
-        line = line.rstrip("\r\n")
+        """Take one line of stderr (with or without its newline).  NUL bytes are dropped: Open
+        MPI's output forwarding sometimes puts one where the line starts, which would hide a
+        marker from the pattern (and turn the report into the launcher's bare abort notice)."""
+        line = line.rstrip("\r\n").replace("\x00", "")
         if m := MARKER.search(line):
             self._offer(Failure(int(m.group(1)), m.group(2).strip(), FailureKind.MARKER))
             return

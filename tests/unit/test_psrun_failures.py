@@ -21,10 +21,22 @@ def failure_of(*lines: str):
     " psrt: rank 0 failed: stall: rank 1 does not respond",           # after mpirun's " " line
     "psrt: rank 0 failed: stall: rank 1 does not respond" + "-" * 74,  # before its notice's dashes
     "[1,0]<stderr>: psrt: rank 0 failed: stall: rank 1 does not respond",
+    "\x00psrt: rank 0 failed: stall: rank 1 does not respond",         # Open MPI's forwarding, seen in CI
 ])
 def test_the_failure_line_is_found_amid_mpiruns_own_output(line):
     failure = failure_of(line)
     assert failure is not None and failure.summary() == "rank 0 failed first: stall: rank 1 does not respond"
+
+
+def test_a_marker_after_the_abort_notice_replaces_it_even_behind_a_nul_byte():
+    """Open MPI printed its MPI_ABORT notice first and the rank's marker after it, starting
+    with a NUL byte; psrun once reported the bare abort instead of what the rank raised."""
+    failure = failure_of(
+        "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD", "  Proc: [[55606,1],1]", "  Errorcode: 1",
+        "", "NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.", "-" * 74,
+        "\x00psrt: rank 1 failed: psrt.init() raised InvalidArgumentError: PSRT_CYCLE_TIME='inf' must be a finite number")
+    assert failure.summary() == ("rank 1 failed first: psrt.init() raised InvalidArgumentError: "
+                                 "PSRT_CYCLE_TIME='inf' must be a finite number")
 
 
 def test_a_failure_line_quoted_in_other_output_is_not_this_jobs_failure():
