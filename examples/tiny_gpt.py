@@ -37,6 +37,7 @@ class GPTConfig:
     top_k: int = 2
     capacity_factor: float | None = None  # None: dropless routing
     aux_loss_coef: float = 0.0  # weight of the load-balancing loss
+    tie_embeddings: bool = False  # the output projection uses the token embedding's weight (GPT-2)
 
 
 class Embedding(nn.Module):
@@ -93,6 +94,8 @@ def build_blocks(config: GPTConfig, process_set: ProcessSet | None = None,
             recompute="selective" if config.recompute == "selective" else None, context_parallel=context_parallel,
             mlp=moe(config, process_set, expert_parallel) if config.experts else None))
     blocks.append(Head(config, process_set))
+    if config.tie_embeddings:  # one Parameter in the first and the last block, as in one process
+        blocks[-1].out.weight = blocks[0].tokens.weight
     return blocks
 
 

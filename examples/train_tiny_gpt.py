@@ -39,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero", action="store_true", help="ZeRO-1 over the DP set instead of allreduce")
     p.add_argument("--dropout", type=float, default=0.0, help="attention and residual dropout")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="the output projection uses the token embedding's weight (GPT-2), across stages too")
     p.add_argument("--recompute", choices=("full", "selective"), default=None,
                    help="activation recomputation: every block (full) or the attention core (selective)")
     p.add_argument("--steps", type=int, default=100)
@@ -63,7 +65,8 @@ def main() -> None:
     config = GPTConfig(vocab_size=len(alphabet), sequence_length=args.sequence_length, dim=args.dim,
                        heads=args.heads, layers=args.layers, sequence_parallel=args.sequence_parallel,
                        dropout=args.dropout, recompute=args.recompute, experts=args.experts, top_k=args.top_k,
-                       capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
+                       capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef,
+                       tie_embeddings=args.tie_embeddings)
     trainer = build_trainer(config, grid, schedule=args.schedule, microbatches=args.microbatches,
                             chunks=args.chunks, zero=args.zero, lr=args.lr, seed=args.seed)
     generator = torch.Generator().manual_seed(args.seed)

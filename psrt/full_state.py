@@ -41,6 +41,8 @@ def full_state_dict(module: nn.Module, grid: ProcessGrid | None = None, optimize
     for process_set in (grid.ep_set, grid.pp_set):
         if process_set is not None and process_set.size() > 1:
             entries = _merge(hvd.allgather_object(entries, name="psrt.full_state_dict", process_set=process_set))
+    for copy, owner in getattr(module, "tied_aliases", {}).items():  # a shared parameter's other names
+        entries[copy] = entries[owner]
     return entries
 
 
@@ -57,6 +59,12 @@ def _merge(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return merged
 
 
+def _block_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` or, for a TP-split parameter's copy, this rank's block of it."""
+    sharding = tp.sharding.sharding_of(target)
+    return full if sharding is None else sharding.shard(full)
+
+
 def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a single-process ``state_dict`` into this rank's part of the model: its stage's
     entries, its experts, its TP block of every split parameter.  Every entry the rank holds
@@ -67,3 +75,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
         raise InvalidArgumentError(f"load_full_state_dict: this rank's part of the model needs {missing[:5]}"
                                    f"{' and more' if len(missing) > 5 else ''}, which the state_dict lacks")
     tp.load_full_state_dict(module, {name: state_dict[name] for name in own}, strict=True)
+    with torch.no_grad():  # a pipeline's copies of parameters owned by another stage
+        for tie in getattr(module, "ties", ()):
+            for name in tie.names:
+                tie.tensor.copy_(_block_of(tie.tensor, state_dict[name]))

@@ -9,10 +9,11 @@ import torch
 from psrt import runtime
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.pp import schedule as schedules
-from psrt.pp.p2p import StageLink
+from psrt.pp.p2p import TIED_VALUE_TAG, StageLink
 from psrt.pp.simulate import check
 from psrt.pp.stage import PipelineStage
 from psrt.pp.step import StepProfile, StepRun
+from psrt.pp.tied import check_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -43,6 +44,7 @@ class Pipeline:
         plan = schedules.build(schedule, stage.stages, microbatches, stage.chunks)
         check(plan, microbatches, stage.chunks)
         self.actions = plan[stage.rank]
+        self.tie_points = check_schedule(stage.ties, self.actions, stage.rank, microbatches)
         self.stage, self.loss_fn = stage, loss_fn
         self.microbatches, self.schedule, self.loss_reduction = microbatches, schedule, loss_reduction
         with self._waiting("the other stages to build their Pipeline"):
@@ -60,12 +62,28 @@ class Pipeline:
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         with self._waiting("the agreement at the start of a pipeline step"):
             self._agree(inputs, targets)
+        self._share_tied_values()
         run = StepRun(self, _split(inputs, self.microbatches), _split(targets, self.microbatches))
         loss = run.execute()
         with self._waiting("the loss broadcast at the end of a pipeline step"):
             self._host.broadcast(loss, root=self.stage.stages - 1).wait()
         self.profile = run.profile
         return loss.squeeze(0)
+
+    def _share_tied_values(self) -> None:
+        """Every shared parameter's owner sends its value (as the last optimizer step left it)
+        to the ranks holding copies, which take it before their first forward."""
+        sends = []
+        for tie in self.stage.ties:
+            if tie.is_owner:
+                sends += [self.link.send(tie.tensor, peer, TIED_VALUE_TAG, tie.index) for peer in tie.peers]
+            else:
+                value = self.link.recv_tied(tie.owner, TIED_VALUE_TAG, tie.index, tie.tensor)
+                with torch.no_grad():
+                    tie.tensor.copy_(value)
+        with self._waiting("the delivery of its shared parameters' values"):
+            for request in sends:
+                request.wait()
 
     def _agree(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> None:
         """Every stage checks, in one exchange, that all run the same schedule, that the

@@ -25,6 +25,7 @@ from psrt.topology import ProcessSet
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 FORWARD_TAG, BACKWARD_TAG = 11, 12
+TIED_VALUE_TAG, TIED_GRADIENT_TAG = 13, 14  # a shared parameter's value, owner to copy; its gradient back
 
 
 def message_id(microbatch: int, stage: int) -> int:
@@ -51,6 +52,20 @@ class StageLink:
                                      f"dimensions, got {tensor.dtype} of shape {tuple(tensor.shape)}")
         payload = tensor.detach()
         return self._group.send(payload.cpu() if payload.is_cuda else payload, dest, tag, ident)
+
+    def recv_tied(self, source: int, tag: int, index: int, like: torch.Tensor) -> torch.Tensor:
+        """A shared parameter's value or gradient (``tag``) from set rank ``source``; it must be
+        shared parameter ``index`` and have ``like``'s shape and dtype."""
+        group, what = self._group, "value" if tag == TIED_VALUE_TAG else "gradient"
+        header, tensor = group.recv(source, tag, kind="a shared parameter",
+                                    what=lambda: f"pipeline rank {group.rank}'s receive of shared parameter {index}'s "
+                                                 f"{what} from pipeline rank {source}")
+        if header.ident != index or header.shape != tuple(like.shape) or header.dtype != like.dtype:
+            raise CommunicationError(
+                f"pipeline rank {group.rank} expected the {what} of shared parameter {index} ({tuple(like.shape)}, "
+                f"{like.dtype}) from rank {source}, which sent shared parameter {header.ident} ({header.shape}, "
+                f"{header.dtype}): the stages were built from different models")
+        return tensor.to(like.device)
 
     def recv(self, source: int, tag: int, ident: int, device: torch.device,
              like: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,6 +8,7 @@ from torch import nn
 
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.pp.partition import balanced_split, explicit_split
+from psrt.pp.tied import find_ties
 from psrt.tp.recompute import check_mode, checkpoint
 from psrt.topology import ProcessSet
 
@@ -28,6 +29,11 @@ class PipelineStage(nn.Module):
     ``recompute="full"`` keeps only each block's input per micro-batch in flight and
     runs the block again in its backward (every random stream replayed); for the
     attention-only ``"selective"`` recomputation, build the transformer blocks with it.
+
+    A parameter that blocks on different ranks share (tied input and output embeddings:
+    the same ``Parameter`` in the first and the last block) stays a parameter on the rank
+    of its first use and becomes a synchronised copy on the others (see
+    :mod:`psrt.pp.tied`); ``ties`` lists this rank's.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], process_set: ProcessSet, *, chunks: int = 1,
@@ -53,6 +59,7 @@ class PipelineStage(nn.Module):
                 raise InvalidArgumentError(f"split has {len(ranges)} entries, expected one per virtual stage "
                                            f"({self.stages} stages × {chunks} chunks = {virtual})")
         self.chunk_ranges = [ranges[c * self.stages + self.rank] for c in range(chunks)]
+        self.ties, self.tied_aliases = find_ties(blocks, ranges, self.stages, self.rank)
         for chunk in self.chunk_ranges:
             for index in chunk:
                 self.add_module(str(index), blocks[index])

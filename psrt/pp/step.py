@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from psrt.comm.base import Request
-from psrt.pp.p2p import BACKWARD_TAG, FORWARD_TAG, message_id
+from psrt.pp.p2p import BACKWARD_TAG, FORWARD_TAG, TIED_GRADIENT_TAG, message_id
 from psrt.pp.schedule import Action, Op
 from psrt.pp.simulate import Event
 from psrt.pp.split_backward import WeightPass, backward_input
+from psrt.pp.tied import Tie
 
 if TYPE_CHECKING:
     from psrt.pp.executor import Pipeline
@@ -73,9 +74,12 @@ class StepRun:
     def execute(self) -> torch.Tensor:
         self.start = time.perf_counter()
         try:
-            for action in self.p.actions:
+            for position, action in enumerate(self.p.actions):
+                for tie in self.p.tie_points.get(position, ()):
+                    self._take_tied_gradients(tie)
                 self._do(action)
                 self._release_delivered()
+            self._send_tied_gradients()
             with self.p._waiting("the delivery of its last messages"):
                 for request, _ in self.pending:
                     request.wait()
@@ -86,6 +90,25 @@ class StepRun:
             self.loss /= self.p.microbatches
         self.profile.wall = time.perf_counter() - self.start
         return self.loss
+
+    def _take_tied_gradients(self, tie: Tie) -> None:
+        """The owner of a shared parameter adds its copies' gradients, before the backward that
+        accumulates its own last micro-batch (so a DP hook on that accumulation sees the sum)."""
+        param = tie.tensor
+        for peer in tie.peers:
+            grad = self.link.recv_tied(peer, TIED_GRADIENT_TAG, tie.index, param)
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    def _send_tied_gradients(self) -> None:
+        """A copy's gradient of this step goes to its owner (zeros if it got none)."""
+        for tie in self.stage.ties:
+            if tie.is_owner:
+                continue
+            copy = tie.tensor
+            grad = copy.grad if copy.grad is not None else torch.zeros_like(copy)
+            copy.grad = None
+            self._track(self.link.send(grad, tie.owner, TIED_GRADIENT_TAG, tie.index),
+                        grad.numel() * grad.element_size())
 
     def _peer(self, chunk: int, step: int) -> tuple[int, int]:
         """(PP set rank, virtual stage) of the stage ``step`` away from this chunk's."""
@@ -159,6 +182,7 @@ class StepRun:
         if held.output.requires_grad:
             params = [p for index in self.stage.chunk_ranges[a.chunk]
                       for p in self.stage._modules[str(index)].parameters()]
+            params += [tie.tensor for tie in self.stage.ties if not tie.is_owner]  # copies need gradients too
             held.weight_pass = backward_input(held.output, self._output_grad(a, key), held.input, params)
 
     def _backward_weight(self, a: Action, key: Key) -> None:

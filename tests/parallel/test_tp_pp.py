@@ -42,7 +42,9 @@ GPT_CHECKS = ["gpt/dp1_tp2_pp2/1f1b", "gpt/dp2_tp1_pp2/gpipe", "gpt/dp2_tp2_pp1/
               "gpt/dp2_tp2_pp1/1f1b/recompute_selective/sequence_parallel", "gpt/dp1_tp2_pp2/zb-h1/sequence_parallel",
               "gpt/dp2_tp1_pp2/zb-h1/overlapped_allreduce", "gpt/dp1_tp2_pp2/zb-h1/recompute_full",
               "gpt/dp1_tp1_pp2_cp2/1f1b", "gpt/dp2_tp1_pp1_cp2/1f1b", "gpt/dp1_tp2_pp1_cp2/1f1b/sequence_parallel",
-              "gpt/dp2_tp1_pp2_ep2/1f1b", "gpt/dp2_tp2_pp1_ep2/1f1b", "gpt/dp4_tp1_pp1_ep2/1f1b"]
+              "gpt/dp2_tp1_pp2_ep2/1f1b", "gpt/dp2_tp2_pp1_ep2/1f1b", "gpt/dp4_tp1_pp1_ep2/1f1b",
+              "gpt/dp1_tp2_pp2/1f1b/tied_embeddings", "gpt/dp2_tp1_pp2/zb-h1/tied_embeddings/overlapped_allreduce",
+              "gpt/dp1_tp1_pp4/gpipe/tied_embeddings", "gpt/dp2_tp1_pp2/interleaved_v2/tied_embeddings/zero1"]
 
 
 @pytest.mark.parametrize("check", TP_CHECKS)

@@ -25,11 +25,12 @@ STEPS, ROWS, LR, SEED = 4, 8, 1e-2, 3
 DATA, ALPHABET = corpus()
 
 
-def config(sequence_parallel: bool = False, recompute: str | None = None, experts: int = 0) -> GPTConfig:
+def config(sequence_parallel: bool = False, recompute: str | None = None, experts: int = 0,
+           tie: bool = False) -> GPTConfig:
     """Experts route dropless and without the load-balancing loss: both depend on which tokens
     share a forward, and a pipeline's micro-batches are not the one process's whole batch."""
     return GPTConfig(vocab_size=len(ALPHABET), sequence_length=16, dim=16, heads=4, layers=2,
-                     sequence_parallel=sequence_parallel, recompute=recompute, experts=experts)
+                     sequence_parallel=sequence_parallel, recompute=recompute, experts=experts, tie_embeddings=tie)
 
 
 def reference_run(cfg: GPTConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -50,12 +51,13 @@ def reference_run(cfg: GPTConfig) -> tuple[list[float], dict[str, torch.Tensor]]
 def check_follows_single_process(key: str, dp: int, tp_size: int, pp_size: int, schedule: str,
                                  sequence_parallel: bool = False, zero: bool = False, chunks: int = 1,
                                  overlap: bool | None = None, recompute: str | None = None, cp: int = 1,
-                                 ep: int = 1, experts: int = 0, microbatches: int | None = None) -> None:
+                                 ep: int = 1, experts: int = 0, microbatches: int | None = None,
+                                 tie: bool = False) -> None:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        cfg = config(sequence_parallel, recompute, experts)
-        want_losses, want_state = reference_run(config(sequence_parallel, experts=experts))
+        cfg = config(sequence_parallel, recompute, experts, tie)
+        want_losses, want_state = reference_run(config(sequence_parallel, experts=experts, tie=tie))
         grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size, cp=cp, ep=ep)
         default = 4 if schedule != "interleaved" else 2
         trainer = build_trainer(cfg, grid, schedule=schedule, microbatches=microbatches or default,
@@ -78,7 +80,9 @@ def check_follows_single_process(key: str, dp: int, tp_size: int, pp_size: int, 
     assert sorted(got_state) == sorted(want_state), \
         f"full_state_dict keys differ from one process's: {sorted(set(got_state) ^ set(want_state))[:5]}"
     for name, value in got_state.items():
-        torch.testing.assert_close(value, want_state[name], rtol=1e-9, atol=1e-12,
+        # AdamW divides each gradient entry by its own running magnitude, so an entry that is
+        # nearly zero (a bias summed in another order) moves by up to about lr x 1e-10 apart
+        torch.testing.assert_close(value, want_state[name], rtol=1e-9, atol=1e-10,
                                    msg=lambda m, n=name: f"{n} after {STEPS} steps: {m}")
         assert torch.equal(again[name], value), f"{name} after load_full_state_dict and full_state_dict again"
 
@@ -110,6 +114,12 @@ LAYOUTS = [
     ("dp2_tp1_pp2_ep2/1f1b", 2, 1, 2, "1f1b", {"ep": 2, "experts": 4}),
     ("dp2_tp2_pp1_ep2/1f1b", 2, 2, 1, "1f1b", {"ep": 2, "experts": 4}),
     ("dp4_tp1_pp1_ep2/1f1b", 4, 1, 1, "1f1b", {"ep": 2, "experts": 4, "microbatches": 2}),
+    # tied input and output embeddings on the first and the last stage
+    ("dp1_tp2_pp2/1f1b/tied_embeddings", 1, 2, 2, "1f1b", {"tie": True}),
+    ("dp2_tp1_pp2/zb-h1/tied_embeddings/overlapped_allreduce", 2, 1, 2, "zb-h1", {"tie": True, "overlap": True}),
+    ("dp1_tp1_pp4/gpipe/tied_embeddings", 1, 1, 4, "gpipe", {"tie": True}),
+    ("dp2_tp1_pp2/interleaved_v2/tied_embeddings/zero1", 2, 1, 2, "interleaved",
+     {"tie": True, "chunks": 2, "zero": True}),
 ]
 
 
