@@ -5,33 +5,48 @@ Needs ``pip install transformers`` (not a psrt dependency); run with
 ``psrun -np 2 python examples/hf_gpt2_zero3.py``.  Prints whether psrt's one-call
 full state dict has the single-process keys and how far its values are after 3 steps.
 """
+from __future__ import annotations
+
 import torch
-import psrt.torch as hvd
-from psrt.zero import ZeroOptimizer
-from psrt.full_state import full_state_dict
 from transformers import GPT2Config, GPT2LMHeadModel
 
-hvd.init()
-cfg = GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                 attn_pdrop=0.0)
-def model():
+import psrt.torch as hvd
+from psrt.full_state import full_state_dict
+from psrt.zero import ZeroOptimizer
+
+ROWS, LENGTH, VOCAB, STEPS = 2, 16, 97, 3
+CONFIG = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                    embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg).double()
-mine, ref = model(), model()
-assert mine.lm_head.weight is mine.transformer.wte.weight
-zero = ZeroOptimizer(mine, torch.optim.AdamW, stage=3, lr=1e-3)
-ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-g = torch.Generator().manual_seed(1)
-for step in range(3):
-    ids = torch.randint(0, 97, (2 * hvd.size(), 16), generator=g)
-    rows = ids[hvd.rank() * 2:(hvd.rank() + 1) * 2]
-    loss = mine(rows, labels=rows).loss
-    loss.backward(); zero.step(); zero.zero_grad()
-    ref_loss = sum(ref(ids[r * 2:(r + 1) * 2], labels=ids[r * 2:(r + 1) * 2]).loss for r in range(hvd.size())) / hvd.size()
-    ref_loss.backward(); ref_opt.step(); ref_opt.zero_grad()
-got = full_state_dict(mine, optimizer=zero)
-want = ref.state_dict()
-worst = max((got[k] - want[k]).abs().max().item() for k in want)
-if hvd.rank() == 0:
-    print("keys equal:", sorted(got) == sorted(want), "max abs diff after 3 steps:", worst)
-hvd.shutdown()
+    return GPT2LMHeadModel(CONFIG).double()
+
+
+def main() -> None:
+    hvd.init()
+    model, reference = gpt2(), gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight, "GPT-2 ties its embeddings"
+    zero = ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=1e-3)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (ROWS * hvd.size(), LENGTH), generator=generator)
+        per_rank = ids.split(ROWS)
+        mine = per_rank[hvd.rank()]
+        model(mine, labels=mine).loss.backward()
+        zero.step()
+        zero.zero_grad()
+        (sum(reference(rows, labels=rows).loss for rows in per_rank) / hvd.size()).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    got, want = full_state_dict(model, optimizer=zero), reference.state_dict()
+    worst = max((got[name] - value).abs().max().item() for name, value in want.items())
+    if hvd.rank() == 0:
+        print(f"keys equal: {sorted(got) == sorted(want)}; largest difference after {STEPS} steps: {worst:.2g}")
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
