@@ -54,6 +54,8 @@ def find_ties(blocks: Sequence[nn.Module], ranges: Sequence[range], stages: int,
     params: dict[int, nn.Parameter] = {}
     for index, block in enumerate(blocks):
         for name, param in block.named_parameters(remove_duplicate=False):
+            if not param.requires_grad:
+                continue  # frozen: every rank's copy of it stays what the seed made
             uses.setdefault(id(param), []).append((index, name))
             params[id(param)] = param
     ties, aliases, shared = [], {}, 0

@@ -44,3 +44,10 @@ def test_an_owner_that_sends_after_its_last_backward_is_refused():
     ties, _ = find_ties(blocks, ranges, stages=3, rank=1)
     with pytest.raises(InvalidArgumentError, match="owned by a stage that still sends after its last backward"):
         check_schedule(ties, one_f_one_b(3, 4)[1], rank=1, microbatches=4)
+
+
+def test_a_frozen_shared_parameter_needs_no_exchange():
+    blocks = tied_blocks()
+    blocks[0].weight.requires_grad_(False)
+    ties, aliases = find_ties(blocks, [range(0, 2), range(2, 3)], stages=2, rank=1)
+    assert ties == [] and aliases == {} and "weight" in dict(blocks[2].named_parameters(remove_duplicate=False))

@@ -201,9 +201,12 @@ def check_optimizer_refuses_settings_that_conflict_with_its_store(key: str) -> N
     expect_raises(ArgumentTypeError, lambda: ps.DistributedOptimizer(torch.optim.SGD(Mlp(key).parameters(), lr=0.1),
                                                                      store="kv"),
                   "store must be a psrt.ps.KVStore, got str", "store of the wrong type")
-    optimizer = wrap(mode="bounded", max_staleness=2, reduce="sum")
-    model_params = [p for group in optimizer.param_groups for p in group["params"]]
-    for p in model_params:
+    wrap(mode="bounded", max_staleness=2, reduce="sum")  # the store's own settings are accepted
+    # stats() on a sync store, where step() returns only once every worker's push is applied
+    model = Mlp(key + "/stats")
+    optimizer = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                        store=ps.KVStore("sync"), mode="sync")
+    for p in model.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()
     stats = optimizer.stats()
