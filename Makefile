@@ -12,7 +12,8 @@ STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
 
 .PHONY: demo demo-collectives demo-ps demo-zero demo-gpt test bench bench-train bench-ps bench-zero \
-        bench-pp bench-tp bench-peers bench-overhead bench-faults bench-hierarchical clean
+        bench-pp bench-tp bench-recompute bench-cp bench-moe bench-peers bench-overhead bench-faults \
+        bench-hierarchical clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +60,15 @@ bench-pp: $(STAMP)
 bench-tp: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/tp.py
 	$(VENV)/bin/psrun -np 4 $(PY) benchmarks/tp.py
+
+bench-recompute: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/recompute.py
+
+bench-cp: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/cp.py
+
+bench-moe: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/moe.py
 
 bench-peers: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/peers.py
