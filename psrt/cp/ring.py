@@ -80,12 +80,44 @@ def _pairs(rank: int, owner: int, size: int, causal: bool) -> list[tuple[int, in
     return [(a, b, qa == kb) for a, qa in enumerate(mine) for b, kb in enumerate(theirs) if kb <= qa]
 
 
+def _fused(q: torch.Tensor) -> bool:
+    """Whether torch's fused CPU flash-attention kernels take these blocks: they return the
+    log-sum-exp the merge needs, and their backward takes the merged output and log-sum-exp,
+    which is exactly one block's share of the gradient."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
     scores = (q @ k.transpose(-2, -1)) * scale
     if diagonal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
         scores = scores.masked_fill(future, float("-inf"))
     return scores
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and its log-sum-exp per query."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, diagonal, scale=scale)
+    scores = _scores(q, k, scale, diagonal)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+def _block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, delta: torch.Tensor, scale: float, diagonal: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of the q, k and v gradients, from the merged output ``out`` and
+    log-sum-exp ``lse`` (``delta`` = rowsum(dO ∘ O), the softmax backward's correction)."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, 0.0, diagonal, scale=scale)
+    probabilities = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
+    grad_scores = probabilities * (grad_out @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return (grad_scores @ k) * scale, (grad_scores.transpose(-2, -1) @ q) * scale, \
+        probabilities.transpose(-2, -1) @ grad_out
 
 
 class _RingAttention(torch.autograd.Function):
@@ -101,9 +133,7 @@ class _RingAttention(torch.autograd.Function):
             owner = (ring.rank - step) % ring.size
             keys, values = block[0].chunk(pieces, dim=2), block[1].chunk(pieces, dim=2)
             for a, b, diagonal in _pairs(ring.rank, owner, ring.size, causal):
-                scores = _scores(queries[a], keys[b], scale, diagonal)
-                lse = torch.logsumexp(scores, dim=-1)
-                out = torch.exp(scores - lse.unsqueeze(-1)) @ values[b]
+                out, lse = _block_forward(queries[a], keys[b], values[b], scale, diagonal)
                 if outputs[a] is None:
                     outputs[a], lses[a] = out, lse
                 else:  # online softmax: weight each part by its share of the merged normaliser
@@ -124,9 +154,10 @@ class _RingAttention(torch.autograd.Function):
         ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
         pieces = 2 if causal else 1
         grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(-1)  # rowsum(dO ∘ O): the softmax backward's correction
-        queries, grads_out = q.chunk(pieces, dim=2), grad_out.chunk(pieces, dim=2)
-        lses, deltas = lse.chunk(pieces, dim=-1), delta.chunk(pieces, dim=-1)
+        delta = (grad_out * out).sum(-1)
+        split = [t.chunk(pieces, dim=2) for t in (q, grad_out, out)]
+        queries, grads_out, outs = ([c.contiguous() for c in chunks] for chunks in split)
+        lses, deltas = [c.contiguous() for c in lse.chunk(pieces, dim=-1)], delta.chunk(pieces, dim=-1)
         grad_q = torch.zeros_like(q)
         grad_queries = grad_q.chunk(pieces, dim=2)
         block = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
@@ -135,11 +166,11 @@ class _RingAttention(torch.autograd.Function):
             keys, values = block[0].chunk(pieces, dim=2), block[1].chunk(pieces, dim=2)
             grad_keys, grad_values = block[2].chunk(pieces, dim=2), block[3].chunk(pieces, dim=2)
             for a, b, diagonal in _pairs(ring.rank, owner, ring.size, causal):
-                probabilities = torch.exp(_scores(queries[a], keys[b], scale, diagonal) - lses[a].unsqueeze(-1))
-                grad_values[b].add_(probabilities.transpose(-2, -1) @ grads_out[a])
-                grad_scores = probabilities * (grads_out[a] @ values[b].transpose(-2, -1) - deltas[a].unsqueeze(-1))
-                grad_queries[a].add_(grad_scores @ keys[b], alpha=scale)
-                grad_keys[b].add_(grad_scores.transpose(-2, -1) @ queries[a], alpha=scale)
+                dq, dk, dv = _block_backward(grads_out[a], queries[a], keys[b], values[b], outs[a], lses[a],
+                                             deltas[a], scale, diagonal)
+                grad_queries[a].add_(dq)
+                grad_keys[b].add_(dk)
+                grad_values[b].add_(dv)
             if step < ring.size - 1:
                 block = ring.hop(block, BACKWARD_TAG)
         grads = block[2:] if ring.size == 1 else ring.hop(block[2:].contiguous(), BACKWARD_TAG)  # home

@@ -44,3 +44,21 @@ def test_ring_attention_refuses_bad_shapes():
         cp.ring_attention(q, q, torch.zeros(1, 2, 4, 6), None)
     odd = torch.randn(1, 2, 3, 8)  # without a group any length is fine
     assert cp.ring_attention(odd, odd, odd, None).shape == (1, 2, 3, 8)
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_the_fused_block_kernels_and_the_plain_torch_ones_agree(diagonal, monkeypatch):
+    """Ring attention's block math runs torch's fused CPU flash kernels where they apply and
+    plain torch elsewhere (CUDA); both give the same output, log-sum-exp and gradient shares."""
+    from psrt.cp import ring
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(2, 3, 6, 4, dtype=torch.float64, generator=generator) for _ in range(4))
+    fused_out, fused_lse = ring._block_forward(q, k, v, 0.5, diagonal)
+    delta = (grad * fused_out).sum(-1)
+    fused_grads = ring._block_backward(grad, q, k, v, fused_out, fused_lse, delta, 0.5, diagonal)
+    monkeypatch.setattr(ring, "_fused", lambda q: False)
+    out, lse = ring._block_forward(q, k, v, 0.5, diagonal)
+    torch.testing.assert_close(out, fused_out)
+    torch.testing.assert_close(lse, fused_lse)
+    for plain, fused in zip(ring._block_backward(grad, q, k, v, out, lse, delta, 0.5, diagonal), fused_grads):
+        torch.testing.assert_close(plain, fused)
