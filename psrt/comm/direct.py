@@ -304,35 +304,43 @@ class DirectGroup:
             self._complete(comm, comm.reduce_scatter(send.reshape(-1), out.view(-1), [out.numel()] * self.size, op))
         return out
 
-    def all_to_all(self, tensor: torch.Tensor, send_rows: Sequence[int], *, label: str
-                   ) -> tuple[torch.Tensor, list[int]]:
+    def all_to_all(self, tensor: torch.Tensor, send_rows: Sequence[int], *, label: str,
+                   received: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Send ``send_rows[r]`` consecutive rows of ``tensor`` to member r; returns the rows
         received (in member order) and how many came from each member.  The members first
         exchange their row counts and row shapes and dtypes, so one that sends rows of another
-        shape is an error on every member, naming both, never a misread buffer."""
+        shape is an error on every member, naming both, never a misread buffer.  A caller that
+        has already agreed on both with the members passes ``received`` (the rows coming from
+        each) and skips that exchange."""
         with self._collective(label, "all_to_all"):
             if len(send_rows) != self.size or sum(send_rows) != tensor.shape[0]:
                 raise InvalidArgumentError(f"{label} all_to_all: send_rows {list(send_rows)} must give one count "
                                            f"per member ({self.size}) summing to the {tensor.shape[0]} rows")
             send = tensor.contiguous()
-            header = Header(Kind.MESSAGE, 0, send.dtype, send.shape[1:])  # what one row is
-            mine = torch.tensor([[rows, *header.words()] for rows in send_rows], dtype=torch.int64)
-            theirs = torch.empty_like(mine)
-            width = mine.shape[1]
-            self.host.alltoallv(mine.view(-1), [width] * self.size, theirs.view(-1), [width] * self.size).wait()
-            own = header.words()
-            for member, words in enumerate(theirs[:, 1:].tolist()):
-                if words != own:
-                    raise CollectiveMismatchError(
-                        f"{label} all_to_all over {self.name}: rank {self.ranks[self.rank]} sends {_rows(header)} "
-                        f"but rank {self.ranks[member]} sends {_rows(Header.decode(words))}")
-            received = theirs[:, 0].tolist()
+            if received is None:
+                received = self._agree_on_rows(send, send_rows, label)
+            received = list(received)
             row = math.prod(send.shape[1:])
             out = torch.empty((sum(received), *send.shape[1:]), dtype=send.dtype, device=send.device)
             comm = self.transport(send.device)
             self._complete(comm, comm.alltoallv(send.view(-1), [r * row for r in send_rows], out.view(-1),
                                                 [r * row for r in received]))
         return out, received
+
+    def _agree_on_rows(self, send: torch.Tensor, send_rows: Sequence[int], label: str) -> list[int]:
+        """Exchange row counts and what one row is (dtype, shape): the rows each member sends here."""
+        header = Header(Kind.MESSAGE, 0, send.dtype, send.shape[1:])
+        mine = torch.tensor([[rows, *header.words()] for rows in send_rows], dtype=torch.int64)
+        theirs = torch.empty_like(mine)
+        width = mine.shape[1]
+        self.host.alltoallv(mine.view(-1), [width] * self.size, theirs.view(-1), [width] * self.size).wait()
+        own = header.words()
+        for member, words in enumerate(theirs[:, 1:].tolist()):
+            if words != own:
+                raise CollectiveMismatchError(
+                    f"{label} all_to_all over {self.name}: rank {self.ranks[self.rank]} sends {_rows(header)} "
+                    f"but rank {self.ranks[member]} sends {_rows(Header.decode(words))}")
+        return theirs[:, 0].tolist()
 
     def allgather_object(self, value: object, *, label: str | None = None) -> list:
         """Every member's small picklable ``value``, in group-rank order (on the host); with

@@ -21,32 +21,35 @@ _LABEL = "expert-parallel"
 stats = CommStats()  # all-to-alls run and the seconds spent in them
 
 
-def exchange(tensor: torch.Tensor, send_rows: Sequence[int], process_set: ProcessSet) -> tuple[torch.Tensor,
-                                                                                                list[int]]:
+def exchange(tensor: torch.Tensor, send_rows: Sequence[int], process_set: ProcessSet,
+             received: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int]]:
     """Rows ``[sum(send_rows[:r]), sum(send_rows[:r + 1]))`` go to member r; returns what
-    arrived (in member order) and how many rows came from each member.  No autograd."""
+    arrived (in member order) and how many rows came from each member (``received``: known
+    already, agreed with the members, which skips their exchange).  No autograd."""
     start = time.perf_counter()
     group = runtime.current().topology.direct(process_set)
-    out, received = group.all_to_all(tensor, list(send_rows), label=_LABEL)
+    out, arrived = group.all_to_all(tensor, list(send_rows), label=_LABEL, received=received)
     stats.add("all_to_all", start)
-    return out, received
+    return out, arrived
 
 
 class _AllToAll(torch.autograd.Function):
     """:func:`exchange` forward; backward sends each gradient row back where its row came from."""
 
     @staticmethod
-    def forward(ctx, tensor, send_rows, process_set):
-        out, received = exchange(tensor, send_rows, process_set)
-        ctx.received, ctx.process_set = received, process_set
+    def forward(ctx, tensor, send_rows, received, process_set):
+        out, _ = exchange(tensor, send_rows, process_set, received)
+        ctx.send_rows, ctx.received, ctx.process_set = send_rows, received, process_set
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        back, _ = exchange(grad.contiguous(), ctx.received, ctx.process_set)
-        return back, None, None
+        back, _ = exchange(grad.contiguous(), ctx.received, ctx.process_set, ctx.send_rows)
+        return back, None, None, None
 
 
-def all_to_all(tensor: torch.Tensor, send_rows: Sequence[int], process_set: ProcessSet) -> torch.Tensor:
-    """Differentiable :func:`exchange` (the rows received; their counts the caller knows)."""
-    return _AllToAll.apply(tensor, tuple(send_rows), process_set)
+def all_to_all(tensor: torch.Tensor, send_rows: Sequence[int], received: Sequence[int],
+               process_set: ProcessSet) -> torch.Tensor:
+    """Differentiable :func:`exchange` of rows whose counts (``send_rows`` out, ``received`` in)
+    and row shape the members have agreed on already."""
+    return _AllToAll.apply(tensor, tuple(send_rows), tuple(received), process_set)

@@ -36,8 +36,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from psrt.comm.buffers import dtype_code, dtype_of
 from psrt.ep.comm import all_to_all, exchange
-from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.errors import ArgumentTypeError, CollectiveMismatchError, InvalidArgumentError
 from psrt.topology import ProcessSet
 
 
@@ -130,10 +131,20 @@ class MoE(nn.Module):
             return self._local_experts(rows, [per_expert.tolist()])
         size = self.process_set.size()
         counts = per_expert.view(size, self.local)  # row r: my rows for rank r's experts
-        theirs, _ = exchange(counts, [1] * size, self.process_set)  # row r: rank r's rows for my experts
-        arrived = all_to_all(rows, counts.sum(1).tolist(), self.process_set)
+        # one small exchange carries every count and what a row is, so the two all-to-alls of
+        # tokens need no exchange of their own: row r of ``theirs``, rank r's rows for my experts
+        row = torch.tensor([rows.shape[1], dtype_code(rows.dtype)]).expand(size, 2)
+        theirs, _ = exchange(torch.cat([counts, row], dim=1), [1] * size, self.process_set)
+        theirs, their_row = theirs[:, :self.local], theirs[:, self.local:]
+        if not torch.equal(their_row, row):
+            width, code = their_row[(their_row != row).any(1)][0].tolist()
+            raise CollectiveMismatchError(
+                f"expert-parallel ranks disagree on the tokens: this rank sends rows of {rows.shape[1]} "
+                f"{rows.dtype}, another {width} {dtype_of(code)}: every rank of the EP set must run the same MoE")
+        mine, incoming = counts.sum(1).tolist(), theirs.sum(1).tolist()
+        arrived = all_to_all(rows, mine, incoming, self.process_set)
         done = self._local_experts(arrived, theirs.tolist())
-        return all_to_all(done, theirs.sum(1).tolist(), self.process_set)
+        return all_to_all(done, incoming, mine, self.process_set)
 
     def _local_experts(self, rows: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """``rows`` come from each source in turn, grouped by local expert (``counts[source][j]``

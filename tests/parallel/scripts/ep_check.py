@@ -132,6 +132,10 @@ def check_errors(key: str) -> None:
     width = 3 if hvd.rank() == 0 else 4
     expect_raises(CollectiveMismatchError, lambda: ep.comm.exchange(torch.zeros(n, width), [1] * n, g.ep_set),
                   "float32 of shape (3,)" if hvd.rank() != 0 else "float32 of shape (4,)", "rows of another width")
+    wide = DIM + 1 if hvd.rank() == 0 else DIM  # rank 0 built its MoE for wider tokens
+    odd = ep.MoE(wide, HIDDEN, 2 * n, process_set=g.ep_set).double()
+    expect_raises(CollectiveMismatchError, lambda: odd(randn(key, (1, 4, wide), "odd")),
+                  "expert-parallel ranks disagree on the tokens", "a rank with another model width")
     check_pure_ep(key + "/after", 2, None)  # the set still works
 
 
