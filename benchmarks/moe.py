@@ -15,16 +15,17 @@ grad, as an activation inside a model does, so backward runs both reversed all-t
 After ``--warmup`` untimed steps, each of ``--repeats`` rounds times one window of
 ``--steps`` steps after a barrier, taking the slowest rank; figures are medians over rounds.
 ``a2a ms`` = ``ep.stats.seconds`` per step (psrt's all-to-alls: forward's row-count exchange,
-dispatch and combine, backward's two reversed ones; each includes psrt's shape agreement and
-any wait for a slower peer, e.g. one whose experts got more rows), mean over ranks (min and
+dispatch and combine, backward's two reversed ones; each includes any wait for a slower peer,
+e.g. one whose experts got more rows), mean over ranks (min and
 max in brackets); ``a2a share`` = a rank's a2a time / step time, mean over ranks.
 Load balance: assignments (token, expert) per expert summed over ranks, max / mean (1 is
 perfect).  Dropped: the assignments over capacity in one untimed forward of the same layer
 (same weights) with ``--capacity-factor``, summed over ranks.
 Baseline: the four data all-to-alls of a step (dispatch, combine, and the two of backward,
 which have the same sizes reversed) with the row counts per destination exactly as this
-run's routing produced them, each row ``--dim`` float32s: psrt's ``ep.comm.exchange`` (what
-``all_to_all`` runs, agreement header included) in a tight loop, against mpi4py
+run's routing produced them, each row ``--dim`` float32s: psrt's ``ep.comm.exchange`` with the
+counts given (what the MoE's ``all_to_all`` runs: its one counts exchange per forward has
+agreed on them already) in a tight loop, against mpi4py
 ``Alltoallv`` on numpy buffers over COMM_WORLD (EP = world) in the same order of ranks; the
 two take turns, slowest rank per window, median.  ``in step / raw`` divides the in-step a2a
 time (which also has the count exchange and the waits) by the raw loop's.
@@ -107,11 +108,11 @@ def alltoall_against_mpi4py(args, grid: ProcessGrid, rows: list[list[int]], call
             comm.Barrier()
             start = time.perf_counter()
             for _ in range(calls):
-                for (s, _), tensor, (send, recv) in zip(shapes, mine, theirs):
+                for (s, r), tensor, (send, recv) in zip(shapes, mine, theirs):
                     if name == "mpi4py":
                         comm.Alltoallv(send, recv)
-                    else:
-                        ep.comm.exchange(tensor, s, grid.ep_set)
+                    else:  # the counts are known, as the MoE's one counts exchange makes them
+                        ep.comm.exchange(tensor, s, grid.ep_set, r)
             samples.append(slowest((time.perf_counter() - start) / calls))
     comm.Free()
     medians = {name: statistics.median(values) for name, values in times.items()}
