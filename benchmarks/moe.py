@@ -117,7 +117,8 @@ def alltoall_against_mpi4py(args, grid: ProcessGrid, rows: list[list[int]], call
     comm.Free()
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {"rows_per_rank_pair": rows, "bytes_per_call_mean": 4 * args.dim * sum(map(sum, rows)) / n,
-            **{f"{k}_s_per_step": v for k, v in medians.items()}, "psrt_over_mpi4py": medians["psrt"] / medians["mpi4py"]}
+            **{f"{k}_s_per_step": v for k, v in medians.items()},
+            "psrt_over_mpi4py": medians["psrt"] / medians["mpi4py"]}
 
 
 def main() -> None:

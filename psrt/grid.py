@@ -56,7 +56,8 @@ class GridShape:
                 raise InvalidArgumentError(f"{name} must be at least 1, got {value}")
         if self.dp % self.ep:
             raise InvalidArgumentError(f"ep = {self.ep} does not divide dp = {self.dp}: experts are sharded over "
-                                       "data-parallel ranks, so the expert-parallel size must divide the data-parallel one")
+                                       "data-parallel ranks, so the expert-parallel size must divide the "
+                                       "data-parallel one")
 
     @property
     def size(self) -> int:

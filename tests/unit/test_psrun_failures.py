@@ -34,7 +34,8 @@ def test_a_marker_after_the_abort_notice_replaces_it_even_behind_a_nul_byte():
     failure = failure_of(
         "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD", "  Proc: [[55606,1],1]", "  Errorcode: 1",
         "", "NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.", "-" * 74,
-        "\x00psrt: rank 1 failed: psrt.init() raised InvalidArgumentError: PSRT_CYCLE_TIME='inf' must be a finite number")
+        "\x00psrt: rank 1 failed: psrt.init() raised InvalidArgumentError: "
+        "PSRT_CYCLE_TIME='inf' must be a finite number")
     assert failure.summary() == ("rank 1 failed first: psrt.init() raised InvalidArgumentError: "
                                  "PSRT_CYCLE_TIME='inf' must be a finite number")
 
