@@ -64,6 +64,7 @@ class StepRun:
         self.received: dict[Key, torch.Tensor] = {}  # inputs from the previous stage, until their gradient is sent
         self.held: dict[Key, _Held] = {}
         self.grads: dict[Key, torch.Tensor] = {}
+        self.leaves: dict[int, list[torch.Tensor]] = {}  # per chunk, for split backwards
         self.pending: list[tuple[Request, int]] = []  # sends whose payload is held by nothing else
         self.loss = torch.zeros(1, dtype=torch.float64)
         self.profile = StepProfile()
@@ -180,10 +181,17 @@ class StepRun:
         """The input half of a split backward; the micro-batch stays held until its weight half."""
         held = self.held[key]
         if held.output.requires_grad:
-            params = [p for index in self.stage.chunk_ranges[a.chunk]
-                      for p in self.stage._modules[str(index)].parameters()]
-            params += [tie.tensor for tie in self.stage.ties if not tie.is_owner]  # copies need gradients too
-            held.weight_pass = backward_input(held.output, self._output_grad(a, key), held.input, params)
+            held.weight_pass = backward_input(held.output, self._output_grad(a, key), held.input,
+                                              self._leaves(a.chunk))
+
+    def _leaves(self, chunk: int) -> list[torch.Tensor]:
+        """What a chunk's weight halves differentiate: its parameters and this rank's copies of
+        parameters owned by another stage (found once per chunk and step)."""
+        if chunk not in self.leaves:
+            self.leaves[chunk] = [p for index in self.stage.chunk_ranges[chunk]
+                                  for p in self.stage._modules[str(index)].parameters()]
+            self.leaves[chunk] += [tie.tensor for tie in self.stage.ties if not tie.is_owner]
+        return self.leaves[chunk]
 
     def _backward_weight(self, a: Action, key: Key) -> None:
         weight_pass = self.held[key].weight_pass

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from psrt.errors import InvalidArgumentError
+from psrt.pp.schedule import Op
 from psrt.tp.sharding import sharding_of
 
 
@@ -97,7 +98,6 @@ def check_schedule(ties: Sequence[Tie], actions: Sequence, rank: int, microbatch
     """Where in this rank's actions the owner takes its copies' gradients: before the first
     backward of the last micro-batch of the owning chunk, after which it must send nothing
     (the copies may still be working towards their last message then)."""
-    from psrt.pp.schedule import Op  # avoid a cycle at import time
     backward = (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
     sends = (Op.SEND_FORWARD, Op.SEND_BACKWARD)
     points: dict[int, list[Tie]] = {}

@@ -80,6 +80,8 @@ class ParallelSelfAttention(nn.Module):
         sequence, head_dim]); the fused kernel when there is no dropout to draw, ring attention
         over the context-parallel set (this rank's zig-zag part of the sequence) with one."""
         if not self.training or self.attention_dropout == 0.0:
+            if self.context_parallel is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return ring_attention(q, k, v, self.context_parallel, causal=True)
         sequence = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (self.head_dim ** -0.5)
@@ -121,5 +123,7 @@ class ParallelTransformerBlock(nn.Module):
         return x + self._dropout(self.mlp(self.ln2(x)))
 
     def _dropout(self, branch: torch.Tensor) -> torch.Tensor:
+        if not self.dropout:
+            return branch
         return replicated_dropout(branch, self.dropout, self.process_set, sequence_parallel=self.sequence_parallel,
                                   training=self.training)

@@ -135,7 +135,7 @@ def consolidate(directory: str) -> dict:
     shards = [_read(shard_file(directory, shard), meta) for shard in range(meta["num_shards"])]
     model = _read(os.path.join(directory, EXTRAS), meta)["entries"]
     optimizer_groups = _optimizer_groups(meta)
-    position = {param: i for i, param in enumerate(p for members in optimizer_groups for p in members)}
+    position = _positions(optimizer_groups)
     per_param_state: dict[int, dict] = {}
     per_element: set[str] = set()
     for g, flat in enumerate(partition.groups):
@@ -186,6 +186,12 @@ def _optimizer_groups(meta: dict) -> list[list[int]]:
     """The optimizer's parameter groups (parameter indices, in the order given); checkpoints
     from before parameter groups hold one group of every parameter in registration order."""
     return meta.get("optimizer_groups") or [list(range(len(meta["params"])))]
+
+
+def _positions(optimizer_groups: list[list[int]]) -> dict[int, int]:
+    """Each parameter's index in torch's optimizer state_dict, which numbers the parameters
+    group after group in the order given."""
+    return {param: i for i, param in enumerate(p for members in optimizer_groups for p in members)}
 
 
 def _class_name(cls: type) -> str:
@@ -245,7 +251,7 @@ def _restore(zero, full: dict) -> None:
     hyperparameters, compute parameters, loss scale, and the model's unsharded entries."""
     partition = zero.partition
     state, per_element = full["optimizer"]["state"], set(full["per_element_keys"])
-    position = {param: i for i, param in enumerate(p for members in zero.optimizer_groups for p in members)}
+    position = _positions(zero.optimizer_groups)
     with torch.no_grad():
         for g, group in enumerate(zero.groups):
             flat = partition.groups[g]
