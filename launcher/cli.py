@@ -11,7 +11,7 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from launcher.command import (
     LaunchError,
@@ -20,6 +20,7 @@ from launcher.command import (
     find_mpirun,
     plan_launch,
 )
+from launcher.elastic import ElasticSettings, Supervisor
 from launcher.hostfile import (
     Host,
     HostfileError,
@@ -80,6 +81,23 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-servers", type=int, metavar="S",
                         help="parameter-server mode: S ranks become servers, the rest workers "
                              "(sets PSRT_NUM_SERVERS=S on every rank)")
+    elastic = parser.add_argument_group(
+        "elastic training", "Relaunch the job when ranks fail or hosts come, continuing from its last "
+        "state.commit() (scripts use psrt.torch.elastic, Horovod's elastic API). Any of these flags turns it on.")
+    elastic.add_argument("--min-np", type=int, metavar="N", help="fewest ranks to run with (default: -np, else 1); "
+                         "-np is then the first launch's rank count")
+    elastic.add_argument("--max-np", type=int, metavar="M", help="most ranks to run with (default: all slots)")
+    elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
+                         help="executable printing the usable hosts, one HOST or HOST:SLOTS per line; run "
+                              "again every second while the job runs, and while waiting for hosts")
+    elastic.add_argument("--restarts", type=int, metavar="K",
+                         help="relaunches allowed after failures (default 3; new hosts do not count)")
+    elastic.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
+                         help="how long to wait for --min-np slots before failing (default 600)")
+    elastic.add_argument("--elastic-dir", metavar="DIR",
+                         help="where commits are kept between launches, on a filesystem every host sees "
+                              "(default: a temporary directory, removed when the job succeeds; jobs on "
+                              "other hosts must name one)")
     parser.add_argument("--verbose", action="store_true",
                         help="print the mpirun command line to stderr before running it")
     parser.add_argument("--dry-run", action="store_true",
@@ -88,12 +106,13 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _hosts(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Host, ...] | None:
-    """The hosts the user asked for, or SLURM's, or None for this machine."""
+def _hosts(args: argparse.Namespace, env: Mapping[str, str], merge: bool = True) -> tuple[Host, ...] | None:
+    """The hosts the user asked for, or SLURM's, or None for this machine (``merge=False``:
+    a repeated host's entries stay apart, as elastic slot groups)."""
     if args.hosts is not None:
-        return parse_hosts(args.hosts)
+        return parse_hosts(args.hosts, merge)
     if args.hostfile is not None:
-        return parse_hostfile(args.hostfile)
+        return parse_hostfile(args.hostfile, merge)
     return hosts_from_slurm(env)
 
 
@@ -119,8 +138,11 @@ def _comma_list(values: Sequence[str]) -> list[str]:
     return [item.strip() for value in values for item in value.split(",")]
 
 
-def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
-    """Validate everything and return the mpirun command line; raises on bad input."""
+def _launcher(args: argparse.Namespace, env: Mapping[str, str]
+              ) -> Callable[[tuple[Host, ...] | None, int | None, Sequence[tuple[str, str]]], list[str]]:
+    """Validate what does not depend on the hosts; returns the function that writes the
+    mpirun command line for given hosts, rank count and extra rank variables (raises on
+    bad input)."""
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -128,22 +150,61 @@ def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
         mpi_args = shlex.split(args.mpi_args)
     except ValueError as e:
         raise LaunchError(f"--mpi-args {args.mpi_args!r}: {e}") from None
-    hosts = _hosts(args, env)
     if not command:  # checked before probing mpirun, the slowest step
         raise LaunchError("no command given; usage: psrun -np N [options] command ...")
+    rank_env = _rank_env(args)
     mpirun = find_mpirun(args.mpirun, python=sys.executable, path=env.get("PATH", os.defpath))
     flavour, version = detect_mpi(mpirun)
-    plan, warnings = plan_launch(
-        flavour=flavour, mpirun=mpirun, command=command,
-        num_proc=args.num_proc, hosts=hosts, local_cpus=os.cpu_count() or 1,
-        oversubscribe=args.oversubscribe, as_root=os.geteuid() == 0, mpi_args=mpi_args,
-        rank_env=_rank_env(args), launch_agent=args.launch_agent,
-        network_interfaces=_comma_list(args.network_interface), network_cidrs=_comma_list(args.network_cidr),
-        version=version,
-    )
-    for warning in warnings:
-        print(warning, file=sys.stderr, flush=True)
-    return build_command(plan, env)
+
+    def launch(hosts: tuple[Host, ...] | None, num_proc: int | None, extra_env: Sequence[tuple[str, str]]) -> list[str]:
+        plan, warnings = plan_launch(
+            flavour=flavour, mpirun=mpirun, command=command,
+            num_proc=num_proc, hosts=hosts, local_cpus=os.cpu_count() or 1,
+            oversubscribe=args.oversubscribe, as_root=os.geteuid() == 0, mpi_args=mpi_args,
+            rank_env=[*rank_env, *extra_env], launch_agent=args.launch_agent,
+            network_interfaces=_comma_list(args.network_interface), network_cidrs=_comma_list(args.network_cidr),
+            version=version,
+        )
+        for warning in warnings:
+            print(warning, file=sys.stderr, flush=True)
+        return build_command(plan, env)
+
+    return launch
+
+
+def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
+    """Validate everything and return the mpirun command line; raises on bad input."""
+    hosts = _hosts(args, env)
+    return _launcher(args, env)(hosts, args.num_proc, ())
+
+
+def _is_elastic(args: argparse.Namespace) -> bool:
+    return any(value is not None for value in (args.min_np, args.max_np, args.host_discovery_script,
+                                               args.restarts, args.elastic_dir))
+
+
+def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
+    """The supervisor of an elastic job; raises on bad flags before anything runs."""
+    static = None if args.host_discovery_script else _hosts(args, env, merge=False)
+    if static is None and not args.host_discovery_script:
+        static = (Host("localhost", os.cpu_count() or 1),)
+    if args.host_discovery_script and (args.hosts or args.hostfile):
+        raise LaunchError("--host-discovery-script replaces -H and --hostfile: give one source of hosts")
+    min_np = args.min_np if args.min_np is not None else (args.num_proc or 1)
+    max_np = args.max_np if args.max_np is not None else 1 << 30  # as many as there are slots
+    restarts = 3 if args.restarts is None else args.restarts
+    if min_np < 1 or max_np < min_np:
+        raise LaunchError(f"--min-np {min_np} and --max-np {max_np}: need 1 <= min-np <= max-np")
+    if restarts < 0 or args.elastic_timeout < 0:
+        raise LaunchError("--restarts and --elastic-timeout must not be negative")
+    if args.num_proc is not None and not min_np <= args.num_proc <= max_np:
+        raise LaunchError(f"-np {args.num_proc} lies outside --min-np {min_np} .. --max-np {max_np}")
+    if args.num_servers is not None and args.num_servers >= min_np:
+        raise LaunchError(f"--num-servers {args.num_servers} leaves no worker at --min-np {min_np}")
+    launch = _launcher(args, env)
+    settings = ElasticSettings(min_np, max_np, args.num_proc, restarts, args.elastic_timeout,
+                               args.host_discovery_script, args.elastic_dir)
+    return Supervisor(settings, static, launch, lambda command: run_job(command, env))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,6 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse already printed usage and the error
         return e.code if isinstance(e.code, int) else USAGE_ERROR
     env = dict(os.environ)
+    if _is_elastic(args):
+        try:
+            supervisor = _elastic(args, env)
+        except (LaunchError, HostfileError) as e:
+            print(f"psrun: error: {e}", file=sys.stderr, flush=True)
+            return USAGE_ERROR
+        return supervisor.run()
     try:
         cmd = _prepare(args, env)
     except (LaunchError, HostfileError) as e:

@@ -18,8 +18,10 @@ __all__ = [
     "HostfileError",
     "expand_counts",
     "expand_nodelist",
+    "merge_hosts",
     "hosts_from_slurm",
     "is_local_host",
+    "parse_discovery",
     "parse_hostfile",
     "parse_hosts",
     "total_slots",
@@ -78,7 +80,7 @@ def _slots(text: str, where: str) -> int:
     return value
 
 
-def _merge(hosts: Iterable[Host]) -> tuple[Host, ...]:
+def merge_hosts(hosts: Iterable[Host]) -> tuple[Host, ...]:
     """Sum the slots of repeated hosts, as Open MPI and MPICH do, keeping first-seen order."""
     slots: dict[str, int] = {}
     for h in hosts:
@@ -94,8 +96,9 @@ def _host_colon(item: str, where: str) -> Host:
     return Host(name, _slots(count, where) if sep else 1)
 
 
-def parse_hosts(spec: str) -> tuple[Host, ...]:
-    """Parse a ``-H`` value such as ``host1:4,host2:4``; a host without ``:N`` has 1 slot."""
+def parse_hosts(spec: str, merge: bool = True) -> tuple[Host, ...]:
+    """Parse a ``-H`` value such as ``host1:4,host2:4``; a host without ``:N`` has 1 slot.
+    ``merge=False`` keeps a repeated host's entries apart (elastic slot groups)."""
     items = [item.strip() for item in spec.split(",")]
     if not any(items):
         raise HostfileError(f"-H {spec!r}: no hosts given")
@@ -104,7 +107,7 @@ def parse_hosts(spec: str) -> tuple[Host, ...]:
         if not item:
             raise HostfileError(f"-H {spec!r}: empty host name between commas")
         hosts.append(_host_colon(item, f"-H {spec!r}"))
-    return _merge(hosts)
+    return merge_hosts(hosts) if merge else tuple(hosts)
 
 
 def _parse_line(text: str, where: str) -> Host:
@@ -130,8 +133,9 @@ def _parse_line(text: str, where: str) -> Host:
     return Host(first, slots)
 
 
-def parse_hostfile(path: str) -> tuple[Host, ...]:
-    """Read a hostfile in Open MPI or MPICH/Horovod format; see hostfile.example."""
+def parse_hostfile(path: str, merge: bool = True) -> tuple[Host, ...]:
+    """Read a hostfile in Open MPI or MPICH/Horovod format; see hostfile.example.
+    ``merge=False`` keeps a repeated host's lines apart (elastic slot groups)."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -154,7 +158,19 @@ def parse_hostfile(path: str) -> tuple[Host, ...]:
             raise HostfileError(f"{where}: {e}") from None
     if not hosts:
         raise HostfileError(f"hostfile {path!r} lists no hosts")
-    return _merge(hosts)
+    return merge_hosts(hosts) if merge else tuple(hosts)
+
+
+def parse_discovery(output: str, script: str) -> tuple[Host, ...]:
+    """The slot groups a host discovery script printed: one ``HOST`` or ``HOST:SLOTS`` per
+    line, as Horovod's ``--host-discovery-script`` takes (blank lines and ``#`` comments
+    skipped; an empty list is allowed: no host is usable now)."""
+    hosts = []
+    for number, line in enumerate(output.splitlines(), start=1):
+        text = line.split("#", 1)[0].strip()
+        if text:
+            hosts.append(_host_colon(text, f"host discovery script {script!r}, output line {number}"))
+    return tuple(hosts)
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -244,6 +260,6 @@ def hosts_from_slurm(env: Mapping[str, str]) -> tuple[Host, ...] | None:
             f"gives {len(counts)} counts"
         )
     try:
-        return _merge(Host(n, c) for n, c in zip(names, counts))
+        return merge_hosts(Host(n, c) for n, c in zip(names, counts))
     except HostfileError as e:
         raise HostfileError(f"{source}={env[source]!r}: {e}") from None

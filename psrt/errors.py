@@ -69,3 +69,20 @@ class ScheduleError(PsrtError):
     """A pipeline schedule breaks a property every rank relies on: a micro-batch
     missing or repeated, a backward before its forward, a send without its receive,
     or a deadlock.  The message names the rank, the action and what is wrong."""
+
+
+class HostsUpdatedInterrupt(PsrtError, RuntimeError):
+    """Raised by ``state.commit()`` (or ``state.check_host_updates()``) on every rank when
+    the elastic launcher found hosts added or removed: the state was just committed, so the
+    job stops there and ``psrun`` relaunches it on the new hosts (Horovod's exception of the
+    same name; ``skip_sync`` is True when hosts were only added)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the hosts of this elastic job changed: relaunching at the last commit")
+        self.skip_sync = skip_sync
+
+
+class ElasticError(PsrtError, RuntimeError):
+    """Elastic state that cannot be committed or restored: a damaged or foreign commit, a
+    value that cannot be stored, or a layout that cannot take the commit.  The message names
+    the file or attribute and what to do."""

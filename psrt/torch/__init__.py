@@ -28,6 +28,7 @@ from psrt.torch.handles import poll, synchronize
 from psrt.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from psrt.torch.optimizer import DistributedOptimizer
 from psrt.torch.sync_batch_norm import SyncBatchNorm
+from psrt.torch import elastic  # noqa: E402  (hvd.elastic, as in Horovod)
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
@@ -36,7 +37,7 @@ __all__ = [
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size",
-    "cuda_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "cuda_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
     "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "init", "is_initialized", "join", "local_rank", "local_size",
