@@ -186,8 +186,8 @@ def _is_elastic(args: argparse.Namespace) -> bool:
 def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
     """The supervisor of an elastic job; raises on bad flags before anything runs."""
     static = None if args.host_discovery_script else _hosts(args, env, merge=False)
-    if static is None and not args.host_discovery_script:
-        static = (Host("localhost", os.cpu_count() or 1),)
+    if static is None and not args.host_discovery_script:  # this machine: as many slots as ranks asked for
+        static = (Host("localhost", max(os.cpu_count() or 1, args.num_proc or 1, args.min_np or 1)),)
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise LaunchError("--host-discovery-script replaces -H and --hostfile: give one source of hosts")
     min_np = args.min_np if args.min_np is not None else (args.num_proc or 1)

@@ -309,7 +309,9 @@ class TorchState(ObjectState):
     def _layout(self) -> dict:
         if self.grid is None:
             return {}
-        return {"size": runtime.size(), "grid": [self.grid.dp, self.grid.tp, self.grid.pp, self.grid.cp]}
+        shape = self.grid.shape
+        return {"size": runtime.size(),
+                "grid": {"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "cp": shape.cp, "ep": shape.ep}}
 
     def _read(self, record: dict, replicated: dict, mine: dict | None, directory: str) -> None:
         held = replicated if self.grid is None else (mine or {})
