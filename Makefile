@@ -4,6 +4,7 @@
 # (make demo-collectives runs examples/collectives_demo.py, every collective once;
 #  make demo-ps trains examples/train_digits_ps.py with 1 parameter server and 2 workers;
 #  make demo-zero trains examples/train_digits_zero.py with ZeRO stages 1, 2 and 3;
+#  make demo-elastic trains examples/train_digits_elastic.py on 3 ranks, kills one, goes on with 2;
 #  make demo-gpt trains examples/train_tiny_gpt.py on 4 ranks as TP 2 x PP 2)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,7 +12,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
 
-.PHONY: demo demo-collectives demo-ps demo-zero demo-gpt test bench bench-train bench-ps bench-zero \
+.PHONY: demo demo-collectives demo-ps demo-zero demo-elastic demo-gpt test bench bench-train bench-ps bench-zero \
         bench-pp bench-tp bench-recompute bench-cp bench-moe bench-peers bench-overhead bench-faults \
         bench-hierarchical clean
 
@@ -33,6 +34,12 @@ demo-ps: $(STAMP)
 
 demo-zero: $(STAMP)
 	$(VENV)/bin/psrun -np $(NP) $(PY) examples/train_digits_zero.py
+
+# Three one-slot groups of this machine; rank 1 dies in epoch 5 and the job goes on with two.
+demo-elastic: $(STAMP)
+	printf 'localhost:1\nlocalhost:1\nlocalhost:1\n' > $(VENV)/elastic-hosts
+	$(VENV)/bin/psrun --hostfile $(VENV)/elastic-hosts --min-np 2 --max-np 3 --restarts 1 \
+		$(PY) examples/train_digits_elastic.py --kill-rank 1
 
 demo-gpt: $(STAMP)
 	$(VENV)/bin/psrun -np 4 $(PY) examples/train_tiny_gpt.py --dp 1 --tp 2 --pp 2

@@ -9,7 +9,8 @@ last launch ends holding the whole run's losses; rank 0 saves them and the full 
 
 Faults, on the first launch only: ``--kill-step S`` SIGKILLs rank ``--kill-rank`` right
 after step S; ``--kill-in-commit N`` SIGKILLs it inside commit N, after writing its own
-file and before the commit is published.  ``--keep-resumed DIR`` copies, on a relaunch,
+file and before the commit is published.  ``--step-sleep`` slows each step, so that a test
+can change the hosts mid-run.  ``--keep-resumed DIR`` copies, on a relaunch,
 the commit it resumed from to DIR (to run the uninterrupted reference from it).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kill-in-commit", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--keep-resumed", default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step also takes (to act mid-run)")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -153,6 +156,7 @@ def main() -> None:
                 shutil.copy(os.path.join(state._store.root, commits.LATEST), args.keep_resumed)
         while state.step < args.steps:
             loss = step()
+            time.sleep(args.step_sleep)
             state.losses.append(hvd.allreduce(loss.reshape(1), name="elastic_job.loss").item())
             state.step += 1
             if args.kill_step == state.step and hvd.rank() == args.kill_rank and first_launch():

@@ -1,0 +1,202 @@
+"""Elastic training end to end under psrun: a rank killed at a random step, inside a commit,
+a host added by the discovery script, too few hosts.
+
+Every job is ``scripts/elastic_job.py``.  The references are the same computation without
+the fault: an uninterrupted run at the same size (bit-identical losses and parameters), an
+uninterrupted run resumed from the very commit the relaunch used (bit-identical), and one
+process (equal within float tolerance: a kept global batch makes every size take the same
+samples per step, so only the summation order differs).
+"""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import REPO, job_env, psrun_argv, start_job
+
+pytestmark = pytest.mark.parallel
+
+SCRIPT = str(REPO / "tests" / "parallel" / "scripts" / "elastic_job.py")
+JOB_TIMEOUT_S = 240
+STEPS = 20
+COMMIT_EVERY = 4
+
+
+def slot_groups(tmp_path: Path, count: int) -> str:
+    """A hostfile of ``count`` one-slot groups of this machine: losing one is losing a host."""
+    path = tmp_path / f"hosts{count}"
+    path.write_text("localhost:1\n" * count)
+    return str(path)
+
+
+def run_psrun(flags: list[str], script_args: list[str], timeout_s: float = JOB_TIMEOUT_S
+              ) -> subprocess.CompletedProcess[str]:
+    argv = psrun_argv(*flags, sys.executable, SCRIPT, "--steps", str(STEPS), "--commit-every", str(COMMIT_EVERY),
+                      *script_args)
+    return subprocess.run(argv, cwd=REPO, env=job_env(), capture_output=True, text=True, errors="replace",
+                          timeout=timeout_s, check=False)
+
+
+def train(tmp_path: Path, name: str, flags: list[str], script_args: list[str] = ()) -> tuple[dict, str]:
+    """Run a job to completion; returns what rank 0 saved and the job's whole output."""
+    out = tmp_path / f"{name}.pt"
+    done = run_psrun(flags, ["--out", str(out), *script_args])
+    output = f"{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0 and out.exists(), f"{name}: psrun exited with {done.returncode}\n{output[-4000:]}"
+    return torch.load(out), output
+
+
+def one_process(tmp_path: Path, mode: str) -> dict:
+    """The same training in one process, without psrun."""
+    out = tmp_path / f"single-{mode}.pt"
+    subprocess.run([sys.executable, SCRIPT, "--mode", mode, "--steps", str(STEPS), "--out", str(out)], cwd=REPO,
+                   env=job_env(), capture_output=True, timeout=JOB_TIMEOUT_S, check=True)
+    return torch.load(out)
+
+
+def assert_identical(run: dict, reference: dict, what: str) -> None:
+    assert run["losses"] == reference["losses"], f"{what}: losses differ\n{run['losses']}\n{reference['losses']}"
+    for name, value in reference["model"].items():
+        assert torch.equal(run["model"][name], value), f"{what}: parameter {name} differs"
+
+
+def assert_close(run: dict, reference: dict, what: str) -> None:
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"{what}: losses\n{m}")
+    for name, value in reference["model"].items():
+        torch.testing.assert_close(run["model"][name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: {name}\n{m}")
+
+
+def kill_step() -> int:
+    """A random step that is not a commit boundary, printed so a failure can be replayed."""
+    step = random.choice([s for s in range(COMMIT_EVERY + 1, STEPS - 1) if s % COMMIT_EVERY])
+    print(f"killing a rank after step {step}")
+    return step
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Uninterrupted 2-rank runs (4 ranks for TP x PP), one per mode, made on first use."""
+    made: dict[str, dict] = {}
+
+    def get(mode: str) -> dict:
+        if mode not in made:
+            np = 4 if mode == "tppp" else 3 if mode == "ps" else 2
+            servers = ["--num-servers", "1"] if mode == "ps" else []
+            made[mode], _ = train(tmp_path_factory.mktemp(f"uninterrupted-{mode}"), mode,
+                                  ["-np", str(np), "--min-np", str(np), *servers], ["--mode", mode])
+        return made[mode]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", ["dp", "zero2", "ps", "tppp"])
+def test_same_size_resume_after_a_killed_rank_is_bit_identical(tmp_path, uninterrupted, mode):
+    """A spare slot group keeps the size: the relaunch must reproduce the uninterrupted run exactly."""
+    np = 4 if mode == "tppp" else 3 if mode == "ps" else 2
+    servers = ["--num-servers", "1"] if mode == "ps" else []
+    step = kill_step()
+    run, output = train(tmp_path, "killed", ["--hostfile", slot_groups(tmp_path, np + 1), "--min-np", str(np),
+                                             "--max-np", str(np), "--restarts", "1", *servers],
+                        ["--mode", mode, "--kill-step", str(step)])
+    assert "killed by signal 9" in output and f"launch 2: {np} ranks" in output, output[-3000:]
+    assert f"resumed from commit {step // COMMIT_EVERY}" in output, output[-3000:]
+    assert_identical(run, uninterrupted(mode), f"{mode}, killed after step {step}, resumed at the same size")
+
+
+@pytest.mark.parametrize("mode", ["dp", "zero2", "ps"])
+def test_lost_rank_shrinks_the_job_and_it_matches_a_run_resumed_from_the_same_commit(tmp_path, mode):
+    """3 ranks (PS: a server and 2 workers) lose one; the job finishes on 2, exactly as a fresh
+    2-rank job started from the commit the relaunch used, and as one process within tolerance."""
+    servers = ["--num-servers", "1"] if mode == "ps" else []
+    kept = tmp_path / "resumed-from"
+    kept.mkdir()
+    step = kill_step()
+    run, output = train(tmp_path, "shrunk", ["--hostfile", slot_groups(tmp_path, 3), "--min-np", "2",
+                                             "--restarts", "1", *servers],
+                        ["--mode", mode, "--kill-step", str(step), "--kill-rank", "1", "--keep-resumed", str(kept)])
+    assert "failed first: killed by signal 9 (SIGKILL); dropped slot group localhost:1" in output, output[-3000:]
+    assert "launch 2: 2 ranks" in output and run["size"] == (1 if mode == "ps" else 2), output[-3000:]
+    reference, _ = train(tmp_path, "reference", ["-np", "2", "--elastic-dir", str(kept), *servers], ["--mode", mode])
+    assert_identical(run, reference, f"{mode}: shrunk after step {step} vs resumed from the same commit")
+    assert_close(run, one_process(tmp_path, mode), f"{mode}: shrunk job vs one process")
+
+
+def test_a_rank_killed_inside_a_commit_leaves_the_previous_commit(tmp_path, uninterrupted):
+    run, output = train(tmp_path, "killed-in-commit", ["--hostfile", slot_groups(tmp_path, 3), "--min-np", "2",
+                                                       "--max-np", "2", "--restarts", "1"],
+                        ["--kill-in-commit", "3"])
+    assert "killed by signal 9" in output and "resumed from commit 2" in output, output[-3000:]
+    assert_identical(run, uninterrupted("dp"), "killed inside commit 3, resumed from commit 2")
+
+
+def test_discovery_adding_a_host_grows_the_job_at_the_next_commit(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\nlocalhost:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    out = tmp_path / "grown.pt"
+    job = start_job(psrun_argv("--host-discovery-script", str(script), "--min-np", "2", "--max-np", "3",
+                               sys.executable, SCRIPT, "--steps", "40", "--commit-every", str(COMMIT_EVERY),
+                               "--step-sleep", "0.1", "--out", str(out)), "growing job")
+    try:
+        job.wait_for_line(r"launch 1: 2 ranks", timeout_s=60)
+        hosts.write_text("localhost:1\nlocalhost:1\nlocalhost:1\n")
+        assert job.finish(JOB_TIMEOUT_S) == 0, job.diagnosis()
+    finally:
+        job.stop()
+    relaunch = next(line for line in job.out.splitlines() if line.startswith("launch 2:"))
+    assert relaunch.startswith("launch 2: 3 ranks from step "), job.diagnosis()
+    step, commit = int(relaunch.split()[6]), int(relaunch.split()[-1].rstrip(")"))
+    assert step == commit * COMMIT_EVERY and 0 < step < 40, relaunch  # grew at a commit boundary
+    assert "hosts changed to localhost:1, localhost:1, localhost:1" in job.err, job.diagnosis()
+    assert "(relaunch: the hosts changed)" in job.err, job.diagnosis()
+    grown = torch.load(out)
+    reference = tmp_path / "single.pt"
+    subprocess.run([sys.executable, SCRIPT, "--steps", "40", "--out", str(reference)], cwd=REPO, env=job_env(),
+                   capture_output=True, timeout=JOB_TIMEOUT_S, check=True)
+    assert_close(grown, torch.load(reference), "grown from 2 to 3 ranks vs one process")
+
+
+def test_too_few_hosts_fails_clearly_after_the_wait(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\n")
+    script.chmod(0o755)
+    start = time.monotonic()
+    done = run_psrun(["--host-discovery-script", str(script), "--min-np", "2", "--elastic-timeout", "2"],
+                     ["--out", str(tmp_path / "never.pt")], timeout_s=60)
+    waited = time.monotonic() - start
+    assert done.returncode != 0 and waited >= 2, (done.returncode, waited)
+    assert "1 usable slot(s) (localhost:1), fewer than --min-np 2 after waiting 2 s (--elastic-timeout)" in done.stderr
+    assert "launch 1" not in done.stderr and not (tmp_path / "never.pt").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-np", "3", "--max-np", "2"], "need 1 <= min-np <= max-np"),
+    (["-np", "5", "--min-np", "2", "--max-np", "4"], "-np 5 lies outside --min-np 2 .. --max-np 4"),
+    (["--min-np", "2", "--num-servers", "2"], "--num-servers 2 leaves no worker at --min-np 2"),
+    (["--host-discovery-script", "x", "-H", "a:1"], "replaces -H and --hostfile"),
+])
+def test_impossible_elastic_flags_are_refused_before_launching(flags, message):
+    done = subprocess.run(psrun_argv(*flags, sys.executable, "-c", "pass"), cwd=REPO, env=job_env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_elastic_dir_of_a_finished_job_is_removed_unless_named(tmp_path):
+    """A temporary commit directory is psrun's to clean; a named one is the user's to keep."""
+    named = tmp_path / "commits"
+    train(tmp_path, "named", ["-np", "2", "--min-np", "2", "--elastic-dir", str(named)], ["--steps", "8"])
+    assert (named / "latest.json").exists()
+    temporary = Path(tempfile.gettempdir())
+    before = set(temporary.glob("psrt-elastic-*"))
+    train(tmp_path, "temporary", ["-np", "2", "--min-np", "2"], ["--steps", "8"])
+    assert set(temporary.glob("psrt-elastic-*")) <= before
