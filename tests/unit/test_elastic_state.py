@@ -1,0 +1,137 @@
+"""Elastic state objects in one process: what commit() keeps, in memory and on disk, and what
+it refuses.  The multi-rank behaviour (relaunches, resharding, exact resume) is in
+tests/parallel/test_elastic.py."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import psrt.torch as hvd
+from psrt.elastic import commits
+from psrt.errors import ArgumentTypeError, ElasticError
+
+
+@pytest.fixture
+def world_of_one():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+@pytest.fixture
+def elastic_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(commits.ENV_DIR, str(tmp_path))
+    return tmp_path
+
+
+def trained(seed: int = 0):
+    """A model and an Adam optimizer with state (created by its first step) and a sampler."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    sampler = hvd.elastic.ElasticSampler(list(range(10)), seed=3)
+    return model, optimizer, sampler
+
+
+def step(model, optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    optimizer.step()
+
+
+def test_horovod_names_are_where_horovod_scripts_look():
+    for name in ("run", "State", "ObjectState", "TorchState", "ElasticSampler", "HorovodInternalError",
+                 "HostsUpdatedInterrupt"):
+        assert hasattr(hvd.elastic, name), name
+    assert hvd.elastic.HorovodInternalError is hvd.HorovodInternalError
+
+
+def test_restore_goes_back_to_the_last_commit_in_memory(world_of_one):
+    model, optimizer, sampler = trained()
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=1, history=[0.5])
+    sampler.record_batch(0, 2)
+    state.commit()
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    kept_step = optimizer.state_dict()["state"][0]["step"].clone()
+    step(model, optimizer)
+    state.epoch, state.history = 2, [0.5, 0.4]
+    sampler.record_batch(1, 2)
+    state.restore()
+    assert state.epoch == 1 and state.history == [0.5]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in kept.items())
+    assert torch.equal(optimizer.state_dict()["state"][0]["step"], kept_step)
+    assert int(sampler.processed.sum()) == 2
+
+
+def test_a_commit_on_disk_restores_bit_identically_in_a_fresh_process_state(world_of_one, elastic_dir):
+    """What a relaunched job does: new objects, the last commit read back, RNG states included."""
+    model, optimizer, sampler = trained()
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=3)
+    sampler.record_batch(1, 3)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    state.commit()
+    after_commit = (random.random(), np.random.rand(), torch.rand(1))
+    step(model, optimizer)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh_model, fresh_optimizer, fresh_sampler = trained(seed=1)
+    fresh_optimizer.state.clear()  # a new job has no optimizer state before its first step
+    resumed = hvd.elastic.TorchState(fresh_model, fresh_optimizer, sampler=fresh_sampler, epoch=0)
+    assert resumed._resume() and resumed.restored_from == 1 and resumed.epoch == 3
+    assert (random.random(), np.random.rand(), torch.rand(1)) == after_commit
+    assert torch.equal(fresh_sampler.processed, sampler.processed)
+    step(fresh_model, fresh_optimizer)
+    assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_commit_refuses_values_that_are_not_plain_data(world_of_one, elastic_dir):
+    class Opaque:
+        pass
+
+    state = hvd.elastic.ObjectState(epoch=0, thing=Opaque())
+    with pytest.raises(ElasticError, match=r"\['thing'\] is a Opaque.*state_dict"):
+        state.commit()
+    assert commits.CommitStore(str(elastic_dir)).latest() is None
+
+
+def test_a_damaged_commit_is_refused_naming_the_file(world_of_one, elastic_dir):
+    state = hvd.elastic.ObjectState(epoch=7)
+    state.commit()
+    path = elastic_dir / "commit-000001" / commits.REPLICATED
+    path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
+    with pytest.raises(ElasticError, match="replicated.pt.*sha256"):
+        hvd.elastic.ObjectState(epoch=0)._resume()
+
+
+def test_run_resumes_then_calls_the_reset_callbacks(world_of_one, elastic_dir):
+    first = hvd.elastic.ObjectState(epoch=0)
+    first.epoch = 4
+    first.commit()
+    calls = []
+    state = hvd.elastic.ObjectState(epoch=0)
+    state.register_reset_callbacks([lambda: calls.append(state.epoch)])
+
+    @hvd.elastic.run
+    def train(state):
+        return state.epoch
+
+    assert train(state) == 4 and calls == [4]
+
+
+def test_wrong_types_are_named():
+    with pytest.raises(ArgumentTypeError, match="torch.nn.Module"):
+        hvd.elastic.TorchState(model="not a model")
+    with pytest.raises(ArgumentTypeError, match="optimizer"):
+        hvd.elastic.TorchState(optimizer=object())
+
+    @hvd.elastic.run
+    def train(state):
+        return state
+
+    with pytest.raises(ArgumentTypeError, match="first argument of an elastic function"):
+        train(42)
