@@ -108,27 +108,30 @@ class Supervisor:
 
     def run(self) -> int:
         settings = self.settings
-        directory = settings.directory or tempfile.mkdtemp(prefix="psrt-elastic-")
-        os.makedirs(directory, exist_ok=True)
+        directory = settings.directory
         restarts_used, launch, hosts_version = 0, 0, 0
         reason = "start"
         while True:
-            groups = self._usable_groups(reason)
-            if groups is None:
+            available = self._usable_groups(reason)
+            if available is None:
                 return 1
+            keys, groups = [key for key, _ in available], tuple(group for _, group in available)
             num_proc = min(settings.max_np, total_slots(groups),
                            settings.initial_np if launch == 0 and settings.initial_np else settings.max_np)
             used = [groups[i] for i in sorted(set(rank_groups(groups, num_proc)))]
             if settings.directory is None and not all(is_local_host(g.name) for g in used):
                 self.say("error: hosts other than this machine need --elastic-dir on a filesystem they all see")
                 return 2
+            if directory is None:  # made once a launch is certain, so early exits leave nothing behind
+                directory = tempfile.mkdtemp(prefix="psrt-elastic-")
+            os.makedirs(directory, exist_ok=True)
             launch += 1
             self.say(f"launch {launch}: {num_proc} ranks on {_describe(used)} ({reason})")
             _remove(os.path.join(directory, RESET))
             rank_env = [(ENV_DIR, os.path.abspath(directory)), (ENV_HOSTS_VERSION, str(hosts_version)),
                         (ENV_LAUNCH, str(launch))]
             command = self.launch(tuple(used), num_proc, rank_env)
-            watcher = _Watcher(self, directory, groups, num_proc, hosts_version) \
+            watcher = _Watcher(self, directory, keys, groups, num_proc, hosts_version) \
                 if settings.discovery_script else None
             result = self.run_job(command)
             if watcher is not None:
@@ -153,28 +156,30 @@ class Supervisor:
             reason = f"restart {restarts_used} of {settings.restarts} after {what}"
             if failure is not None and failure.kind is FailureKind.EXIT and failure.rank < num_proc:
                 lost = rank_groups(groups, num_proc)[failure.rank]
-                self.dropped.add(_keys(groups)[lost])
+                self.dropped.add(keys[lost])
                 reason += f"; dropped slot group {groups[lost]}"
 
-    def current_groups(self) -> tuple[Host, ...]:
-        """The slot groups known now (discovery's, or the hostfile's), less the dropped ones."""
+    def current_groups(self) -> list[tuple[tuple[str, int], Host]]:
+        """The slot groups known now (discovery's, or the hostfile's), less the dropped ones,
+        each with its identity in the whole list (which dropping must not renumber)."""
         groups = discover(self.settings.discovery_script) if self.settings.discovery_script \
             else self.static_groups or ()
-        return tuple(g for g, key in zip(groups, _keys(groups)) if key not in self.dropped)
+        return [(key, group) for key, group in zip(_keys(groups), groups) if key not in self.dropped]
 
-    def _usable_groups(self, reason: str) -> tuple[Host, ...] | None:
+    def _usable_groups(self, reason: str) -> list[tuple[tuple[str, int], Host]] | None:
         """Enough slot groups for ``--min-np``, waiting for discovery to find them; None
         (after saying why) when there are not enough by the deadline."""
         deadline = time.monotonic() + self.settings.timeout_s
         announced = False
         while True:
             try:
-                groups = self.current_groups()
+                available = self.current_groups()
             except HostfileError as e:
                 self.say(f"error: {e}")
                 return None
+            groups = [group for _, group in available]
             if total_slots(groups) >= self.settings.min_np:
-                return groups
+                return available
             if not self.settings.discovery_script or time.monotonic() >= deadline:
                 waited = "" if not self.settings.discovery_script else \
                     f" after waiting {self.settings.timeout_s:g} s (--elastic-timeout)"
@@ -193,11 +198,11 @@ class _Watcher:
     matters (room to grow below --max-np, or a group in use gone) it writes hosts.json,
     which the job's next commit sees."""
 
-    def __init__(self, supervisor: Supervisor, directory: str, groups: tuple[Host, ...], num_proc: int,
-                 version: int) -> None:
+    def __init__(self, supervisor: Supervisor, directory: str, keys: list[tuple[str, int]],
+                 groups: tuple[Host, ...], num_proc: int, version: int) -> None:
         self.supervisor, self.directory, self.version = supervisor, directory, version
-        self.launched = set(_keys(groups))
-        self.used = {_keys(groups)[i] for i in rank_groups(groups, num_proc)}
+        self.launched = set(keys)
+        self.used = {keys[i] for i in rank_groups(groups, num_proc)}
         self.num_proc = num_proc
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -206,11 +211,11 @@ class _Watcher:
     def _watch(self) -> None:
         while not self._stop.wait(DISCOVERY_INTERVAL_S):
             try:
-                groups = self.supervisor.current_groups()
+                available = self.supervisor.current_groups()
             except HostfileError as e:
                 self.supervisor.say(f"warning: {e}")
                 continue
-            keys = set(_keys(groups))
+            keys, groups = {key for key, _ in available}, [group for _, group in available]
             grows = total_slots(groups) > self.num_proc and self.num_proc < self.supervisor.settings.max_np
             if (keys != self.launched and grows) or not self.used <= keys:
                 self.version += 1

@@ -53,6 +53,8 @@ def plan_batch(global_batch: int, size: int, *, keep: str = "global", base_size:
                                        f"was set for, dividing it (got {base_size})")
         rank_batch = global_batch // base_size
         total, lr_scale = rank_batch * size, size / base_size
+    if max_micro_batch is not None and max_micro_batch < 1:
+        raise InvalidArgumentError(f"max_micro_batch={max_micro_batch}: must be at least 1 (or None: no limit)")
     limit = max_micro_batch or rank_batch
     accumulation = next(a for a in range(1, rank_batch + 1) if rank_batch % a == 0 and rank_batch // a <= limit)
     return BatchPlan(total, rank_batch, accumulation, lr_scale)
