@@ -14,7 +14,7 @@ NP     ?= 2
 
 .PHONY: demo demo-collectives demo-ps demo-zero demo-elastic demo-gpt test bench bench-train bench-ps bench-zero \
         bench-pp bench-tp bench-recompute bench-cp bench-moe bench-peers bench-overhead bench-faults \
-        bench-hierarchical clean
+        bench-hierarchical bench-elastic clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,9 @@ bench-faults: $(STAMP)
 
 bench-hierarchical: $(STAMP)
 	$(PY) benchmarks/hierarchical.py
+
+bench-elastic: $(STAMP)
+	$(PY) benchmarks/elastic.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
