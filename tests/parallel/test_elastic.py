@@ -25,7 +25,8 @@ pytestmark = pytest.mark.parallel
 
 SCRIPT = str(REPO / "tests" / "parallel" / "scripts" / "elastic_job.py")
 JOB_TIMEOUT_S = 240
-STEPS = 16
+STEPS = 12
+GPT_STEPS = 8  # the TP x PP job's steps are the slow ones
 COMMIT_EVERY = 4
 
 
@@ -38,7 +39,8 @@ def slot_groups(tmp_path: Path, count: int) -> str:
 
 def run_psrun(flags: list[str], script_args: list[str], timeout_s: float = JOB_TIMEOUT_S
               ) -> subprocess.CompletedProcess[str]:
-    argv = psrun_argv(*flags, sys.executable, SCRIPT, "--steps", str(STEPS), "--commit-every", str(COMMIT_EVERY),
+    steps = GPT_STEPS if "tppp" in script_args else STEPS
+    argv = psrun_argv(*flags, sys.executable, SCRIPT, "--steps", str(steps), "--commit-every", str(COMMIT_EVERY),
                       *script_args)
     return subprocess.run(argv, cwd=REPO, env=job_env(), capture_output=True, text=True, errors="replace",
                           timeout=timeout_s, check=False)
@@ -84,9 +86,9 @@ def assert_close(run: dict, reference: dict, what: str) -> None:
         torch.testing.assert_close(run["model"][name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: {name}\n{m}")
 
 
-def kill_step() -> int:
-    """A random step that is not a commit boundary, printed so a failure can be replayed."""
-    step = random.choice([s for s in range(COMMIT_EVERY + 1, STEPS - 1) if s % COMMIT_EVERY])
+def kill_step(after: int = COMMIT_EVERY, steps: int = STEPS) -> int:
+    """A random step past ``after`` that is not a commit boundary, printed so a failure can be replayed."""
+    step = random.choice([s for s in range(after + 1, steps) if s % COMMIT_EVERY])
     print(f"killing a rank after step {step}")
     return step
 
@@ -98,7 +100,7 @@ def uninterrupted(tmp_path_factory):
 
     def get(mode: str) -> dict:
         if mode not in made:
-            np = 4 if mode == "tppp" else 3 if mode == "ps" else 2
+            np = 4 if mode == "tppp" else 2
             servers = ["--num-servers", "1"] if mode == "ps" else []
             temporary = set(Path(tempfile.gettempdir()).glob("psrt-elastic-*"))
             made[mode], _ = train(tmp_path_factory.mktemp(f"uninterrupted-{mode}"), mode,
@@ -110,15 +112,16 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("mode", ["dp", "zero2", "ps", "tppp"])
+@pytest.mark.parametrize("mode", ["zero2", "ps", "tppp"])
 def test_same_size_resume_after_a_killed_rank_is_bit_identical(tmp_path, uninterrupted, mode):
-    """A spare slot group keeps the size: the relaunch must reproduce the uninterrupted run exactly."""
-    np = 4 if mode == "tppp" else 3 if mode == "ps" else 2
+    """A spare slot group keeps the size: the relaunch must reproduce the uninterrupted run exactly
+    (the parameter-server job is one server and one worker, which is killed)."""
+    np = 4 if mode == "tppp" else 2
     servers = ["--num-servers", "1"] if mode == "ps" else []
-    step = kill_step()
+    step = kill_step(steps=GPT_STEPS if mode == "tppp" else STEPS)
     run, output = train(tmp_path, "killed", ["--hostfile", slot_groups(tmp_path, np + 1), "--min-np", str(np),
                                              "--max-np", str(np), "--restarts", "1", *servers],
-                        ["--mode", mode, "--kill-step", str(step)])
+                        ["--mode", mode, "--kill-step", str(step), "--kill-rank", "0" if mode == "ps" else "1"])
     assert "killed by signal 9" in output and f"launch 2: {np} ranks" in output, output[-3000:]
     assert f"resumed from commit {step // COMMIT_EVERY}" in output, output[-3000:]
     assert_identical(run, uninterrupted(mode), f"{mode}, killed after step {step}, resumed at the same size")
@@ -143,12 +146,19 @@ def test_lost_rank_shrinks_the_job_and_it_matches_a_run_resumed_from_the_same_co
     assert_close(run, one_process(mode), f"{mode}: shrunk job vs one process")
 
 
-def test_a_rank_killed_inside_a_commit_leaves_the_previous_commit(tmp_path, uninterrupted):
-    run, output = train(tmp_path, "killed-in-commit", ["--hostfile", slot_groups(tmp_path, 3), "--min-np", "2",
-                                                       "--max-np", "2", "--restarts", "1"],
-                        ["--kill-in-commit", "3"])
-    assert "killed by signal 9" in output and "resumed from commit 2" in output, output[-3000:]
-    assert_identical(run, uninterrupted("dp"), "killed inside commit 3, resumed from commit 2")
+def test_dp_resume_is_bit_identical_after_a_kill_inside_a_commit_and_one_between(tmp_path, uninterrupted):
+    """Launch 1 loses a rank inside commit 2 (its file written, the commit not published): the
+    relaunch resumes from commit 1.  Launch 2 loses one at a random step: launch 3 resumes from
+    the last commit.  Each relaunch keeps 2 ranks, so the run must equal the uninterrupted one."""
+    step = kill_step(after=2 * COMMIT_EVERY)
+    run, output = train(tmp_path, "killed-twice", ["--hostfile", slot_groups(tmp_path, 4), "--min-np", "2",
+                                                   "--max-np", "2", "--restarts", "2"],
+                        ["--kill-in-commit", "2", "--kill-step", str(step), "--kill-step-launch", "2"])
+    assert output.count("killed by signal 9 (SIGKILL); dropped slot group") == 2, output[-3000:]
+    assert "launch 2: 2 ranks from step 4 (resumed from commit 1)" in output, output[-3000:]
+    assert f"launch 3: 2 ranks from step {step // COMMIT_EVERY * COMMIT_EVERY} (resumed from commit " \
+           f"{step // COMMIT_EVERY})" in output, output[-3000:]
+    assert_identical(run, uninterrupted("dp"), f"killed inside commit 2, then after step {step}")
 
 
 def test_discovery_adding_a_host_grows_the_job_at_the_next_commit(tmp_path):

@@ -7,9 +7,9 @@ the tiny GPT on a TP 2 x PP 2 grid.  The losses are kept in the committed state,
 last launch ends holding the whole run's losses; rank 0 saves them and the full model to
 ``--out``.  Run under plain ``python`` it is the one-process reference.
 
-Faults, on the first launch only: ``--kill-step S`` SIGKILLs rank ``--kill-rank`` right
-after step S; ``--kill-in-commit N`` SIGKILLs it inside commit N, after writing its own
-file and before the commit is published.  ``--step-sleep`` slows each step, so that a test
+Faults: ``--kill-step S`` SIGKILLs rank ``--kill-rank`` right after step S on launch
+``--kill-step-launch`` (the first by default); ``--kill-in-commit N`` SIGKILLs it inside
+commit N on the first launch, after writing its own file and before the commit is published.  ``--step-sleep`` slows each step, so that a test
 can change the hosts mid-run.  ``--keep-resumed DIR`` copies, on a relaunch,
 the commit it resumed from to DIR (to run the uninterrupted reference from it).
 """
@@ -41,14 +41,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=None)
     p.add_argument("--kill-in-commit", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--kill-step-launch", type=int, default=1, help="the launch whose --kill-step kills")
     p.add_argument("--keep-resumed", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step also takes (to act mid-run)")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
 
-def first_launch() -> bool:
-    return os.environ.get("PSRT_ELASTIC_LAUNCH", "1") == "1"
+def launch() -> int:
+    return int(os.environ.get("PSRT_ELASTIC_LAUNCH", "1"))
 
 
 def die_inside_commit(number: int, rank: int) -> None:
@@ -140,7 +141,7 @@ def main() -> None:
     args = parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    if args.kill_in_commit is not None and first_launch():
+    if args.kill_in_commit is not None and launch() == 1:
         die_inside_commit(args.kill_in_commit, args.kill_rank)
     state, step, full_model = (gpt_job if args.mode == "tppp" else mlp_job)(args)
 
@@ -159,7 +160,7 @@ def main() -> None:
             time.sleep(args.step_sleep)
             state.losses.append(hvd.allreduce(loss.reshape(1), name="elastic_job.loss").item())
             state.step += 1
-            if args.kill_step == state.step and hvd.rank() == args.kill_rank and first_launch():
+            if args.kill_step == state.step and hvd.rank() == args.kill_rank and launch() == args.kill_step_launch:
                 os.kill(os.getpid(), signal.SIGKILL)
             if state.step % args.commit_every == 0:
                 state.commit()
