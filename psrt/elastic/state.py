@@ -105,7 +105,9 @@ class State:
         """What a commit must match to be read back at all (e.g. a TP/PP grid)."""
         return {}
 
-    def _read(self, record: dict, replicated: dict, mine: dict | None, directory: str) -> None:
+    def _read(self, replicated: dict, mine: dict | None) -> None:
+        """Take the committed state: ``replicated`` (rank 0's file) and ``mine`` (this rank's,
+        None for a rank the commit's job did not have), then restore it."""
         raise NotImplementedError
 
     def _persist(self) -> None:
@@ -162,8 +164,8 @@ class State:
         errors = [error for error in functions.allgather_object(failure, name="psrt.elastic.resume.read") if error]
         if errors:
             raise ElasticError(f"cannot resume from commit {record['commit']}: {'; '.join(errors)}")
-        self._read(record, replicated, mine, self._store.directory(record["commit"]))
         self._commit_number = self.restored_from = record["commit"]
+        self._read(replicated, mine)
         return True
 
 
@@ -192,7 +194,7 @@ class ObjectState(State):
     def _replicated_document(self) -> dict:
         return {"objects": self._saved_state}
 
-    def _read(self, record: dict, replicated: dict, mine: dict | None, directory: str) -> None:
+    def _read(self, replicated: dict, mine: dict | None) -> None:
         self._saved_state = replicated["objects"]
         self.restore()
 
@@ -313,14 +315,13 @@ class TorchState(ObjectState):
         return {"size": runtime.size(),
                 "grid": {"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "cp": shape.cp, "ep": shape.ep}}
 
-    def _read(self, record: dict, replicated: dict, mine: dict | None, directory: str) -> None:
+    def _read(self, replicated: dict, mine: dict | None) -> None:
         held = replicated if self.grid is None else (mine or {})
         self._saved_state = replicated["objects"]
         self._copies = {"rng": mine["rng"] if mine is not None else _Rng.capture(),
                         "samplers": replicated["samplers"],
                         **{key: held[key] for key in ("model", "optimizer") if key in held}}
-        self._commit_number = record["commit"]
-        self.restore()
+        self.restore()  # ZeRO and PS optimizers load the commit's own checkpoint here
 
 
 def _optimizer_kind(optimizer) -> str:
