@@ -10,6 +10,7 @@ knowing how to copy, restore, agree across ranks and be written.
 """
 from __future__ import annotations
 
+import abc
 import copy
 import os
 import random
@@ -43,7 +44,7 @@ def _check_plain(value: object, where: str) -> None:
                            "data (numbers, strings, lists, tuples, dicts); store its state_dict() instead")
 
 
-class State:
+class State(abc.ABC):
     """Horovod's ``hvd.elastic.State``: subclasses define ``save``, ``restore`` and ``sync``
     and the parts written at each commit."""
 
@@ -81,14 +82,17 @@ class State:
         if functions.broadcast_object(changed, 0, name="psrt.elastic.hosts_changed"):
             raise HostsUpdatedInterrupt(skip_sync=False)
 
+    @abc.abstractmethod
     def save(self) -> None:
-        raise NotImplementedError
+        """Keep the state as it is now, in memory (``commit()`` then writes it)."""
 
+    @abc.abstractmethod
     def restore(self) -> None:
-        raise NotImplementedError
+        """Go back to what ``save()`` kept."""
 
+    @abc.abstractmethod
     def sync(self) -> None:
-        raise NotImplementedError
+        """Make every rank hold rank 0's state."""
 
     # --- persistence: subclasses say what goes into a commit ---------------------------------
 
@@ -105,10 +109,10 @@ class State:
         """What a commit must match to be read back at all (e.g. a TP/PP grid)."""
         return {}
 
+    @abc.abstractmethod
     def _read(self, replicated: dict, mine: dict | None) -> None:
         """Take the committed state: ``replicated`` (rank 0's file) and ``mine`` (this rank's,
         None for a rank the commit's job did not have), then restore it."""
-        raise NotImplementedError
 
     def _persist(self) -> None:
         number = self._commit_number + 1
