@@ -42,6 +42,7 @@ from psrt.comm import ReduceOp
 from psrt.comm.ring import ring_allreduce
 
 from _gloo import init_gloo  # noqa: E402
+import _plots  # noqa: E402
 from _sizes import KiB, MiB, fmt_size, parse_size  # noqa: E402
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI  # noqa: E402
 
@@ -273,6 +274,12 @@ def benchmark(args: argparse.Namespace) -> None:
     summary["agreement_allreduce_us"] = round(tiny_allreduce_us(), 2)
     say("\n" + targets_text(summary))
     say(json.dumps(summary))
+    allreduce = [r for r in records if r["collective"] == "allreduce"]
+    if allreduce and comm.rank == 0:
+        names = ("psrt", "psrt_transport", "mpi4py", "gloo")
+        say("# plot:", _plots.allreduce_busbw([r["bytes"] for r in allreduce],
+                                              {nm: [r[nm]["busbw_GBps"] for r in allreduce] for nm in names},
+                                              n, ceiling if n == 2 else None))
 
 
 def result_record(collective: str, nbytes: int, iters: int, times: dict[str, list[float]],

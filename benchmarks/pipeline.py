@@ -53,6 +53,8 @@ import psrt.torch as hvd
 from psrt import pp
 from psrt.grid import ProcessGrid
 
+import _plots
+
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
@@ -176,6 +178,18 @@ def timeline(args, grid: ProcessGrid, stage: pp.PipelineStage, p: int, x, y) -> 
     return f"{name}, p = {p}, m = {m} (times from each rank's own step start):\n" + pp.render(events, width=100)
 
 
+def plot_panels(args, grid: ProcessGrid, stage: pp.PipelineStage, p: int, m: int, x, y) -> dict[str, tuple]:
+    """Per schedule, one measured step's events of every rank and the simulated ones."""
+    panels = {}
+    for name in args.schedules:
+        pipe = pp.Pipeline(stage, mse, microbatches=m, schedule=name)
+        run_step(pipe, stage, x, y)  # warm-up
+        measured = gather(grid, run_step(pipe, stage, x, y).events)
+        panels[name] = (measured, pp.simulate(pp.build(name, p, m), forward_time=1.0, backward_time=2.0,
+                                              weight_time=1.0))
+    return panels
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", default="1,4,8,16", help="comma-separated m values")
@@ -203,6 +217,8 @@ def main() -> None:
     rows = {f"{s}/m{m}": r for m in microbatches
             for s, r in measure(args, grid, stage, p, m, x, y).items()}
     drawing = timeline(args, grid, stage, p, x, y) if args.timeline else None
+    plot_m = max([m for m in microbatches if m <= 2 * p] or [min(microbatches)])
+    panels = plot_panels(args, grid, stage, p, plot_m, x, y)
     if hvd.rank() != 0:
         return
     compute = f"sleep {args.forward_ms:g} ms forward, {2 * args.forward_ms:g} ms backward per micro-batch" \
@@ -223,6 +239,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "pipeline", "stages": p, "compute": args.compute,
                       "forward_ms": args.forward_ms, "batch": args.batch, "width": args.width,
                       "repeats": args.repeats, "results": rows}))
+    print("# plot:", _plots.pipeline_timeline(panels, plot_m, f"{p} stages, {compute}"))
 
 
 if __name__ == "__main__":

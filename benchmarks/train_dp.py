@@ -71,6 +71,7 @@ import psrt.torch as hvd
 from psrt.torch.optimizer import Bucketing
 
 from _gloo import init_gloo  # noqa: E402
+import _plots  # noqa: E402
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI  # noqa: E402
 
 BATCH = 64
@@ -400,6 +401,11 @@ def main() -> None:
             summary[name] = bench_model(name, args)
             say(model_table(name, summary[name]))
         dist.destroy_process_group()
+        if comm.rank == 0:
+            runs = _plots.remember("dp_scaling", str(comm.size), {"batch_per_rank": BATCH, "models": {
+                name: {impl: summary[name][impl]["samples_per_s"] for impl in ("single", "no_comm", "psrt", "ddp")}
+                for name in MODELS}})
+            say("# plot:", _plots.dp_scaling(runs))
     if not args.train:
         summary["fusion"] = bench_fusion(args.fusion_iters)
         say(fusion_table(summary["fusion"]))

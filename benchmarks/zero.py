@@ -45,6 +45,8 @@ import psrt.torch as hvd
 from psrt.zero import ZeroOptimizer, expected_bytes
 from psrt.zero.memory import storage_bytes
 
+import _plots
+
 MODES = ("dp", "stage0", "stage1", "stage2", "stage3")
 ROWS = 32
 
@@ -168,6 +170,10 @@ def main() -> None:
           f"{(args.width * args.width + args.width) * per_element[0] / 1e6:.1f} MB)")
     print(json.dumps({"benchmark": "zero", "ranks": hvd.size(), "params": numel, "compute": args.compute_dtype,
                       "modes": rows, "stage3_peak_gathered_bytes": peak}))
+    runs = _plots.remember("zero_memory", f"{hvd.size()} ranks, {args.compute_dtype}", {
+        "ranks": hvd.size(), "params": numel, "compute": args.compute_dtype,
+        "modes": {mode: {"bytes": row["bytes"], "formula": row["formula"]} for mode, row in rows.items()}})
+    print("# plot:", _plots.zero_memory(runs))
 
 
 if __name__ == "__main__":
