@@ -23,7 +23,8 @@ def _zero_to_full(args: argparse.Namespace) -> None:
           f"{full['stage']}) to {args.output} (sha256 {record.sha256})")
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The command line of ``psrt``; the documentation's reference page is generated from it."""
     parser = argparse.ArgumentParser(prog="psrt", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     zero = commands.add_parser("zero-to-full", help="consolidate a sharded ZeRO checkpoint into one file "
@@ -31,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     zero.add_argument("checkpoint", metavar="CKPT_DIR")
     zero.add_argument("output", metavar="OUT.pt")
     zero.set_defaults(run=_zero_to_full)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     try:
         args.run(args)
     except (PsrtError, OSError) as exc:
