@@ -47,6 +47,12 @@ demo-gpt: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The documentation site (mkdocs.yml) into site/; any warning (a broken link, a missing page
+# or API name) fails the build.
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/collectives.py
 
