@@ -21,7 +21,7 @@ import torch
 
 from psrt import runtime
 from psrt.comm.base import ReduceOp
-from psrt.comm.direct import check_divisible
+from psrt.comm.direct import DirectGroup, check_divisible
 from psrt.comm.stats import CommStats
 from psrt.topology import ProcessSet
 
@@ -46,10 +46,9 @@ def all_reduce_(tensor: torch.Tensor, process_set: ProcessSet | None, op: Reduce
     if group_size(process_set) == 1:
         return tensor
     start = time.perf_counter()
-    current = runtime.current()
-    current.topology.direct(process_set).all_reduce_(tensor, op, label=_LABEL,
-                                                     check=current.config.tp_check_shapes)
-    current.stats[_LABEL].add("all_reduce", start)
+    group, check, counts = _group(process_set)
+    group.all_reduce_(tensor, op, label=_LABEL, check=check)
+    counts.add("all_reduce", start)
     return tensor
 
 
@@ -58,10 +57,9 @@ def all_gather(tensor: torch.Tensor, dim: int, process_set: ProcessSet | None) -
     if group_size(process_set) == 1:
         return tensor
     start = time.perf_counter()
-    current = runtime.current()
-    out = current.topology.direct(process_set).all_gather(tensor, dim, label=_LABEL,
-                                                          check=current.config.tp_check_shapes)
-    current.stats[_LABEL].add("all_gather", start)
+    group, check, counts = _group(process_set)
+    out = group.all_gather(tensor, dim, label=_LABEL, check=check)
+    counts.add("all_gather", start)
     return out
 
 
@@ -70,10 +68,9 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, process_set: ProcessSet | Non
     if group_size(process_set) == 1:
         return tensor
     start = time.perf_counter()
-    current = runtime.current()
-    out = current.topology.direct(process_set).reduce_scatter(tensor, dim, label=_LABEL,
-                                                              check=current.config.tp_check_shapes)
-    current.stats[_LABEL].add("reduce_scatter", start)
+    group, check, counts = _group(process_set)
+    out = group.reduce_scatter(tensor, dim, label=_LABEL, check=check)
+    counts.add("reduce_scatter", start)
     return out
 
 
@@ -91,4 +88,12 @@ def agree(process_set: ProcessSet | None, value: object) -> list:
     group): for checks that must fail on every rank alike before a collective."""
     if group_size(process_set) == 1:
         return [value]
-    return runtime.current().topology.direct(process_set).allgather_object(value, label=_LABEL)
+    group, _, _ = _group(process_set)
+    return group.allgather_object(value, label=_LABEL)
+
+
+def _group(process_set: ProcessSet) -> tuple[DirectGroup, bool, CommStats]:
+    """The set's direct group; whether calls on it are checked (a setting every rank of the
+    set must share: the group compares it on its first collective); the runtime's counts."""
+    current = runtime.current()
+    return current.topology.direct(process_set), current.config.tp_check_shapes, current.stats[_LABEL]
