@@ -17,7 +17,7 @@ causal and/or non-causal (``none``) attention.  Step time: all setups are built 
 after ``--warmup`` untimed steps each they take turns, every round timing one window of
 ``--steps`` steps per setup after a barrier and taking the slowest rank; the figure is the
 median over ``--repeats`` rounds.  ``ring / full`` divides the ring's step time by full
-attention's for the same sequence and mask.  ``comm share`` = ``cp.stats.seconds`` (time in
+attention's for the same sequence and mask.  ``comm share`` = ``cp.stats().seconds`` (time in
 ring hops: the sends, receives and any wait for a slower peer) / step time, mean over ranks;
 hops are per step and rank.  ``max diff``: largest |ring output - the matching part of full
 attention's| over ranks, a sanity check.
@@ -100,13 +100,13 @@ def slowest(value: float, name: str) -> float:
 def window(args, attend, tensors) -> tuple[float, float, float]:
     """Slowest rank's seconds per step over ``--steps`` steps, mean comm share, hops per step."""
     hvd.barrier()
-    cp.stats.reset()
+    cp.stats().reset()
     start = time.perf_counter()
     for _ in range(args.steps):
         step(attend, *tensors)
     mine = (time.perf_counter() - start) / args.steps
-    share = statistics.fmean(hvd.allgather_object(cp.stats.seconds / args.steps / mine, name="bench.cp.share"))
-    return slowest(mine, "bench.cp.time"), share, cp.stats.counts["hop"] / args.steps
+    share = statistics.fmean(hvd.allgather_object(cp.stats().seconds / args.steps / mine, name="bench.cp.share"))
+    return slowest(mine, "bench.cp.time"), share, cp.stats().counts["hop"] / args.steps
 
 
 def measure(args, seqs: list[int], masks: list[bool]) -> list[dict]:

@@ -14,7 +14,7 @@ square of the output, no optimizer (so routing is the same every step).  The inp
 grad, as an activation inside a model does, so backward runs both reversed all-to-alls.
 After ``--warmup`` untimed steps, each of ``--repeats`` rounds times one window of
 ``--steps`` steps after a barrier, taking the slowest rank; figures are medians over rounds.
-``a2a ms`` = ``ep.stats.seconds`` per step (psrt's all-to-alls: forward's row-count exchange,
+``a2a ms`` = ``ep.stats().seconds`` per step (psrt's all-to-alls: forward's row-count exchange,
 dispatch and combine, backward's two reversed ones; each includes any wait for a slower peer,
 e.g. one whose experts got more rows), mean over ranks (min and
 max in brackets); ``a2a share`` = a rank's a2a time / step time, mean over ranks.
@@ -61,15 +61,15 @@ def slowest(seconds: float) -> float:
 def window(args, model: torch.nn.Module, x: torch.Tensor) -> tuple[float, list[float], float, float]:
     """Slowest rank's seconds per step; every rank's a2a seconds per step; mean a2a share; a2a calls per step."""
     hvd.barrier()
-    ep.stats.reset()
+    ep.stats().reset()
     start = time.perf_counter()
     for _ in range(args.steps):
         step(model, x)
     mine = (time.perf_counter() - start) / args.steps
-    a2a = ep.stats.seconds / args.steps
+    a2a = ep.stats().seconds / args.steps
     per_rank = hvd.allgather_object((a2a, a2a / mine), name="bench.moe.a2a")
     return (slowest(mine), [a for a, _ in per_rank], statistics.fmean(s for _, s in per_rank),
-            ep.stats.counts["all_to_all"] / args.steps)
+            ep.stats().counts["all_to_all"] / args.steps)
 
 
 def routing(args, model: ep.MoE, x: torch.Tensor) -> tuple[list[int], list[list[int]]]:

@@ -16,7 +16,7 @@ sizes take turns (all their grids and models built up front, freed at the end); 
 ``--warmup`` untimed steps each, every round times one window of ``--steps`` steps per
 setup after a barrier, taking the slowest rank; the figure is the median over ``--repeats``
 rounds.  ``vs TP 1`` divides it by the same mode's TP 1 time.  ``comm share``
-= ``tp.stats.seconds`` (time in TP collectives, including the agreement header each one
+= ``tp.stats().seconds`` (time in TP collectives, including the agreement header each one
 exchanges and any wait for a slower peer) / step time, mean over ranks.  Collective counts
 are per step and rank.
 
@@ -68,13 +68,13 @@ def slowest(seconds: float) -> float:
 def window(args, model: torch.nn.Module, x: torch.Tensor) -> tuple[float, float, dict[str, float]]:
     """Slowest rank's seconds per step over ``--steps`` steps, mean comm share, collectives per step."""
     hvd.barrier()
-    tp.stats.reset()
+    tp.stats().reset()
     start = time.perf_counter()
     for _ in range(args.steps):
         step(model, x)
     mine = (time.perf_counter() - start) / args.steps
-    share = statistics.fmean(hvd.allgather_object(tp.stats.seconds / args.steps / mine, name="bench.tp.share"))
-    return slowest(mine), share, {kind: n / args.steps for kind, n in sorted(tp.stats.counts.items())}
+    share = statistics.fmean(hvd.allgather_object(tp.stats().seconds / args.steps / mine, name="bench.tp.share"))
+    return slowest(mine), share, {kind: n / args.steps for kind, n in sorted(tp.stats().counts.items())}
 
 
 def measure(args, sizes: list[int], modes: list[bool], x: torch.Tensor) -> list[dict]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from psrt import runtime
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.runtime import Runtime, given
 from psrt.topology import ProcessSet
 
 
@@ -116,12 +116,15 @@ class ProcessGrid:
     consecutive data-parallel ranks) and ``edp_set`` holds the ranks with the same experts,
     over which their gradients are reduced; with ``ep=1`` ``ep_set`` is None and ``edp_set``
     is ``dp_cp_set``.  Every rank must build the same grid, in the same order relative to
-    other process-set registrations.
+    other process-set registrations.  ``runtime`` is the psrt runtime whose world it lays
+    out (default: the current one).
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *,
+                 runtime: Runtime | None = None) -> None:
+        self.runtime = given(runtime)
         self.shape = GridShape(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-        topology = runtime.current().topology
+        topology = self.runtime.topology
         self.shape.check_fits(topology.world.size)
         self._world_rank_at = topology.host_order()  # position on the grid -> world rank
         position = self._world_rank_at.index(topology.world.rank)
@@ -188,7 +191,7 @@ class ProcessGrid:
 
     def free(self) -> None:
         """Unregister this grid's process sets (collective, like their registration)."""
-        topology = runtime.current().topology
+        topology = self.runtime.topology
         for process_set in self._registered:
             topology.remove_process_set(process_set)
         self._registered.clear()

@@ -1,21 +1,31 @@
-"""The process-wide runtime: configuration and topology, created by ``init()``.
+"""The process-wide runtime: configuration, topology, engine and their bookkeeping, created
+by ``init()``.
 
-One runtime exists per process between ``init()`` and ``shutdown()``; the
-Horovod-shaped API (``psrt.rank()``, ``hvd.allreduce``...) reads it through
-:func:`current`, which raises a clear error before ``init()``.
+One runtime exists per process between ``init()`` and ``shutdown()``.  Everything
+that lives as long as it does is held by the :class:`Runtime` object, not by module
+globals: the async handles, the counters that name unnamed collectives, the
+communication statistics of the parallel layers.  Objects that keep using the
+runtime (``ProcessGrid``, ``Pipeline``, ``KVStore``, ``ZeroOptimizer``) are given it,
+defaulting to :func:`current`; the Horovod-shaped free functions (``psrt.rank()``,
+``hvd.allreduce``...) read it through :func:`current`, which raises a clear error
+before ``init()``.
 """
 from __future__ import annotations
 
 import atexit
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from psrt.comm import bootstrap
 from psrt.comm.mpi import MpiCommunicator
+from psrt.comm.stats import CommStats
 from psrt.comm.watchdog import MpiProber, Watchdog
 from psrt.config import Config, config_from_env
 from psrt.engine import Engine
-from psrt.errors import NotInitializedError, ProcessSetError
+from psrt.engine.handles import HandleTable
+from psrt.engine.names import Names
+from psrt.errors import ArgumentTypeError, NotInitializedError, ProcessSetError
 from psrt.topology import ProcessSet, Topology
 
 if TYPE_CHECKING:
@@ -25,13 +35,19 @@ if TYPE_CHECKING:
 global_process_set = ProcessSet()
 
 
-@dataclass
+@dataclass(eq=False)
 class Runtime:
     config: Config
     topology: Topology
     engine: Engine
     watchdog: Watchdog  # stall reports for every wait on other ranks
     ps: WorkerLink | None = None  # parameter-server mode: this worker's link to the servers
+    handles: HandleTable = field(default_factory=HandleTable)  # the *_async calls not yet synchronized
+    names: Names = field(default_factory=Names)  # what unnamed collectives are called
+    #: Collectives run by the parallel layers outside the engine, by family
+    #: ("tensor-parallel", "context-parallel", "expert-parallel"): counts and seconds.
+    stats: defaultdict[str, CommStats] = field(default_factory=lambda: defaultdict(CommStats))
+    closed: bool = False  # shutdown() has run: objects still holding it must not use it
 
 
 _runtime: Runtime | None = None
@@ -152,6 +168,7 @@ def shutdown() -> None:
     global _runtime
     if _runtime is not None:
         runtime, _runtime = _runtime, None
+        runtime.closed = True
         if runtime.ps is not None:
             global _parameter_servers_gone
             _parameter_servers_gone = True
@@ -172,6 +189,19 @@ def current() -> Runtime:
         raise NotInitializedError("psrt is not initialised: call psrt.init() "
                                   "(or hvd.init()) before using it")
     return _runtime
+
+
+def given(runtime: object) -> Runtime:
+    """The runtime an object was given, or the current one when it was given none."""
+    if runtime is None:
+        return current()
+    if not isinstance(runtime, Runtime):
+        raise ArgumentTypeError(f"runtime must be a psrt Runtime (psrt.runtime.current()), got "
+                                f"{type(runtime).__name__}")
+    if runtime.closed:
+        raise NotInitializedError("the runtime given was shut down; pass the current one "
+                                  "(psrt.runtime.current()) or none")
+    return runtime
 
 
 def rank() -> int:

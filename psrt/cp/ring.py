@@ -27,7 +27,14 @@ from psrt.cp import zigzag
 from psrt.errors import ArgumentTypeError, CommunicationError, InvalidArgumentError
 from psrt.topology import ProcessSet
 
-stats = CommStats()  # hops and the seconds spent in them, for tests and the benchmark
+_LABEL = "context-parallel"
+
+
+def stats() -> CommStats:
+    """The ring hops this runtime has run since the last ``reset()`` and the seconds spent in
+    them, for tests and the benchmark."""
+    return runtime.current().stats[_LABEL]
+
 
 FORWARD_TAG, BACKWARD_TAG = 21, 22
 
@@ -36,14 +43,15 @@ class _Ring:
     """Hops of a block from each rank of the CP set to the next."""
 
     def __init__(self, process_set: ProcessSet) -> None:
-        self.group = runtime.current().topology.direct(process_set)
+        current = runtime.current()
+        self.group, self.stats = current.topology.direct(process_set), current.stats[_LABEL]
         self.rank, self.size = process_set.rank(), process_set.size()
 
     def agree(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Every rank checks, in one small exchange before any block moves, that all hold the
         same shapes and dtype: a rank with another token count fails every rank alike."""
         mine = (tuple(q.shape), tuple(k.shape), str(q.dtype))
-        everyone = self.group.allgather_object(mine, label="context-parallel")
+        everyone = self.group.allgather_object(mine, label=_LABEL)
         for rank, theirs in enumerate(everyone):
             if theirs != mine:
                 first = next(r for r, t in enumerate(everyone) if t != everyone[0])
@@ -67,7 +75,7 @@ class _Ring:
                 f"context-parallel rank {self.rank} holds a block of shape {tuple(block.shape)} ({block.dtype}) but "
                 f"rank {before} sent {tuple(arrived.shape)} ({arrived.dtype}): every rank of the context-parallel "
                 "group must hold the same number of tokens")
-        stats.add("hop", start)
+        self.stats.add("hop", start)
         return arrived.to(block.device)
 
 

@@ -284,7 +284,7 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         """Make every rank hold rank 0's state (over ``grid.dp_set`` with a grid)."""
-        root = runtime.current().topology.ranks_of(self._process_set)[0] if self.grid is not None else 0
+        root = self.grid.runtime.topology.ranks_of(self._process_set)[0] if self.grid is not None else 0
         if self._owns_model():
             functions.broadcast_parameters(self.model.state_dict(), root, process_set=self._process_set)
         if self.optimizer is not None and self._kind == "torch":

@@ -20,7 +20,6 @@ after ``stall_check_time_s`` naming the ranks to blame and ends the job after
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 import time
@@ -81,7 +80,6 @@ class Engine:
         self._join_requested = False
         self._join_done = threading.Event()
         self._join_value: int | BaseException | None = None
-        self._unnamed = itertools.count()
         # Callers' announcements by the arguments that made them, reused by repeated calls.
         self.announcements: dict[tuple, object] = {}
         # Whoever holds the driver runs the next cycle: the engine thread, or a caller
@@ -108,11 +106,6 @@ class Engine:
         self._thread.start()
 
     # -- the caller's side --------------------------------------------------------------
-    def unnamed(self, collective: str) -> str:
-        """Horovod's name for an unnamed op: from a per-process counter, so that ranks
-        running the same program agree without names."""
-        return f"{collective}.noname.{next(self._unnamed)}"
-
     def submit(self, work: Work, wake: bool = True) -> Work:
         """Queue ``work``; ``wake=False`` leaves the engine thread asleep (a caller about to
         drive the cycle itself)."""

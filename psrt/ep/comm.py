@@ -18,7 +18,12 @@ from psrt.topology import ProcessSet
 
 _LABEL = "expert-parallel"
 
-stats = CommStats()  # all-to-alls run and the seconds spent in them
+
+def stats() -> CommStats:
+    """The expert-parallel all-to-alls this runtime has run since the last ``reset()`` and the
+    seconds spent in them."""
+    return runtime.current().stats[_LABEL]
+
 
 
 def exchange(tensor: torch.Tensor, send_rows: Sequence[int], process_set: ProcessSet,
@@ -27,9 +32,10 @@ def exchange(tensor: torch.Tensor, send_rows: Sequence[int], process_set: Proces
     arrived (in member order) and how many rows came from each member (``received``: known
     already, agreed with the members, which skips their exchange).  No autograd."""
     start = time.perf_counter()
-    group = runtime.current().topology.direct(process_set)
-    out, arrived = group.all_to_all(tensor, list(send_rows), label=_LABEL, received=received)
-    stats.add("all_to_all", start)
+    current = runtime.current()
+    out, arrived = current.topology.direct(process_set).all_to_all(tensor, list(send_rows), label=_LABEL,
+                                                                   received=received)
+    current.stats[_LABEL].add("all_to_all", start)
     return out, arrived
 
 

@@ -6,7 +6,6 @@ from typing import Callable
 
 import torch
 
-from psrt import runtime
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.pp import schedule as schedules
 from psrt.pp.p2p import TIED_VALUE_TAG, StageLink
@@ -14,6 +13,7 @@ from psrt.pp.simulate import check
 from psrt.pp.stage import PipelineStage
 from psrt.pp.step import StepProfile, StepRun
 from psrt.pp.tied import check_schedule
+from psrt.runtime import Runtime, given
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,10 +32,12 @@ class Pipeline:
     The stage's layout decides interleaving: a stage built with ``chunks`` > 1 runs the
     interleaved schedule, one with a single chunk runs 1F1B, unless ``schedule`` names
     another that fits ("gpipe"/"afab").  A schedule that does not fit the stage is an error.
+    ``runtime`` is the psrt runtime the stages talk through (default: the current one).
     """
 
     def __init__(self, stage: PipelineStage, loss_fn: LossFn, *, microbatches: int, schedule: str | None = None,
-                 loss_reduction: str = "mean") -> None:
+                 loss_reduction: str = "mean", runtime: Runtime | None = None) -> None:
+        self.runtime = given(runtime)
         if not isinstance(stage, PipelineStage):
             raise ArgumentTypeError(f"stage must be a PipelineStage, got {type(stage).__name__}")
         if loss_reduction not in ("mean", "sum"):
@@ -47,15 +49,13 @@ class Pipeline:
         self.tie_points = check_schedule(stage.ties, self.actions, stage.rank, microbatches)
         self.stage, self.loss_fn = stage, loss_fn
         self.microbatches, self.schedule, self.loss_reduction = microbatches, schedule, loss_reduction
-        with self._waiting("the other stages to build their Pipeline"):
-            self.link = StageLink(stage.process_set)  # collective over the PP set
-        self._host = runtime.current().topology.direct(stage.process_set)
+        self._host = self.runtime.topology.direct(stage.process_set)
+        self.link = StageLink(self._host)
         self.profile = StepProfile()
 
     def _waiting(self, what: str):
-        current = runtime.current()
-        ranks = current.topology.ranks_of(self.stage.process_set)
-        return current.watchdog.waiting("a pipeline step",
+        ranks = self.runtime.topology.ranks_of(self.stage.process_set)
+        return self.runtime.watchdog.waiting("a pipeline step",
                                         lambda: f"pipeline rank {self.stage.rank}'s wait for {what} "
                                                 f"(pipeline world ranks {ranks})", ranks)
 

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from psrt import runtime
 from psrt.comm.base import Request
-from psrt.comm.direct import MAX_DIMS
+from psrt.comm.direct import MAX_DIMS, DirectGroup
 from psrt.errors import CommunicationError
-from psrt.topology import ProcessSet
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 FORWARD_TAG, BACKWARD_TAG = 11, 12
@@ -41,9 +39,9 @@ def describe_id(ident: int) -> str:
 class StageLink:
     """Sends and receives of one pipeline rank over the PP process set."""
 
-    def __init__(self, process_set: ProcessSet) -> None:
-        """Messages go over the set's direct group, made with the set: nothing is opened here."""
-        self._group = runtime.current().topology.direct(process_set)
+    def __init__(self, group: DirectGroup) -> None:
+        """Messages go over the PP set's direct group, made with the set: nothing is opened here."""
+        self._group = group
 
     def send(self, tensor: torch.Tensor, dest: int, tag: int, ident: int) -> Request:
         """Start sending ``tensor`` to set rank ``dest``; keep the request until it completes."""

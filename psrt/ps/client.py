@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 import psrt.torch as hvd
-from psrt import runtime
 from psrt.comm.base import Request
 from psrt.comm.buffers import SUPPORTED_DTYPES
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError, PsrtError
@@ -28,14 +27,16 @@ from psrt.ps.placement import Chunk, Placement
 from psrt.ps.protocol import HEADER_TAG, Mode, Op
 from psrt.ps.service import WorkerLink
 from psrt.ps.shard import OptimizerSpec
+from psrt.runtime import Runtime, given
 
 _MODES = {"sync": Mode.SYNC, "async": Mode.ASYNC, "bounded": Mode.BOUNDED}
 _REDUCTIONS = {"mean": 0, "sum": 1}
 
 
-def link() -> WorkerLink:
-    """This worker's link to the servers; a clear error outside parameter-server mode."""
-    ps = runtime.current().ps
+def link(current: Runtime) -> WorkerLink:
+    """This worker's link to the servers in ``current``; a clear error outside
+    parameter-server mode."""
+    ps = current.ps
     if ps is None:
         raise InvalidArgumentError("no parameter servers in this job: launch with "
                                    "`psrun --num-servers S ...` (or set PSRT_NUM_SERVERS=S)")
@@ -70,11 +71,13 @@ class KVStore:
     "bounded" with ``max_staleness`` τ (a worker more than τ steps ahead of the
     slowest waits in pull).  ``reduce`` "mean" scales each gradient by
     1/num_workers, "sum" does not.  Every worker creates the same stores in the
-    same order; a store's settings must agree on every worker.
+    same order; a store's settings must agree on every worker.  ``runtime`` is the psrt
+    runtime whose servers hold the keys (default: the current one).
     """
 
     def __init__(self, mode: str = "sync", *, max_staleness: int | None = None,
-                 reduce: str = "mean") -> None:
+                 reduce: str = "mean", runtime: Runtime | None = None) -> None:
+        self.runtime = given(runtime)
         if mode not in _MODES:
             raise InvalidArgumentError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
         if (mode == "bounded") != (max_staleness is not None):
@@ -84,7 +87,7 @@ class KVStore:
             raise InvalidArgumentError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
         if reduce not in _REDUCTIONS:
             raise InvalidArgumentError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
-        self._link = link()
+        self._link = link(self.runtime)
         self.mode, self.max_staleness, self.reduce = mode, max_staleness, reduce
         self.store_id = self._link.register_store(self)
         self._placement = Placement(self._link.num_servers, self._link.config.ps_chunk_bytes)

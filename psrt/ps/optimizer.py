@@ -100,7 +100,7 @@ class _PsOptimizer:
         self.stores, self._sent_lr, self._store_of = [], [], {}
         for index, group in enumerate(self.param_groups):
             group_store = store if index == 0 else KVStore(store.mode, max_staleness=store.max_staleness,
-                                                           reduce=store.reduce)
+                                                           reduce=store.reduce, runtime=store.runtime)
             hyperparameters = _hyperparameters(base, group)
             group_store.set_optimizer(optimizer_spec(base, hyperparameters).name, **hyperparameters)
             for p in group["params"]:

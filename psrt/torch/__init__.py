@@ -2,25 +2,26 @@
 
 Collectives take CPU tensors (the MPI backend); every one has an ``_async``
 form returning a handle for :func:`poll` and :func:`synchronize`, and a
-``process_set=`` argument (default: all ranks).
+``process_set=`` argument (default: all ranks).  The out-of-place collectives are
+differentiable, as in Horovod (:mod:`psrt.torch.collectives`, one module per family).
 """
 from psrt.errors import CollectiveMismatchError as HorovodInternalError
 from psrt.runtime import (add_process_set, cross_rank, cross_size, global_process_set, init,
                           is_initialized, local_rank, local_size, rank, remove_process_set,
                           shutdown, size, start_timeline, stop_timeline)
 from psrt.topology import ProcessSet
-from psrt.torch.allreduce import (allreduce_, allreduce_async, allreduce_async_,
-                                  grouped_allreduce_, grouped_allreduce_async,
-                                  grouped_allreduce_async_)
-from psrt.torch.collectives import (allgather_async, allgather_into_async, alltoall_async, barrier, broadcast_,
-                                    broadcast_async, broadcast_async_, reducescatter_async)
-# The out-of-place collectives are differentiable, as in Horovod.
-from psrt.torch.autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
-                                 grouped_allgather_async, grouped_allreduce,
-                                 grouped_reducescatter, grouped_reducescatter_async,
-                                 reducescatter, sparse_allreduce_async)
 from psrt.torch.capabilities import (ccl_built, cuda_built, gloo_built, gloo_enabled, mpi_built,
                                      mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
+from psrt.torch.collectives.allgather import (allgather, allgather_async, allgather_into_async, grouped_allgather,
+                                              grouped_allgather_async)
+from psrt.torch.collectives.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_,
+                                              grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                                              grouped_allreduce_async_, sparse_allreduce_async)
+from psrt.torch.collectives.alltoall import alltoall, alltoall_async
+from psrt.torch.collectives.barrier import barrier
+from psrt.torch.collectives.broadcast import broadcast, broadcast_, broadcast_async, broadcast_async_
+from psrt.torch.collectives.reducescatter import (grouped_reducescatter, grouped_reducescatter_async, reducescatter,
+                                                  reducescatter_async)
 from psrt.torch.compression import Compression
 from psrt.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                   broadcast_parameters, join)

@@ -9,7 +9,7 @@ from psrt import runtime
 from psrt.comm.base import Communicator
 from psrt.engine import Announcement, Descriptor, Reduction, Work
 from psrt.topology import ProcessSet
-from psrt.torch.handles import register
+from psrt.torch.validation import check_name, check_tensor
 
 
 def set_ranks(process_set: ProcessSet) -> list[int]:
@@ -18,6 +18,27 @@ def set_ranks(process_set: ProcessSet) -> list[int]:
     topology = runtime.current().topology
     topology.communicator(process_set)
     return topology.ranks_of(process_set)
+
+
+def prepare(tensor: object, name: object,
+             process_set: ProcessSet) -> tuple[torch.Tensor, list[int]]:
+    """Validate on the calling rank; returns the tensor and the set's world ranks."""
+    tensor = check_tensor(tensor)
+    check_name(name)
+    return tensor, set_ranks(process_set)
+
+
+def tensor_work(collective: str, tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
+          ranks: list[int], agreed: dict, execute, finish=lambda value: value):
+    """An engine work whose ranks must agree on dtype, device and ``agreed``."""
+    descriptor = (("dtype", tensor.dtype), ("device", tensor.device.type), *agreed.items())
+    return make_work(collective, name, process_set, ranks, descriptor, tensor.device,
+                             execute=execute, finish=finish)
+
+
+def rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    """First dimension and the rest; a 0-d tensor counts as one row."""
+    return (1, ()) if tensor.dim() == 0 else (tensor.shape[0], tuple(tensor.shape[1:]))
 
 
 def make_work(collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
@@ -32,11 +53,12 @@ def make_work(collective: str, name: str | None, process_set: ProcessSet, ranks:
 
 def announce(collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
              descriptor: Descriptor, reduction: Reduction | None = None) -> Announcement:
-    """What ranks negotiate about a call.  Unnamed ops get Horovod's counter-based name and
-    stay out of the response cache, since their names never repeat."""
-    engine = runtime.current().engine
+    """What ranks negotiate about a call.  Unnamed ops get Horovod's counter-based name (see
+    :mod:`psrt.engine.names`) and stay out of the response cache, since their names never
+    repeat."""
+    names = runtime.current().names
     return Announcement(
-        key=(process_set.process_set_id, name if name is not None else engine.unnamed(collective)),
+        key=(process_set.process_set_id, name if name is not None else names.unnamed(collective)),
         ranks=tuple(ranks), descriptor=(("collective", collective), *descriptor),
         reduction=reduction, cacheable=name is not None)
 
@@ -58,8 +80,8 @@ def remember(signature: tuple, known: object) -> None:
 def submit(work: Work, blocking: bool) -> object:
     """Hand a work to the engine and return a handle, or run it (on this thread, see
     :meth:`Engine.run`) and return its output."""
-    engine = runtime.current().engine
-    return engine.run(work) if blocking else register(engine.submit(work))
+    current = runtime.current()
+    return current.engine.run(work) if blocking else current.handles.register(current.engine.submit(work))
 
 
 def contiguous_buffer(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,57 +1,21 @@
-"""Handles of asynchronous collectives: ``poll`` and ``synchronize``, as in Horovod.
-
-An ``*_async`` call returns an int handle; ``synchronize(handle)`` waits,
-releases the handle and returns the collective's output.
-"""
+"""``poll`` and ``synchronize`` on the handles of ``*_async`` calls, as in Horovod; the
+handles live in the runtime's table (:mod:`psrt.engine.handles`)."""
 from __future__ import annotations
 
-import itertools
-import threading
-from typing import Protocol
-
-from psrt.errors import ArgumentTypeError, InvalidArgumentError
-
-
-class Completion(Protocol):
-    """What a handle stands for: an engine work, or several completing together."""
-
-    def done(self) -> bool: ...
-
-    def result(self) -> object: ...
-
-
-_pending: dict[int, Completion] = {}
-_counter = itertools.count()
-_lock = threading.Lock()
+from psrt import runtime
+from psrt.engine.handles import Completion
 
 
 def register(completion: Completion) -> int:
-    with _lock:
-        handle = next(_counter)
-        _pending[handle] = completion
-    return handle
-
-
-def _lookup(handle: object) -> Completion:
-    if isinstance(handle, bool) or not isinstance(handle, int):
-        raise ArgumentTypeError(f"handle must be the int returned by an *_async call, got "
-                                f"{type(handle).__name__}")
-    completion = _pending.get(handle)
-    if completion is None:
-        raise InvalidArgumentError(f"handle {handle} is unknown or was already synchronized")
-    return completion
+    """A new handle for ``completion`` in the current runtime's table."""
+    return runtime.current().handles.register(completion)
 
 
 def poll(handle: int) -> bool:
     """True if the asynchronous operation behind ``handle`` has completed."""
-    return _lookup(handle).done()
+    return runtime.current().handles.poll(handle)
 
 
 def synchronize(handle: int) -> object:
     """Wait for the operation behind ``handle``, release the handle, return its output."""
-    completion = _lookup(handle)
-    try:
-        return completion.result()
-    finally:
-        with _lock:
-            _pending.pop(handle, None)
+    return runtime.current().handles.synchronize(handle)

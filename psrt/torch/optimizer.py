@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import os
-import itertools
 import warnings
 import weakref
 from collections import Counter
@@ -41,6 +40,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 import psrt.torch as hvd
+from psrt import runtime
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import adasum
@@ -54,7 +54,6 @@ _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step 
                     "Increase backward_passes_per_step to accumulate gradients locally.")
 _ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                         "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
-_instances = itertools.count()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -178,7 +177,7 @@ class _DistributedOptimizer:
         slots = [Slot(p.numel(), p.element_size(), (p.dtype, p.device)) for p in self._params]
         plan = plan_buckets(slots, explicit,
                             first_bucket_bytes=bucketing.first_bucket_bytes, bucket_bytes=bucketing.bucket_bytes)
-        prefix = f"DistributedOptimizer.{next(_instances)}.bucket"
+        prefix = runtime.current().names.instance("DistributedOptimizer", self.process_set.process_set_id) + ".bucket"
         buckets = [_GradientBucket(f"{prefix}.{number}", spec.members) for number, spec in enumerate(plan)]
         for bucket in buckets:
             for index in bucket.members:

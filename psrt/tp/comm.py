@@ -9,9 +9,9 @@ rank, naming both shapes, never a hang or a reduction of mismatched buffers.
 ``PSRT_TP_CHECK_SHAPES=0`` skips that check (one small collective less per call) for jobs
 whose shapes are known good; every rank of a set must run with the same setting.
 
-``stats`` counts the collectives by kind and the seconds spent in them, for tests (which
-check the number of collectives per layer) and benchmarks (which report the communication
-share of a step).
+:func:`stats` counts the collectives by kind and the seconds spent in them, for tests
+(which check the number of collectives per layer) and benchmarks (which report the
+communication share of a step); the counts belong to the runtime.
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ from psrt.topology import ProcessSet
 _LABEL = "tensor-parallel"
 
 
-stats = CommStats()
+def stats() -> CommStats:
+    """The tensor-parallel collectives this runtime has run since the last ``reset()``."""
+    return runtime.current().stats[_LABEL]
 
 
 def group_size(process_set: ProcessSet | None) -> int:
@@ -44,9 +46,9 @@ def all_reduce_(tensor: torch.Tensor, process_set: ProcessSet | None, op: Reduce
     if group_size(process_set) == 1:
         return tensor
     start = time.perf_counter()
-    group, check = _group(process_set)
+    group, check, counts = _group(process_set)
     group.all_reduce_(tensor, op, label=_LABEL, check=check)
-    stats.add("all_reduce", start)
+    counts.add("all_reduce", start)
     return tensor
 
 
@@ -55,9 +57,9 @@ def all_gather(tensor: torch.Tensor, dim: int, process_set: ProcessSet | None) -
     if group_size(process_set) == 1:
         return tensor
     start = time.perf_counter()
-    group, check = _group(process_set)
+    group, check, counts = _group(process_set)
     out = group.all_gather(tensor, dim, label=_LABEL, check=check)
-    stats.add("all_gather", start)
+    counts.add("all_gather", start)
     return out
 
 
@@ -66,9 +68,9 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, process_set: ProcessSet | Non
     if group_size(process_set) == 1:
         return tensor
     start = time.perf_counter()
-    group, check = _group(process_set)
+    group, check, counts = _group(process_set)
     out = group.reduce_scatter(tensor, dim, label=_LABEL, check=check)
-    stats.add("reduce_scatter", start)
+    counts.add("reduce_scatter", start)
     return out
 
 
@@ -86,12 +88,12 @@ def agree(process_set: ProcessSet | None, value: object) -> list:
     group): for checks that must fail on every rank alike before a collective."""
     if group_size(process_set) == 1:
         return [value]
-    group, _ = _group(process_set)
+    group, _, _ = _group(process_set)
     return group.allgather_object(value, label=_LABEL)
 
 
-def _group(process_set: ProcessSet) -> tuple[DirectGroup, bool]:
-    """The set's direct group, and whether calls on it are checked (a setting every rank of
-    the set must share: the group compares it on its first collective)."""
+def _group(process_set: ProcessSet) -> tuple[DirectGroup, bool, CommStats]:
+    """The set's direct group; whether calls on it are checked (a setting every rank of the
+    set must share: the group compares it on its first collective); the runtime's counts."""
     current = runtime.current()
-    return current.topology.direct(process_set), current.config.tp_check_shapes
+    return current.topology.direct(process_set), current.config.tp_check_shapes, current.stats[_LABEL]

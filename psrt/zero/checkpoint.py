@@ -24,7 +24,7 @@ import uuid
 import torch
 
 import psrt.torch as hvd
-from psrt import checkpoint_files, runtime
+from psrt import checkpoint_files
 from psrt.errors import InvalidArgumentError
 from psrt.zero.partition import ParamInfo, Partition
 
@@ -69,7 +69,7 @@ def save(zero, directory: str, extra: dict | None = None) -> None:
     """
     json.dumps(extra)  # fail before any file is written, on the calling rank
     zero.synchronize()
-    root = runtime.current().topology.ranks_of(zero.process_set)[0]
+    root = zero.runtime.topology.ranks_of(zero.process_set)[0]
     save_id = hvd.broadcast_object(uuid.uuid4().hex, root_rank=root, name="zero.save.id",
                                    process_set=zero.process_set)
     set_rank = zero.process_set.rank()

@@ -17,7 +17,6 @@ gradients.
 """
 from __future__ import annotations
 
-import itertools
 import warnings
 from contextlib import contextmanager
 from typing import Iterator
@@ -25,7 +24,7 @@ from typing import Iterator
 import torch
 
 from psrt.errors import InvalidArgumentError
-from psrt.runtime import global_process_set
+from psrt.runtime import Runtime, given, global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch.optimizer import overlap_pays_here
 from psrt.zero import comm
@@ -45,9 +44,6 @@ REDUCE_BUCKET_SIZE = 1_000_000
 #: so at least the next module is prefetched and the last one may overshoot the budget.  One million
 #: elements keeps about one layer of a 1024-wide MLP in flight.
 ALLGATHER_BUCKET_SIZE = 1_000_000
-
-#: Per process set: ZeRO optimizers wrapped so far, which names their collectives.
-_instances: dict[int, itertools.count] = {}
 
 
 class ZeroOptimizer:
@@ -71,13 +67,17 @@ class ZeroOptimizer:
     in exactly one group.  No flat group mixes two of them, so each shard's optimizer
     applies each group's options; ``param_groups`` (the property) is then one entry per
     group, in the order given, for LR schedulers.
+
+    ``runtime`` is the psrt runtime it works in (default: the current one).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer_class: type, *, stage: int = 2,
                  process_set: ProcessSet = global_process_set, compute_dtype: torch.dtype | None = None,
                  loss_scale: float | str | None = None, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,
                  allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE, overlap: bool | None = None,
-                 param_groups: list[dict] | None = None, **optimizer_kwargs) -> None:
+                 param_groups: list[dict] | None = None, runtime: Runtime | None = None,
+                 **optimizer_kwargs) -> None:
+        self.runtime = given(runtime)
         self.loss_scaler = LossScaler.create(loss_scale, compute_dtype, process_set)
         layout = plan_layout(model, optimizer_class, optimizer_kwargs, stage=stage, process_set=process_set,
                              compute_dtype=compute_dtype, reduce_bucket_size=reduce_bucket_size,
@@ -86,8 +86,7 @@ class ZeroOptimizer:
         self.partition, self.param_names, self.shard_index = layout.partition, layout.names, layout.shard
         self.optimizer_groups = [members for _, members in layout.optimizer_groups]
         self.overlap = overlap_pays_here(layout.params) if overlap is None else overlap
-        counter = _instances.setdefault(process_set.process_set_id, itertools.count())
-        name = f"zero.set{process_set.process_set_id}.{next(counter)}"
+        name = self.runtime.names.instance("zero", process_set.process_set_id)
         self.groups = [ShardedGroup(f"{name}.{index}", self.partition, index, [layout.params[i] for i in flat.params],
                                     layout.shard, process_set, compute_dtype, gathered_on_demand=stage == 3)
                        for index, flat in enumerate(self.partition.groups)]

@@ -8,7 +8,7 @@ from psrt.comm.ring import chunk_bounds
 from psrt.config import Config, config_from_env
 from psrt.errors import InvalidArgumentError
 from psrt.engine.mismatch import describe_mismatch
-from psrt.torch.collectives import reducescatter_rows
+from psrt.torch.collectives.reducescatter import reducescatter_rows
 
 
 @pytest.mark.parametrize("count, parts", [(0, 2), (1, 4), (53, 2), (53, 4), (1 << 20, 3)])

@@ -1,4 +1,4 @@
-"""Differentiable collectives (psrt.torch.autograd) against a single-process reference.
+"""Differentiable collectives (psrt.torch.collectives) against a single-process reference.
 
 Run on every rank (``psrun -np N python autograd_check.py``).  Each check
 builds every rank's inputs and upstream gradients from (check name, rank),
@@ -15,7 +15,6 @@ broadcast, size for reducescatter.
 from __future__ import annotations
 
 import functools
-import importlib
 import zlib
 from typing import Callable, Sequence
 
@@ -23,13 +22,10 @@ import torch
 
 import psrt.torch as hvd
 from psrt.errors import InvalidArgumentError
-from psrt.torch.collectives import reducescatter_rows
+from psrt.torch.collectives.reducescatter import reducescatter_rows
 
 import _harness
 from _reference import expect_raises
-
-# By module path: the package may rebind names such as ``allreduce``.
-ag = importlib.import_module("psrt.torch.autograd")
 
 Tensors = list[torch.Tensor]
 _ROWS = (0, 2, 3, 1)  # allgather rows of rank r: _ROWS[r % 4]; rank 0 contributes nothing
@@ -104,7 +100,7 @@ def allreduce(key: str, op: str, pre: float = 1.0, post: float = 1.0, named: boo
     name = key if named else None
     check_gradients(
         key, lambda r: [(3, 4)],
-        lambda ts: [ag.allreduce(ts[0], name=name, op=getattr(hvd, op), prescale_factor=pre,
+        lambda ts: [hvd.allreduce(ts[0], name=name, op=getattr(hvd, op), prescale_factor=pre,
                                  postscale_factor=post)],
         lambda every: _each(len(every), _reduce([ts[0] for ts in every], op, pre, post)),
         track=track)
@@ -114,7 +110,7 @@ def allreduce_compression_fp16(key: str) -> None:
     """The reduction travels in float16 both ways; the output keeps the input's dtype."""
     check_gradients(
         key, lambda r: [(5,)],
-        lambda ts: [ag.allreduce(ts[0], name=key, op=hvd.Sum, compression=hvd.Compression.fp16)],
+        lambda ts: [hvd.allreduce(ts[0], name=key, op=hvd.Sum, compression=hvd.Compression.fp16)],
         lambda every: _each(len(every), _reduce([ts[0] for ts in every], "Sum", 1.0, 1.0)),
         rtol=4e-3)
 
@@ -122,7 +118,7 @@ def allreduce_compression_fp16(key: str) -> None:
 def allreduce_min_has_no_gradient(key: str) -> None:
     """Forward works; backward raises on every rank before any communication."""
     x = _sample(key, hvd.rank(), (3,)).float().requires_grad_()
-    y = ag.allreduce(x, name=key, op=hvd.Min)
+    y = hvd.allreduce(x, name=key, op=hvd.Min)
     expect_raises(InvalidArgumentError, lambda: y.sum().backward(), "allreduce", "op=Min",
                   what=key)
 
@@ -130,7 +126,7 @@ def allreduce_min_has_no_gradient(key: str) -> None:
 def grouped_allreduce(key: str, op: str, pre: float = 1.0, post: float = 1.0) -> None:
     check_gradients(
         key, lambda r: [(2, 3), (4,), ()],
-        lambda ts: ag.grouped_allreduce(ts, name=key, op=getattr(hvd, op), prescale_factor=pre,
+        lambda ts: hvd.grouped_allreduce(ts, name=key, op=getattr(hvd, op), prescale_factor=pre,
                                         postscale_factor=post),
         lambda every: _each(len(every), *[_reduce(list(column), op, pre, post)
                                           for column in zip(*every)]))
@@ -144,7 +140,7 @@ def allgather(key: str, tail: tuple[int, ...] = (3,), named: bool = True,
     size = hvd.size()
     shape = (lambda r: [()]) if tail is None else (lambda r: [(_ROWS[r % 4], *tail)])
     join = torch.stack if tail is None else torch.cat
-    check_gradients(key, shape, lambda ts: [ag.allgather(ts[0], name=name)],
+    check_gradients(key, shape, lambda ts: [hvd.allgather(ts[0], name=name)],
                     lambda every: _each(size, join([ts[0] for ts in every])),
                     weight=1.0 / size, track=track)
 
@@ -153,7 +149,7 @@ def grouped_allgather(key: str, named: bool = True) -> None:
     name = key if named else None
     size = hvd.size()
     check_gradients(key, lambda r: [(_ROWS[r % 4], 2), (r + 1,)],
-                    lambda ts: ag.grouped_allgather(ts, name=name),
+                    lambda ts: hvd.grouped_allgather(ts, name=name),
                     lambda every: _each(size, *[torch.cat(column) for column in zip(*every)]),
                     weight=1.0 / size)
 
@@ -161,7 +157,7 @@ def grouped_allgather(key: str, named: bool = True) -> None:
 def broadcast(key: str, root: int, track: bool = True) -> None:
     size = hvd.size()
     check_gradients(key, lambda r: [(3, 2)],
-                    lambda ts: [ag.broadcast(ts[0], root_rank=root, name=key)],
+                    lambda ts: [hvd.broadcast(ts[0], root_rank=root, name=key)],
                     lambda every: _each(size, every[root][0]), weight=1.0 / size, track=track)
 
 
@@ -180,10 +176,10 @@ def alltoall(key: str, splits_as: str, track: bool = True) -> None:
         if splits_as == "tensor":
             splits = torch.tensor(splits, dtype=torch.int32)
         if splits_as == "none":  # Horovod's return without splits: the rows alone
-            out = ag.alltoall(ts[0], name=key)
+            out = hvd.alltoall(ts[0], name=key)
             assert isinstance(out, torch.Tensor), f"{key}: returned {type(out).__name__}"
             return [out]
-        out, received = ag.alltoall(ts[0], splits=splits, name=key)
+        out, received = hvd.alltoall(ts[0], splits=splits, name=key)
         assert received.tolist() == [split(r)[hvd.rank()] for r in range(size)], (
             f"{key}: received splits {received.tolist()}")
         return [out]
@@ -210,7 +206,7 @@ def reducescatter(key: str, op: str, rows: int, pre: float = 1.0, post: float = 
 
     check_gradients(
         key, lambda r: [(rows, 3)],
-        lambda ts: [ag.reducescatter(ts[0], name=key, compression=compression,
+        lambda ts: [hvd.reducescatter(ts[0], name=key, compression=compression,
                                      op=getattr(hvd, op), prescale_factor=pre,
                                      postscale_factor=post)],
         reference, weight=size, rtol=rtol, track=track)
@@ -225,7 +221,7 @@ def grouped_reducescatter(key: str, op: str, pre: float = 1.0, post: float = 1.0
 
     check_gradients(
         key, lambda r: [(2 * size + 1, 2), (1,)],
-        lambda ts: ag.grouped_reducescatter(ts, name=key, op=getattr(hvd, op),
+        lambda ts: hvd.grouped_reducescatter(ts, name=key, op=getattr(hvd, op),
                                             prescale_factor=pre, postscale_factor=post),
         reference, weight=size)
 
@@ -244,9 +240,9 @@ def subset_check(key: str, collective: str) -> None:
 
     def run(ts: Tensors) -> Tensors:
         if collective == "allgather":
-            return [ag.allgather(ts[0], name=key, process_set=subset)]
+            return [hvd.allgather(ts[0], name=key, process_set=subset)]
         root = _subset_members(hvd.size())[-1]  # a world rank, as in Horovod
-        return [ag.broadcast(ts[0], root_rank=root, name=key, process_set=subset)]
+        return [hvd.broadcast(ts[0], root_rank=root, name=key, process_set=subset)]
 
     def reference(every: list[Tensors]) -> list[Tensors]:
         out = torch.cat([ts[0] for ts in every]) if collective == "allgather" else every[-1][0]
@@ -264,12 +260,12 @@ def grouped_async(key: str, collective: str) -> None:
     if collective == "allgather":
         inputs = [[_sample(f"{key}/{i}", r, (_ROWS[r % 4] + i, 2)) for i in range(2)]
                   for r in range(size)]
-        handle = ag.grouped_allgather_async([t.float() for t in inputs[rank]], name=key)
+        handle = hvd.grouped_allgather_async([t.float() for t in inputs[rank]], name=key)
         want = [torch.cat(column) for column in zip(*inputs)]
     else:
         inputs = [[_sample(f"{key}/{i}", r, (2 * size + i, 2)) for i in range(2)]
                   for r in range(size)]
-        handle = ag.grouped_reducescatter_async([t.float() for t in inputs[rank]], name=key,
+        handle = hvd.grouped_reducescatter_async([t.float() for t in inputs[rank]], name=key,
                                                 op=hvd.Sum)
         want = [_scattered(list(column), "Sum", 1.0, 1.0)[rank] for column in zip(*inputs)]
     while not hvd.poll(handle):
@@ -296,7 +292,7 @@ def sparse_allreduce(key: str, op: str, dense_tail: tuple[int, ...], dtype: torc
         return torch.sparse_coo_tensor(where, values, shape, check_invariants=True)
 
     inputs = [sparse(r) for r in range(size)]
-    handle = ag.sparse_allreduce_async(inputs[rank], name=key, op=getattr(hvd, op))
+    handle = hvd.sparse_allreduce_async(inputs[rank], name=key, op=getattr(hvd, op))
     got = handle()  # Horovod's handle: called for the result
     assert got.is_sparse and got._nnz() == sum(t._nnz() for t in inputs), (
         f"{key}: result is not every rank's entries side by side (Horovod's, not coalesced)")

@@ -196,7 +196,7 @@ def check_wrong_messages_are_refused(key: str) -> None:
     """A gradient of the wrong shape, or a message for another micro-batch, is an error on the
     receiving stage (naming both sides), and the link stays usable."""
     g = grid()
-    link = StageLink(g.pp_set)
+    link = StageLink(g.runtime.topology.direct(g.pp_set))
     r = g.coords.pp
     if r == 1:
         link.send(torch.zeros(2, 4, dtype=torch.float64), 0, BACKWARD_TAG, message_id(0, 1)).wait()

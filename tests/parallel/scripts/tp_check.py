@@ -148,17 +148,17 @@ def check_cross_entropy(key: str) -> None:
     ref_loss = F.cross_entropy(reference(x_full).reshape(-1, VOCAB), targets.reshape(-1))
     ref_loss.backward()
     logits = head(x_mine)
-    tp.stats.reset()
+    tp.stats().reset()
     loss = tp.vocab_parallel_cross_entropy(logits, targets, ps, vocab_size=VOCAB)
-    forward_counts = dict(tp.stats.counts)
-    tp.stats.reset()
+    forward_counts = dict(tp.stats().counts)
+    tp.stats().reset()
     loss.backward()
     close(loss.detach(), ref_loss.detach(), "loss")
     close(x_mine.grad, x_full.grad, "input gradient")
     close(head.weight.grad, head.weight.tp_sharding.shard(reference.weight.grad), "head weight gradient")
     assert forward_counts == {"all_reduce": 3}, f"cross-entropy forward ran {forward_counts}"
     # the head's input copy is the only collective of the backward
-    assert dict(tp.stats.counts) == {"all_reduce": 1}, f"backward ran {dict(tp.stats.counts)}"
+    assert dict(tp.stats().counts) == {"all_reduce": 1}, f"backward ran {dict(tp.stats().counts)}"
 
 
 class ReferenceAttention(nn.Module):
@@ -233,10 +233,10 @@ def check_block(key: str, part: str, sequence_parallel: bool) -> None:
     ref_out = reference(x_full)
     weights = randn(key, ref_out.shape, "R")
     (ref_out * weights).sum().backward()
-    tp.stats.reset()
+    tp.stats().reset()
     out = module(x_mine)
     (out * (block_of(weights, 1, n) if sequence_parallel else weights)).sum().backward()
-    counts = dict(tp.stats.counts)
+    counts = dict(tp.stats().counts)
     close(out.detach(), block_of(ref_out.detach(), 1, n) if sequence_parallel else ref_out.detach(), "output")
     close(x_mine.grad, block_of(x_full.grad, 1, n) if sequence_parallel else x_full.grad, "input gradient")
     grads = {k[len(prefix):]: v for k, v in whole.psrt_grads().items() if k.startswith(prefix)}
@@ -507,10 +507,10 @@ def check_recompute(key: str, mode: str, sequence_parallel: bool) -> None:
         saved = SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             out = block(leaf)
-        tp.stats.reset()
+        tp.stats().reset()
         (out * weights).sum().backward()
         runs[recompute] = (out.detach(), leaf.grad, [p.grad for p in block.parameters()], saved.bytes,
-                           dict(tp.stats.counts), torch.get_rng_state(), tp.rng_tracker().get_states())
+                           dict(tp.stats().counts), torch.get_rng_state(), tp.rng_tracker().get_states())
     base, again = runs[None], runs[mode]
     close(again[0], base[0], f"{mode} recomputation: output")
     close(again[1], base[1], f"{mode} recomputation: input gradient")

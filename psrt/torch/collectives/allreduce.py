@@ -6,21 +6,31 @@ dtype, op and scale factors agree, and fuses allreduces that are ready
 together.  ``allreduce_`` on a contiguous tensor reduces in the tensor's own
 memory: no copy is added on that path.  ``op=Adasum`` is not elementwise: its
 work runs on its own, never fused (see :mod:`psrt.torch.adasum`).
+
+The out-of-place forms are differentiable, as in Horovod: the gradient of an
+allreduce is the same allreduce of the output's gradient (see
+:mod:`psrt.torch.collectives._differentiable`).  ``sparse_allreduce_async`` reduces
+a sparse COO tensor by gathering its entries.
 """
 from __future__ import annotations
 
+import functools
 import operator
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from psrt import runtime
 from psrt.engine import Announcement, Express, Piece, Reduction, Work
-from psrt.errors import InvalidArgumentError
+from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import _common, adasum
+# allgather's module imports this one too (allgather's gradient is an allreduce): bind the module, use it at call time
+from psrt.torch.collectives import allgather as allgather_family
+from psrt.torch.collectives._differentiable import LINEAR_OPS, derived, issue_each, linear, tracked
 from psrt.torch.compression import compressor
+from psrt.torch.handles import synchronize
 from psrt.torch.ops import ReduceOp, resolve_op, transport_op
 from psrt.torch.validation import check_name, check_scale, check_tensor, check_tensor_list
 
@@ -175,20 +185,40 @@ def _folded_scale(tensor: torch.Tensor, op: ReduceOp, post: float, set_size: int
     return 1.0 if op is not ReduceOp.Average and post == 1.0 else None
 
 
+class HorovodAllreduce(torch.autograd.Function):
+    """Allreduce forward; the same allreduce (op and scale factors) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.name, ctx.options = name, (op, average, prescale_factor, postscale_factor, process_set)
+        return _allreduce(tensor, False, True, name, *ctx.options)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, average = ctx.options[:2]
+        linear(resolve_op(op, average), "allreduce")
+        return (_allreduce(grad, False, True, derived(ctx.name, "grad"), *ctx.options),) + (None,) * 6
+
+
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: object = None, op: ReduceOp | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Reduce ``tensor`` over the process set and return the result in a new tensor.
+    """Reduce ``tensor`` over the process set and return the result in a new tensor,
+    differentiably.
 
     Default op is Average.  ``compression`` (e.g. ``hvd.Compression.fp16``)
     changes what travels, not the dtype returned.
     """
     compression = compressor(compression)
-    compressed, ctx = compression.compress(check_tensor(tensor))
-    reduced = _allreduce(compressed, False, True, name, op, average, prescale_factor,
-                         postscale_factor, process_set)
-    return compression.decompress(reduced, ctx)
+    compressed, state = compression.compress(check_tensor(tensor))
+    if tracked((tensor,)):
+        reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
+                                         process_set)
+    else:
+        reduced = _allreduce(compressed, False, True, name, op, average, prescale_factor, postscale_factor,
+                             process_set)
+    return compression.decompress(reduced, state)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -234,17 +264,38 @@ def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, po
     return _common.submit(_allreduce_work(tensors, in_place, plan, name, process_set, grouped=True), blocking)
 
 
+class HorovodGroupedAllreduce(torch.autograd.Function):
+    """Grouped allreduce forward and backward, with the same options."""
+
+    @staticmethod
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.name, ctx.options = name, (op, average, prescale_factor, postscale_factor, process_set)
+        return tuple(_grouped(list(tensors), False, True, name, *ctx.options))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, average = ctx.options[:2]
+        linear(resolve_op(op, average), "grouped_allreduce")
+        return (None,) * 6 + tuple(_grouped(list(grads), False, True, derived(ctx.name, "grad"), *ctx.options))
+
+
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression: object = None,
                       op: ReduceOp | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Reduce a list of tensors as one fused operation; returns new tensors."""
+    """Reduce a list of tensors as one fused operation, differentiably; returns new tensors."""
+    tensors = check_tensor_list(tensors)
     compression = compressor(compression)
-    packed = [compression.compress(t) for t in check_tensor_list(tensors)]
-    reduced = _grouped([t for t, _ in packed], False, True, name, op, average, prescale_factor,
-                       postscale_factor, process_set)
-    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, packed)]
+    packed = [compression.compress(t) for t in tensors]
+    compressed = [t for t, _ in packed]
+    if tracked(tensors):
+        reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
+                                                process_set, *compressed)
+    else:
+        reduced = _grouped(compressed, False, True, name, op, average, prescale_factor, postscale_factor,
+                           process_set)
+    return [compression.decompress(t, state) for t, (_, state) in zip(reduced, packed)]
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -270,3 +321,43 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              process_set: ProcessSet = global_process_set) -> int:
     return _grouped(tensors, True, False, name, op, average, prescale_factor, postscale_factor,
                     process_set)
+
+
+# -- sparse allreduce ---------------------------------------------------------------------
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp | None,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
+    """Start a Sum or Average of a sparse COO tensor over the set, Horovod's way: allgather
+    the indices (as ``name.indices``) and the values (as ``name.values``).
+
+    Returns a function that waits and returns the result (``handle()``, as in Horovod):
+    every rank's entries side by side, not coalesced, the values divided by the set size
+    for Average.  An integer Average is coalesced first, so that each sum is rounded toward
+    zero once, as a dense integer Average is.  Every rank must pass a tensor of the same
+    size and dtype, with any number of entries.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo:
+        kind = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ArgumentTypeError(f"sparse_allreduce_async needs a sparse COO tensor, got {kind}")
+    op = resolve_op(op)
+    if op not in LINEAR_OPS:
+        raise InvalidArgumentError(f"sparse_allreduce_async supports op Sum and Average, not "
+                                   f"{op.name}")
+    check_name(name)
+    set_size = process_set.size()
+    # Entries as rows, so that allgather concatenates every rank's entries.
+    parts = [tensor._indices().t().contiguous(), tensor._values()]
+    suffixes = ("indices", "values")
+
+    def combine(gathered: list[torch.Tensor]) -> torch.Tensor:
+        indices, values = gathered
+        if op is ReduceOp.Average and values.is_floating_point():
+            values = values / set_size
+        result = torch.sparse_coo_tensor(indices.t(), values, tensor.shape, check_invariants=True)
+        if op is ReduceOp.Average and not values.is_floating_point():
+            result = result.coalesce()
+            result._values().div_(set_size, rounding_mode="trunc")
+        return result
+
+    handle = issue_each(lambda i, t: allgather_family.allgather_async(t, name=derived(name, suffixes[i]),
+                                                                      process_set=process_set), parts, combine)
+    return functools.partial(synchronize, handle)

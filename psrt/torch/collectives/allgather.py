@@ -1,0 +1,150 @@
+"""Allgather on torch CPU tensors, Horovod-compatible: plain, asynchronous, grouped and
+differentiable forms, and ``allgather_into_async`` into a caller's buffer.
+
+Ranks learn each other's first dimensions when the collective runs, so they may
+differ by rank; the trailing dimensions, dtype and device must agree.  The gradient
+of an allgather is the Average over ranks of the output's gradient, this rank's rows.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from psrt.comm.base import Communicator
+from psrt.errors import InvalidArgumentError
+from psrt.runtime import global_process_set
+from psrt.topology import ProcessSet
+from psrt.torch import _common
+# allreduce's module imports this one too (a sparse allreduce is two allgathers): bind the module, use it at call time
+from psrt.torch.collectives import allreduce as allreduce_family
+from psrt.torch.collectives._differentiable import derived, issue_each, tensor_group, tracked
+from psrt.torch.handles import synchronize
+from psrt.torch.ops import ReduceOp
+from psrt.torch.validation import check_name, check_tensor
+
+
+def _allgather_work(tensor, name, process_set, ranks):
+    rows, tail = _common.rows_and_tail(tensor)
+    send = _common.contiguous_buffer(tensor).reshape(-1)
+
+    def execute(host: Communicator, data: Communicator) -> torch.Tensor:
+        all_rows = host.exchange_counts([rows] * host.size)
+        output = torch.empty((sum(all_rows), *tail), dtype=tensor.dtype, device=tensor.device)
+        row = math.prod(tail)
+        data.allgatherv(send, output.view(-1), [r * row for r in all_rows]).wait()
+        return output
+
+    return _common.tensor_work("allgather", tensor, name, process_set, ranks, {"trailing_shape": tail}, execute)
+
+
+def _allgather(tensor, name, process_set, blocking):
+    tensor, ranks = _common.prepare(tensor, name, process_set)
+    return _common.submit(_allgather_work(tensor, name, process_set, ranks), blocking)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    return _allgather(tensor, name, process_set, False)
+
+
+def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None = None,
+                         process_set: ProcessSet = global_process_set) -> int:
+    """Start gathering every rank's equally sized ``tensor`` into ``output``, in rank order,
+    without allocating (``torch.distributed.all_gather_into_tensor``; psrt's addition).
+
+    ``output`` must be contiguous, of ``tensor``'s dtype and device, with set-size times its
+    elements, and must not overlap ``tensor``.  ``synchronize`` returns ``output``.
+    """
+    tensor, ranks = _common.prepare(tensor, name, process_set)
+    output = check_tensor(output, "output")
+    if not output.is_contiguous() or output.dtype != tensor.dtype or output.device != tensor.device \
+            or output.numel() != tensor.numel() * len(ranks):
+        raise InvalidArgumentError(
+            f"allgather_into: output must be a contiguous {tensor.dtype} tensor on {tensor.device} with "
+            f"{len(ranks)} x {tensor.numel()} elements, got {output.dtype} on {output.device} with "
+            f"{output.numel()}{'' if output.is_contiguous() else ' (not contiguous)'}")
+    if output.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        raise InvalidArgumentError("allgather_into: output and tensor share memory; gather from a copy")
+    send = _common.contiguous_buffer(tensor).reshape(-1)
+
+    def execute(host: Communicator, data: Communicator) -> torch.Tensor:
+        data.allgatherv(send, output.view(-1), [send.numel()] * len(ranks)).wait()
+        return output
+
+    work = _common.tensor_work("allgather_into", tensor, name, process_set, ranks, {"numel": send.numel()}, execute)
+    return _common.submit(work, False)
+
+
+def _rows(shape: torch.Size) -> int:
+    return shape[0] if len(shape) else 1  # a 0-d tensor is gathered as one row
+
+
+def _row_offsets(rows: list[int], name: str | None, process_set: ProcessSet) -> list[int]:
+    """Where this rank's rows start in each gathered tensor (the rows of lower set ranks)."""
+    every = _allgather(torch.tensor([rows], dtype=torch.int64), derived(name, "grad.rows"), process_set, True)
+    return every[:process_set.rank()].sum(dim=0).tolist()
+
+
+class HorovodAllgather(torch.autograd.Function):
+    """Allgather forward; backward averages the gradient over ranks and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.shape, ctx.name, ctx.process_set = tensor.shape, name, process_set
+        return _allgather(tensor, name, process_set, True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows = _rows(ctx.shape)
+        offset, = _row_offsets([rows], ctx.name, ctx.process_set)
+        averaged = allreduce_family.allreduce(grad, name=derived(ctx.name, "grad"), op=ReduceOp.Average,
+                                              process_set=ctx.process_set)
+        return averaged.narrow(0, offset, rows).reshape(ctx.shape), None, None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's tensor along the first dimension (which may differ by rank),
+    differentiably."""
+    if not tracked((tensor,)):
+        return _allgather(tensor, name, process_set, True)
+    return HorovodAllgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start an allgather of each tensor (named ``name.0``, ``name.1``, ...); ``synchronize``
+    returns the list of gathered tensors."""
+    tensors = tensor_group(tensors, "grouped_allgather")
+    check_name(name)
+    return issue_each(lambda i, t: allgather_async(t, name=derived(name, str(i)), process_set=process_set),
+                      tensors)
+
+
+class HorovodGroupedAllgather(torch.autograd.Function):
+    """Grouped allgather forward; backward as :class:`HorovodAllgather`, as one grouped op."""
+
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.shapes, ctx.name, ctx.process_set = [t.shape for t in tensors], name, process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows = [_rows(shape) for shape in ctx.shapes]
+        offsets = _row_offsets(rows, ctx.name, ctx.process_set)
+        averaged = allreduce_family.grouped_allreduce(list(grads), name=derived(ctx.name, "grad"),
+                                                      op=ReduceOp.Average, process_set=ctx.process_set)
+        return (None, None) + tuple(g.narrow(0, o, n).reshape(shape) for g, o, n, shape
+                                    in zip(averaged, offsets, rows, ctx.shapes))
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather each tensor of a list, differentiably; returns the gathered tensors."""
+    tensors = tensor_group(tensors, "grouped_allgather")
+    if not tracked(tensors):
+        return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))

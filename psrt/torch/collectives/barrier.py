@@ -1,0 +1,24 @@
+"""Barrier over a process set, through the engine like any collective."""
+from __future__ import annotations
+
+import torch
+
+from psrt.comm.base import Communicator
+from psrt.runtime import global_process_set
+from psrt.topology import ProcessSet
+from psrt.torch import _common
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank of the process set has called barrier.
+
+    It runs through the engine like any collective, so outstanding async
+    operations keep progressing around it.
+    """
+    ranks = _common.set_ranks(process_set)
+
+    def execute(host: Communicator, data: Communicator) -> None:
+        host.barrier().wait()
+
+    _common.submit(_common.make_work("barrier", "barrier", process_set, ranks, (),
+                                     torch.device("cpu"), execute=execute), True)

@@ -1,0 +1,78 @@
+"""Broadcast on torch CPU tensors, Horovod-compatible: out-of-place (differentiable),
+in-place and asynchronous forms.
+
+``root_rank`` is a world rank that must be a member of the process set, as in
+Horovod.  The gradient of a broadcast is the Average over ranks of the output's
+gradient on the root, zeros elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+
+from psrt.comm.base import Communicator
+from psrt.runtime import global_process_set
+from psrt.runtime import rank as world_rank
+from psrt.topology import ProcessSet
+from psrt.torch import _common
+from psrt.torch.collectives._differentiable import derived, tracked
+from psrt.torch.collectives.allreduce import allreduce
+from psrt.torch.ops import ReduceOp
+from psrt.torch.validation import check_root
+
+
+def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
+    tensor, ranks = _common.prepare(tensor, name, process_set)
+    root = check_root(root_rank, ranks)
+    if in_place:
+        buffer = _common.contiguous_buffer(tensor)
+        target = tensor
+    else:
+        buffer = target = tensor.detach().clone(memory_format=torch.contiguous_format)
+
+    def execute(host: Communicator, data: Communicator) -> None:
+        data.broadcast(buffer, ranks.index(root)).wait()
+
+    work = _common.tensor_work("broadcast", tensor, name, process_set, ranks,
+                 {"shape": tuple(tensor.shape), "root_rank": root}, execute,
+                 lambda _: _common.write_back(target, buffer))
+    return _common.submit(work, blocking)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."""
+    return _broadcast(tensor, root_rank, name, process_set, True, True)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    return _broadcast(tensor, root_rank, name, process_set, False, False)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    return _broadcast(tensor, root_rank, name, process_set, True, False)
+
+
+class HorovodBroadcast(torch.autograd.Function):
+    """Broadcast forward; backward gives the root the Average of the gradients, others zeros."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.name, ctx.process_set = root_rank, name, process_set
+        return _broadcast(tensor, root_rank, name, process_set, False, True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        averaged = allreduce(grad, name=derived(ctx.name, "grad"), op=ReduceOp.Average, process_set=ctx.process_set)
+        if world_rank() != ctx.root_rank:  # root_rank is a world rank, as in Horovod
+            averaged = torch.zeros_like(averaged)
+        return averaged, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return a copy of ``root_rank``'s tensor (a world rank in the set), differentiably."""
+    if not tracked((tensor,)):
+        return _broadcast(tensor, root_rank, name, process_set, False, True)
+    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
