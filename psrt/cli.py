@@ -32,6 +32,8 @@ def make_parser() -> argparse.ArgumentParser:
     zero.add_argument("checkpoint", metavar="CKPT_DIR")
     zero.add_argument("output", metavar="OUT.pt")
     zero.set_defaults(run=_zero_to_full)
+    from psrt.plan.cli import add_parser as add_plan
+    add_plan(commands)
     from psrt.engine import timeline_summary  # psrt timeline-summary TRACE.json: its parser and report live there
     timeline_summary.add_command(commands)
     return parser

@@ -1,0 +1,138 @@
+"""``psrt plan``: the layout planner on the command line.
+
+    psrt plan --layers 4 --hidden 64 --heads 4 --vocab 88 --seq 64 --batch 16 --ranks 2 --memory 1GiB
+    psrt plan --params 7e9 --layers 32 --batch 512 --ranks 64 --memory 80GiB --precision bf16
+    psrt plan --measure                  # probe this machine (a psrun job), write psrt-machine.json
+    psrt plan ... --machine psrt-machine.json
+
+:func:`add_parser` registers the subcommand on ``psrt``'s parser.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+from psrt.errors import InvalidArgumentError, PsrtError
+from psrt.plan.layout import OPTIMIZER_STATE, PRECISIONS, RECOMPUTE
+from psrt.plan.machine import load_machine
+from psrt.plan.model import ParameterBlocks, Transformer
+from psrt.plan.report import describe, header, table
+from psrt.plan.search import make_request, search
+
+DEFAULT_PROFILE = "psrt-machine.json"
+_TRANSFORMER = ("hidden", "heads", "vocab", "seq")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Add ``plan`` to ``psrt``'s subcommands."""
+    plan = commands.add_parser(
+        "plan", help="list the layouts (dp x tp x pp, ZeRO, micro-batch, recomputation) that fit a model on a "
+                     "number of ranks, fastest first", description=__doc__.split("\n\n")[0],
+        epilog="Sizes take K, M, G, T (powers of 1024, also KiB, MiB, ...) or KB, MB, GB, TB (powers of 1000). "
+               "Without --machine or --measure the step times come from a default profile, labelled as such.")
+    model = plan.add_argument_group("model", "a transformer by its shapes, or any model by its parameter count")
+    model.add_argument("--layers", type=int, help="transformer blocks (or blocks of --params)")
+    model.add_argument("--hidden", type=int, help="model width")
+    model.add_argument("--heads", type=int, help="attention heads")
+    model.add_argument("--vocab", type=int, help="vocabulary size")
+    model.add_argument("--seq", type=int, help="sequence length")
+    model.add_argument("--mlp-ratio", type=int, default=4, help="MLP width over the model width (default 4)")
+    model.add_argument("--dropout", action="store_true", help="the blocks use dropout (attention runs unfused)")
+    model.add_argument("--tied-embeddings", action="store_true", help="the output projection is the embedding")
+    model.add_argument("--params", type=float, help="parameter count of a model known only by it (e.g. 7e9); "
+                                                    "activations are then not modelled")
+    job = plan.add_argument_group("job")
+    job.add_argument("--batch", type=int, help="global batch: sequences (rows) per step")
+    job.add_argument("--ranks", type=int, help="number of ranks")
+    job.add_argument("--memory", help="memory per rank, e.g. 80GiB")
+    job.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+                     help="fp32 (psrt's default) or 16-bit compute with fp32 masters (ZeroOptimizer(compute_dtype=))")
+    job.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE), default="adam")
+    pins = plan.add_argument_group("pinned choices", "fix part of the layout; the rest is searched")
+    for axis in ("dp", "tp", "pp"):
+        pins.add_argument(f"--{axis}", type=int)
+    pins.add_argument("--cp", default="1", help="context-parallel size, or 'any' to search it (default 1)")
+    pins.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    pins.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
+    pins.add_argument("--recompute", choices=RECOMPUTE)
+    pins.add_argument("--no-sequence-parallel", action="store_true", help="TP layouts without sequence parallelism")
+    machine = plan.add_argument_group("machine")
+    machine.add_argument("--machine", metavar="FILE", help="a machine profile written by --measure")
+    machine.add_argument("--measure", action="store_true",
+                         help="probe this machine first (a short psrun job) and write its profile")
+    machine.add_argument("--profile-out", metavar="FILE", default=DEFAULT_PROFILE,
+                         help=f"where --measure writes the profile (default {DEFAULT_PROFILE})")
+    machine.add_argument("--probe-ranks", type=int, default=2, help="ranks of the probe job (default 2)")
+    machine.add_argument("--probe-threads", type=int, help="torch threads per probe rank (default: torch's)")
+    machine.add_argument("--quick", action="store_true", help="a shorter, rougher probe")
+    output = plan.add_argument_group("output")
+    output.add_argument("--top", type=int, default=10, help="rows of the table (default 10; 0: all)")
+    output.add_argument("--json", action="store_true", help="every fitting layout as JSON instead of a table")
+    plan.set_defaults(run=run)
+
+
+def _model(args: argparse.Namespace) -> Transformer | ParameterBlocks:
+    given = [name for name in _TRANSFORMER if getattr(args, name) is not None]
+    if args.params is not None:
+        if given:
+            raise InvalidArgumentError(f"give either --params or the transformer's shapes (--{', --'.join(_TRANSFORMER)}), "
+                            f"not both (got --params and --{', --'.join(given)})")
+        return ParameterBlocks.uniform(int(args.params), args.layers or 1)
+    missing = [name for name in ("layers",) + _TRANSFORMER if getattr(args, name) is None]
+    if missing:
+        raise InvalidArgumentError(f"describe the model: a transformer needs --layers, --hidden, --heads, --vocab and --seq "
+                        f"(missing --{', --'.join(missing)}), or give --params (and --layers)")
+    return Transformer(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+                       sequence_length=args.seq, mlp_ratio=args.mlp_ratio, dropout=args.dropout,
+                       tied_embeddings=args.tied_embeddings)
+
+
+def measure(path: str, ranks: int, threads: int | None, quick: bool) -> None:
+    """Run the probe (:mod:`psrt.plan.probe`) as a psrun job on this machine, writing ``path``."""
+    command = [sys.executable, "-m", "launcher.cli", "-np", str(ranks), sys.executable, "-m", "psrt.plan.probe",
+               "--out", path] + (["--quick"] if quick else []) + ([f"--threads={threads}"] if threads else [])
+    print(f"psrt plan: probing this machine with {ranks} ranks: {' '.join(command[1:])}", file=sys.stderr)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not os.path.exists(path):
+        raise PsrtError(f"the probe job failed (exit code {done.returncode}):\n{done.stderr[-2000:]}")
+    print(f"psrt plan: wrote the machine profile {path}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.measure:
+        if args.machine:
+            raise InvalidArgumentError("give --measure or --machine, not both")
+        measure(args.profile_out, args.probe_ranks, args.probe_threads, args.quick)
+        if args.batch is None and args.ranks is None and args.layers is None and args.params is None:
+            return  # only the profile was asked for
+        args.machine = args.profile_out
+    missing = [flag for flag, value in (("--batch", args.batch), ("--ranks", args.ranks), ("--memory", args.memory))
+               if value is None]
+    if missing:
+        raise InvalidArgumentError(f"psrt plan needs {', '.join(missing)} (or only --measure to write a machine profile)")
+    request = make_request(_model(args), global_batch=args.batch, ranks=args.ranks, memory_per_rank=args.memory,
+                           machine=load_machine(args.machine) if args.machine else None, precision=args.precision,
+                           optimizer=args.optimizer, sequence_parallel=not args.no_sequence_parallel,
+                           dp=args.dp, tp=args.tp, pp=args.pp, cp=None if args.cp == "any" else _int(args.cp, "--cp"),
+                           zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute)
+    fitting, considered = search(request)
+    if args.json:
+        print(json.dumps([dict(dataclasses.asdict(plan), total_bytes=plan.memory.total, step_s=plan.time.total)
+                          for plan in fitting], indent=1))
+        return
+    print(header(request, considered, len(fitting)))
+    print()
+    print(table(fitting, top=args.top or None))
+    print()
+    print(describe(fitting[0]))
+
+
+def _int(text: str, flag: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{flag} takes an int or 'any', got {text!r}") from None

@@ -1,0 +1,271 @@
+"""Every layout of a model on a number of ranks, checked, costed and ranked.
+
+The search is a plain enumeration: dp × tp × pp × cp over the divisors of the rank count,
+ZeRO stage, micro-batch size (a divisor of each replica's batch), recomputation.  Any of
+them can be fixed.  A layout psrt cannot run (TP not dividing the heads, more pipeline
+stages than blocks, a batch that does not split) is left out with the reason, and layouts
+that do not fit the memory per rank are dropped; when nothing is left,
+:class:`NothingFitsError` says why and what would fit (:mod:`psrt.plan.advice`).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, replace
+
+from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.plan.cost import StepTime, step_time
+from psrt.plan.layout import RECOMPUTE, Layout, Precision, precision as make_precision
+from psrt.plan.machine import Machine, default_machine, load_machine
+from psrt.plan.memory import MemoryBreakdown, in_flight, stage_memory
+from psrt.plan.model import Model, ParameterBlocks, as_model, stage_key
+from psrt.plan.units import parse_bytes
+from psrt.pp.partition import balanced_split
+
+AXES = ("dp", "tp", "pp", "cp")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout with what the model predicts for it: the bytes of its fullest rank, each
+    pipeline stage's bytes, the blocks each stage holds, and the step time."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    stages: tuple[MemoryBreakdown, ...]
+    split: tuple[tuple[int, int], ...]  # [start, stop) block indices per pipeline stage
+    time: StepTime
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the caller asked for, checked; ``fixed`` holds the layout choices it pinned."""
+
+    model: Model
+    global_batch: int
+    ranks: int
+    memory_per_rank: int
+    machine: Machine
+    precision: Precision
+    fixed: tuple[tuple[str, object], ...]
+    sequence_parallel: bool
+
+    def pinned(self, name: str) -> object:
+        return dict(self.fixed).get(name)
+
+
+class NothingFitsError(InvalidArgumentError):
+    """No layout can run, or none fits the memory per rank; the message says why and what would
+    help.  ``smallest`` is the layout needing the fewest bytes (None when none can run)."""
+
+    def __init__(self, message: str, smallest: Plan | None = None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise InvalidArgumentError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def make_request(model: object, *, global_batch: object, ranks: object, memory_per_rank: object,
+                 machine: Machine | str | None = None, precision: str = "fp32", optimizer: str = "adam",
+                 sequence_parallel: bool = True, **fixed: object) -> Request:
+    """Check every argument of :func:`layouts` before any search."""
+    for name, value in fixed.items():
+        if value is None:
+            continue
+        if name in AXES or name == "micro_batch":
+            _positive(name, value)
+        elif name == "zero":
+            if isinstance(value, bool) or value not in ZERO_STAGES:
+                raise InvalidArgumentError(f"zero must be one of 0, 1, 2, 3, got {value!r}")
+        elif name == "recompute":
+            if value not in RECOMPUTE:
+                raise InvalidArgumentError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {value!r}")
+        else:
+            raise ArgumentTypeError(f"layouts() got an unexpected keyword argument {name!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise ArgumentTypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+    if machine is None:
+        machine = default_machine()
+    elif isinstance(machine, str):
+        machine = load_machine(machine)
+    elif not isinstance(machine, Machine):
+        raise ArgumentTypeError(f"machine must be a psrt.plan.Machine, a profile's path or None, "
+                                f"got {type(machine).__name__}")
+    return Request(as_model(model), _positive("global_batch", global_batch), _positive("ranks", ranks),
+                   parse_bytes(memory_per_rank), machine, make_precision(precision, optimizer),
+                   tuple((k, v) for k, v in sorted(fixed.items()) if v is not None), sequence_parallel)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def shape_problem(model: Model, shape: dict[str, int], global_batch: int) -> str | None:
+    """Why psrt cannot run the model on this dp × tp × pp × cp shape, or None."""
+    blocks = len(model.block_params())
+    problems = [model.tp_problem(shape["tp"]), model.cp_problem(shape["cp"])]
+    if shape["pp"] > blocks:
+        problems.append(f"pp={shape['pp']}: more pipeline stages than the model's {blocks} blocks "
+                        f"({model.layers} layers{' with the embedding and the head' if blocks > model.layers else ''})")
+    if global_batch % shape["dp"]:
+        problems.append(f"dp={shape['dp']} does not divide the global batch of {global_batch}")
+    if shape["cp"] > 1 and getattr(model, "dropout", False):
+        problems.append(f"cp={shape['cp']}: psrt's ring attention does not support attention dropout")
+    return next((p for p in problems if p), None)
+
+
+def layout_problem(model: Model, layout: Layout, global_batch: int) -> str | None:
+    """Why psrt cannot run ``layout``, or None."""
+    shape = {axis: getattr(layout, axis) for axis in AXES}
+    problem = shape_problem(model, shape, global_batch)
+    if problem:
+        return problem
+    if layout.micro_batch * layout.micro_batches * layout.dp != global_batch:
+        return (f"dp={layout.dp} × micro-batch {layout.micro_batch} × {layout.micro_batches} micro-batches "
+                f"is not the global batch of {global_batch}")
+    if layout.zero >= 2 and layout.pp > 1:
+        return (f"zero={layout.zero} with pp={layout.pp}: psrt runs pipelines with ZeRO-1 at most (ZeRO-2/3 "
+                "would reduce or gather every stage's parameters once per micro-batch)")
+    if layout.recompute != "none" and isinstance(model, ParameterBlocks):
+        return "recomputation needs the model's architecture (its activations are not modelled)"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _split(model: Model, tp: int, pp: int) -> tuple[tuple[range, tuple], ...]:
+    """psrt's own cut of the blocks into pipeline stages (balanced by parameter count), each
+    stage with its :func:`stage_key`."""
+    return tuple((blocks, stage_key(model, tp, blocks)) for blocks in balanced_split(model.block_params(tp), pp))
+
+
+def evaluate(model: Model, layout: Layout, *, global_batch: int, machine: Machine, precision: Precision) -> Plan:
+    """The bytes per rank and step time of one layout, which must be one psrt can run."""
+    problem = layout_problem(model, layout, global_batch)
+    if problem:
+        raise InvalidArgumentError(f"layout {layout.name} cannot run: {problem}")
+    split = _split(model, layout.tp, layout.pp)
+    alike: dict[tuple, MemoryBreakdown] = {}  # stages with the same blocks and micro-batches in flight
+    stages = []
+    for stage, (blocks, key) in enumerate(split):
+        key = (key, in_flight(stage, layout))
+        if key not in alike:
+            alike[key] = stage_memory(model, blocks, stage, layout, precision)
+        stages.append(alike[key])
+    return Plan(layout, max(stages, key=lambda m: m.total), tuple(stages),
+                tuple((blocks.start, blocks.stop) for blocks, _ in split),
+                step_time(model, split, layout, precision, machine))
+
+
+def _shapes(request: Request) -> tuple[list[dict[str, int]], list[str]]:
+    """dp × tp × pp × cp shapes of the rank count that agree with the pinned axes, and the
+    reasons the others were left out."""
+    shapes, reasons = [], []
+    for tp, pp, cp in itertools.product(_divisors(request.ranks), repeat=3):
+        if request.ranks % (tp * pp * cp):
+            continue
+        shape = {"dp": request.ranks // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
+        if any(request.pinned(axis) not in (None, shape[axis]) for axis in AXES):
+            continue
+        problem = shape_problem(request.model, shape, request.global_batch)
+        if problem:
+            reasons.append(problem)
+        else:
+            shapes.append(shape)
+    if not shapes and not reasons:
+        pinned = {axis: request.pinned(axis) for axis in AXES if request.pinned(axis) is not None}
+        product = " × ".join(f"{axis}={value}" for axis, value in pinned.items())
+        reasons.append(f"{request.ranks} ranks cannot be laid out as {product} "
+                       f"(the product of dp × tp × pp × cp must be the number of ranks)")
+    return shapes, list(dict.fromkeys(reasons))
+
+
+def candidates(request: Request) -> tuple[list[Plan], list[str]]:
+    """Every layout psrt can run for the request, costed (whether or not it fits), and the
+    reasons the others were left out."""
+    shapes, reasons = _shapes(request)
+    plans = []
+    for shape in shapes:
+        replica_batch = request.global_batch // shape["dp"]
+        pinned_batch = request.pinned("micro_batch")
+        if pinned_batch is not None and replica_batch % pinned_batch:
+            reasons.append(f"micro-batch {pinned_batch} does not divide dp={shape['dp']}'s replica batch of "
+                           f"{replica_batch}")
+            continue
+        zeros = [request.pinned("zero")] if request.pinned("zero") is not None else \
+            [z for z in ZERO_STAGES if z == 0 or shape["dp"] * shape["cp"] > 1]
+        modes = [request.pinned("recompute")] if request.pinned("recompute") is not None else \
+            ["none"] if isinstance(request.model, ParameterBlocks) else list(RECOMPUTE)
+        for zero, micro_batch, recompute in itertools.product(
+                zeros, [pinned_batch] if pinned_batch else _divisors(replica_batch), modes):
+            layout = Layout(**shape, zero=zero, micro_batch=micro_batch, micro_batches=replica_batch // micro_batch,
+                            recompute=recompute, sequence_parallel=request.sequence_parallel and shape["tp"] > 1)
+            problem = layout_problem(request.model, layout, request.global_batch)
+            if problem:
+                reasons.append(problem)
+                continue
+            plans.append(evaluate(request.model, layout, global_batch=request.global_batch, machine=request.machine,
+                                  precision=request.precision))
+    return plans, list(dict.fromkeys(reasons))
+
+
+def ranked(plans: list[Plan], memory_per_rank: int) -> list[Plan]:
+    """The plans that fit, fastest first (then the one needing fewer bytes)."""
+    fitting = [plan for plan in plans if plan.memory.total <= memory_per_rank]
+    return sorted(fitting, key=lambda plan: (plan.time.total, plan.memory.total, plan.layout.name))
+
+
+def layouts(model: object, *, global_batch: int, ranks: int, memory_per_rank: int | str,
+            machine: Machine | str | None = None, precision: str = "fp32", optimizer: str = "adam",
+            dp: int | None = None, tp: int | None = None, pp: int | None = None, cp: int | None = 1,
+            zero: int | None = None, micro_batch: int | None = None, recompute: str | None = None,
+            sequence_parallel: bool = True) -> list[Plan]:
+    """The layouts of ``model`` on ``ranks`` ranks that fit ``memory_per_rank`` bytes, fastest first.
+
+    ``model``: a :class:`Transformer`, :class:`ParameterBlocks`, the tiny GPT's ``GPTConfig`` or
+    a ``torch.nn.Module`` (as parameter counts).  ``global_batch`` is in sequences (rows) per
+    step.  ``machine``: a :class:`Machine`, a profile's path, or None for the labelled default.
+    ``precision``: "fp32" (psrt's default) or "bf16"/"fp16" (``ZeroOptimizer(compute_dtype=...)``);
+    ``optimizer``: "adam", "sgd-momentum" or "sgd".  ``dp``, ``tp``, ``pp``, ``cp``, ``zero``,
+    ``micro_batch`` and ``recompute`` ("none", "selective", "full") pin that choice; None
+    searches it (context parallelism is searched only when ``cp=None``).  TP layouts use
+    sequence parallelism unless ``sequence_parallel=False``.
+
+    Raises :class:`NothingFitsError` (an ``InvalidArgumentError``) saying why nothing fits and
+    what would.
+    """
+    request = make_request(model, global_batch=global_batch, ranks=ranks, memory_per_rank=memory_per_rank,
+                           machine=machine, precision=precision, optimizer=optimizer,
+                           sequence_parallel=sequence_parallel, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
+                           micro_batch=micro_batch, recompute=recompute)
+    return search(request)[0]
+
+
+def search(request: Request) -> tuple[list[Plan], int]:
+    """The plans that fit, fastest first, and how many layouts psrt could run; raises
+    :class:`NothingFitsError` when none fits."""
+    plans, reasons = candidates(request)
+    fitting = ranked(plans, request.memory_per_rank)
+    if not fitting:
+        from psrt.plan.advice import explain
+        smallest = min(plans, key=lambda plan: plan.memory.total) if plans else None
+        raise NothingFitsError(explain(request, plans, reasons), smallest)
+    return fitting, len(plans)
+
+
+def with_fixed(request: Request, **changes: object) -> Request:
+    """The request with some pinned choices changed (None frees one) or other fields replaced."""
+    fixed = dict(request.fixed)
+    for name in [name for name in changes if name in AXES + ("zero", "micro_batch", "recompute")]:
+        value = changes.pop(name)
+        if value is None:
+            fixed.pop(name, None)
+        else:
+            fixed[name] = value
+    return replace(request, fixed=tuple(sorted(fixed.items())), **changes)
