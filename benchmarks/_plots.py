@@ -9,21 +9,24 @@ redrawn from all of them by each run.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
-from datetime import datetime, timezone
+import time
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on a cluster node
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-
-from _sizes import fmt_size  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from _sizes import fmt_size
+from PIL import Image
 
 PLOTS = Path(__file__).resolve().parent / "plots"
 _COLORS = {"psrt": "C0", "mpi4py": "C1", "gloo": "C2", "ddp": "C2"}
+_BUSBW_LABELS = {"psrt": "psrt hvd.allreduce_", "psrt_transport": "psrt transport alone (no engine)",
+                 "mpi4py": "mpi4py Allreduce on numpy", "gloo": "torch.distributed over gloo"}
 _PIPELINE_COLORS = {"FORWARD": "#4c72b0", "BACKWARD": "#dd8452", "BACKWARD_INPUT": "#dd8452",
                     "BACKWARD_WEIGHT": "#55a868"}
 _PIPELINE_LABELS = {"FORWARD": "forward", "BACKWARD": "backward (input half if split)",
@@ -37,16 +40,21 @@ def machine() -> str:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
-def _save(fig, name: str, title: str) -> Path:
-    """Title with machine and date, then ``plots/name``; returns the path written."""
+def _save(fig, name: str, title: str, bottom: float = 0.0) -> Path:
+    """Title with machine and date, laid out above the axes (``bottom``: the figure's share
+    kept free below them for a note), then ``plots/name``; returns the path written."""
     fig.suptitle(f"{title}\n{machine()}, {_now()}", fontsize=11)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     PLOTS.mkdir(exist_ok=True)
     path = PLOTS / name
-    fig.savefig(path, dpi=90)
+    drawn = io.BytesIO()
+    fig.savefig(drawn, format="png", dpi=90)
     plt.close(fig)
+    # A few dozen flat colours: an indexed PNG is a third of the size, so the repository stays small.
+    Image.open(drawn).convert("RGB").quantize(colors=64).save(path, optimize=True)
     return path
 
 
@@ -70,16 +78,17 @@ def allreduce_busbw(sizes: list[int], busbw: dict[str, list[float]], ranks: int,
         transport = name == "psrt_transport"
         ax.plot(sizes, values, marker="o", ms=4, color=_COLORS.get(name, "C0" if transport else None),
                 ls="--" if transport else "-", alpha=0.6 if transport else 1.0,
-                label="psrt transport alone (no engine)" if transport else name)
+                label=_BUSBW_LABELS.get(name, name))
     if ceiling is not None:
-        ax.axhline(ceiling, color="grey", ls=":", label=f"ring ceiling from memcpy ({ceiling:.2f} GB/s)")
+        ax.axhline(ceiling, color="grey", ls=":",
+                   label=f"ring's memory-copy ceiling, large messages ({ceiling:.2f} GB/s)")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
     ax.set_xlabel("message size (bytes, float32)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    ax.legend(fontsize=9, loc="best")
     return _save(fig, "allreduce_busbw.png", f"allreduce bus bandwidth, {ranks} ranks (higher is better)")
 
 
@@ -114,34 +123,39 @@ def dp_scaling(runs: dict[str, dict]) -> Path:
     axes[0][0].legend(fontsize=8, loc="upper left")
     taken = ", ".join(f"{n} ranks {runs[str(n)]['taken']}" for n in counts)
     fig.text(0.01, 0.01, f"1 rank = one process alone (median of the runs); runs: {taken}", fontsize=7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    return _save(fig, "dp_scaling.png", "data-parallel training throughput against ranks")
+    return _save(fig, "dp_scaling.png", "data-parallel training throughput against ranks", bottom=0.03)
 
 
 def zero_memory(runs: dict[str, dict]) -> Path:
     """Measured bytes per rank (stacked: parameters, gradients, optimizer state) for each
     mode, with ZeRO's formula as a line; one panel per run (``runs[key]["modes"][mode]``
     holds ``bytes`` and ``formula``, dicts of params/grads/optimizer)."""
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.6), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.8), squeeze=False, sharey=True)
     parts = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"))
     for ax, key in zip(axes[0], sorted(runs, key=lambda k: (runs[k]["ranks"], k))):
         modes = runs[key]["modes"]
         names = list(modes)
+        ticks = ["DP" if m == "dp" else f"ZeRO-{m[-1]}" for m in names]
         bottom = [0.0] * len(names)
         for (part, label), color in zip(parts, ("C0", "C1", "C2")):
             heights = [modes[m]["bytes"][part] / 1e6 for m in names]
-            ax.bar(names, heights, bottom=bottom, color=color, label=label, width=0.6)
+            ax.bar(ticks, heights, bottom=bottom, color=color, label=label, width=0.6)
             bottom = [b + h for b, h in zip(bottom, heights)]
+        for x, total in enumerate(bottom):
+            ax.text(x, total + 2, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
         formula = [sum(modes[m]["formula"].values()) / 1e6 for m in names]
-        ax.plot(names, formula, color="black", marker="_", ms=22, mew=2, ls=":", label="ZeRO formula (total)")
+        ax.plot(ticks, formula, color="black", marker="_", ms=22, mew=2, ls=":", label="ZeRO formula (total)")
         ax.set_title(f"{runs[key]['ranks']} ranks, {runs[key]['params'] / 1e6:.1f} M parameters, "
                      f"{runs[key]['compute']} (run {runs[key]['taken']})", fontsize=9)
-        ax.set_xlabel("mode (dp = DistributedOptimizer; stage k = ZeroOptimizer(stage=k))")
+        ax.set_xlabel("mode")
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("MB per rank")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    return _save(fig, "zero_memory.png", "ZeRO: bytes per rank by stage, Adam")
+    axes[0][0].set_ylabel("MB per rank (measured)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    axes[0][0].legend(handles[::-1], labels[::-1], fontsize=8)
+    fig.text(0.01, 0.01, "DP = hvd.DistributedOptimizer; ZeRO-k = ZeroOptimizer(stage=k); bars: bytes held after a "
+             "backward in the second step\nformula: the ZeRO paper's bytes per element "
+             "(fp32 Adam: 4 + 4 + 8; bf16 compute with fp32 masters: 2 + 2 + 12)", fontsize=7)
+    return _save(fig, "zero_memory.png", "ZeRO: bytes per rank by stage, Adam", bottom=0.07)
 
 
 def pipeline_timeline(panels: dict[str, tuple[list, list]], microbatches: int, note: str) -> Path:
@@ -168,9 +182,11 @@ def pipeline_timeline(panels: dict[str, tuple[list, list]], microbatches: int, n
     handles = [plt.Rectangle((0, 0), 1, 1, color=_PIPELINE_COLORS[op], label=label)
                for op, label in _PIPELINE_LABELS.items()]
     fig.legend(handles=handles, fontsize=8, loc="lower right", ncol=3)
+    if "zb-h1" in panels:
+        note += "\nZB-H1: the first stage's backward stays whole (its input needs no gradient)"
     fig.text(0.01, 0.012, note, fontsize=8)
-    fig.tight_layout(rect=(0, 0.035, 1, 1))
-    return _save(fig, "pipeline_timeline.png", "pipeline schedules: measured against simulated, one step")
+    return _save(fig, "pipeline_timeline.png", "pipeline schedules: measured against simulated, one step",
+                 bottom=0.035)
 
 
 def _gantt(ax, row: int, events: list, unit: float, alpha: float) -> None:
