@@ -82,6 +82,11 @@ class HostsUpdatedInterrupt(PsrtError, RuntimeError):
         self.skip_sync = skip_sync
 
 
+class CheckpointError(PsrtError, RuntimeError):
+    """A checkpoint that other ranks failed to write or read: every rank raises together, the
+    failing ranks their own error and the others this one, naming each failing rank."""
+
+
 class ElasticError(PsrtError, RuntimeError):
     """Elastic state that cannot be committed or restored: a damaged or foreign commit, a
     value that cannot be stored, or a layout that cannot take the commit.  The message names

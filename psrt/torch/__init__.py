@@ -27,12 +27,12 @@ from psrt.torch.functions import (allgather_object, broadcast_object, broadcast_
                                   broadcast_parameters, join)
 from psrt.torch.handles import poll, synchronize
 from psrt.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from psrt.torch.optimizer import DistributedOptimizer
+from psrt.torch.optimizer import Bucketing, DistributedOptimizer
 from psrt.torch.sync_batch_norm import SyncBatchNorm
 from psrt.torch import elastic  # noqa: E402  (hvd.elastic, as in Horovod)
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
+    "Adasum", "Average", "Bucketing", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
     "Min", "ProcessSet", "Product", "ReduceOp", "Sum", "SyncBatchNorm", "add_process_set",
     "allgather", "allgather_async", "allgather_into_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",

@@ -110,7 +110,7 @@ def _check_arguments(optimizer, compression, backward_passes_per_step, op, gradi
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be a bool, got {sparse_as_dense!r}")
     if not isinstance(bucketing, Bucketing):
-        raise TypeError(f"bucketing must be a psrt.torch.optimizer.Bucketing, got {type(bucketing).__name__}")
+        raise TypeError(f"bucketing must be a psrt.torch.Bucketing, got {type(bucketing).__name__}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ import torch
 
 import psrt.torch as hvd
 from psrt import checkpoint_files
-from psrt.errors import InvalidArgumentError
+from psrt.errors import CheckpointError, InvalidArgumentError
 from psrt.zero.partition import ParamInfo, Partition
 
 FORMAT = "psrt-zero/2"
@@ -52,7 +52,7 @@ def _raise_if_any_failed(failure: Exception | None, what: str, zero, written: di
     if failure is not None:
         raise failure
     if errors:
-        raise RuntimeError(f"ZeRO checkpoint {what} failed on other ranks: {'; '.join(errors)}")
+        raise CheckpointError(f"ZeRO checkpoint {what} failed on other ranks: {'; '.join(errors)}")
     return {name: record for _, files in outcomes for name, record in files.items()}
 
 
