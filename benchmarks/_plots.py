@@ -70,9 +70,10 @@ def remember(figure: str, key: str, record: dict) -> dict[str, dict]:
 
 
 def allreduce_busbw(sizes: list[int], busbw: dict[str, list[float]], ranks: int,
-                    ceiling: float | None = None) -> Path:
+                    ceiling: float | None = None, note: str = "") -> Path:
     """Bus bandwidth (GB/s) against message size, one line per implementation; ``ceiling``
-    is the memory-copy bound of a ring on this machine, where the benchmark knows one."""
+    is the memory-copy bound of a ring on this machine, where the benchmark knows one;
+    ``note`` says how the figures were taken."""
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, values in busbw.items():
         transport = name == "psrt_transport"
@@ -89,7 +90,9 @@ def allreduce_busbw(sizes: list[int], busbw: dict[str, list[float]], ranks: int,
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=9, loc="best")
-    return _save(fig, "allreduce_busbw.png", f"allreduce bus bandwidth, {ranks} ranks (higher is better)")
+    fig.text(0.01, 0.01, note, fontsize=7)
+    return _save(fig, "allreduce_busbw.png", f"allreduce bus bandwidth, {ranks} ranks (higher is better)",
+                 bottom=0.04 if note else 0.0)
 
 
 def dp_scaling(runs: dict[str, dict]) -> Path:

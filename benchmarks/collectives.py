@@ -279,7 +279,10 @@ def benchmark(args: argparse.Namespace) -> None:
         names = ("psrt", "psrt_transport", "mpi4py", "gloo")
         say("# plot:", _plots.allreduce_busbw([r["bytes"] for r in allreduce],
                                               {nm: [r[nm]["busbw_GBps"] for r in allreduce] for nm in names},
-                                              n, ceiling if n == 2 else None))
+                                              n, ceiling if n == 2 else None,
+                                              "hvd.allreduce_ is called without a name, so every call is negotiated "
+                                              "afresh (no response cache, no express path): overhead.py times named "
+                                              "calls"))
 
 
 def result_record(collective: str, nbytes: int, iters: int, times: dict[str, list[float]],
