@@ -83,6 +83,10 @@ bench-cp: $(STAMP)
 bench-moe: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/moe.py
 
+.PHONY: bench-plan
+bench-plan: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/plan.py
+
 bench-peers: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/peers.py
 
