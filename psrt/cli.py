@@ -1,6 +1,8 @@
 """``psrt``: utilities that run in one process, outside any job.
 
     psrt zero-to-full CKPT_DIR OUT.pt   # a sharded ZeRO checkpoint as one ordinary file
+    psrt plan --params 7e9 ...          # which layouts fit a model, fastest first (psrt.plan)
+    psrt timeline-summary TRACE.json    # where each step's time went, from hvd.start_timeline's file
 """
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import argparse
 import sys
 
 from psrt import checkpoint_files
+from psrt.engine import timeline_summary
 from psrt.errors import PsrtError
+from psrt.plan import cli as plan_cli
 
 
 def _zero_to_full(args: argparse.Namespace) -> None:
@@ -29,12 +33,10 @@ def make_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     zero = commands.add_parser("zero-to-full", help="consolidate a sharded ZeRO checkpoint into one file "
                                "holding {'model': state_dict, 'optimizer': optimizer state_dict, ...}")
-    zero.add_argument("checkpoint", metavar="CKPT_DIR")
-    zero.add_argument("output", metavar="OUT.pt")
+    zero.add_argument("checkpoint", metavar="CKPT_DIR", help="the directory opt.save() / psrt.zero.save wrote")
+    zero.add_argument("output", metavar="OUT.pt", help="the file to write (replaced whole, or left untouched)")
     zero.set_defaults(run=_zero_to_full)
-    from psrt.plan.cli import add_parser as add_plan
-    add_plan(commands)
-    from psrt.engine import timeline_summary  # psrt timeline-summary TRACE.json: its parser and report live there
+    plan_cli.add_parser(commands)
     timeline_summary.add_command(commands)
     return parser
 
@@ -46,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except (PsrtError, OSError) as exc:
         print(f"psrt: error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # a truncated or corrupt file: say so without a traceback
-        print(f"psrt: error: cannot read the checkpoint: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception as exc:  # a truncated or corrupt input file: say so without a traceback
+        print(f"psrt {args.command}: error: cannot read its input: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     return 0
 
