@@ -22,7 +22,7 @@ from typing import Sequence
 
 from psrt.plan.layout import Layout, Precision
 from psrt.plan.machine import Link, Machine
-from psrt.plan.memory import REDUCE_BUCKET_SIZE
+from psrt.plan.memory import REDUCE_BUCKET_SIZE, block_activations
 from psrt.plan.model import Model, Transformer, padded
 
 #: Modules owning parameters in psrt's blocks: what ZeRO-3 gathers one at a time.
@@ -60,7 +60,7 @@ def gather(link: Link, nbytes: float, ranks: int) -> float:
 
 
 def _forward_seconds(model: Model, kind: str, params: int, layout: Layout, machine: Machine) -> tuple[float, float]:
-    """(whole forward, attention core alone) of one block for one micro-batch."""
+    """(matrix products, attention core) of one block's forward for one micro-batch."""
     t, s = layout.tp, model.sequence_length // layout.cp
     tokens = layout.micro_batch * s
     if not isinstance(model, Transformer):
@@ -71,49 +71,57 @@ def _forward_seconds(model: Model, kind: str, params: int, layout: Layout, machi
     if kind == "head":
         return machine.matmul_seconds(tokens, h, padded(model.vocab, t) // t), 0.0
     dense = sum(machine.matmul_seconds(tokens, k, n) for k, n in ((h, 3 * h // t), (h // t, h), (h, f // t), (f // t, h)))
-    # scores and their product with v, per local head; causal: half of the pairs
+    # q kᵀ and its product with v per local head, 2·s·kv·d FLOPs each; causal: half of the pairs
     heads, d, kv = model.heads // t, h // model.heads, model.sequence_length
-    core = 2 * layout.micro_batch * heads * machine.matmul_seconds(s, d, kv) / 2
-    return dense + core, core
+    core = machine.attention_seconds(layout.micro_batch * heads * 2 * s * kv * d, d)
+    return dense, core
 
 
-def _compute_per_microbatch(model: Model, blocks: range, layout: Layout, machine: Machine) -> float:
-    """Forward and backward (twice the forward's FLOPs) of the stage's blocks, with what
-    recomputation runs again, plus the fixed cost per block (a transformer layer's, scaled by
-    the modules a block holds)."""
+def block_seconds(model: Model, kind: str, params: int, layout: Layout, precision: Precision,
+                  machine: Machine) -> float:
+    """One block's forward and backward on one micro-batch, with what recomputation runs
+    again: products (backward twice the forward's FLOPs), the block's fixed cost (a
+    transformer layer's, scaled by the modules the block holds) and its elementwise work (in
+    proportion to the activation bytes it would keep without recomputation)."""
+    dense, core = _forward_seconds(model, kind, params, layout, machine)
+    again = dense + core if layout.recompute == "full" else core if layout.recompute == "selective" else 0.0
+    scale = 4 / 3 if layout.recompute == "full" else 1.0  # a third forward
+    fixed = machine.layer_overhead_s * _UNITS[kind] / _UNITS["layer"]
+    elementwise = block_activations(model, kind, layout, precision.activation, "none") * machine.elementwise_s_per_byte
+    return 3 * (dense + core) + again + scale * (fixed + elementwise)
+
+
+def _compute_per_microbatch(model: Model, blocks: range, layout: Layout, precision: Precision,
+                            machine: Machine) -> float:
+    """Forward and backward of the stage's blocks for one micro-batch."""
     kinds, sizes = model.block_kinds(), model.block_params(layout.tp)
-    seconds = 0.0
-    for (kind, params), count in Counter((kinds[i], sizes[i]) for i in blocks).items():  # layers are alike
-        forward, core = _forward_seconds(model, kind, params, layout, machine)
-        again = forward if layout.recompute == "full" else core if layout.recompute == "selective" else 0.0
-        overhead = machine.layer_overhead_s * _UNITS[kind] / _UNITS["layer"]
-        seconds += count * (3 * forward + again + overhead * (4 / 3 if layout.recompute == "full" else 1.0))
-    return seconds
+    return sum(count * block_seconds(model, kind, params, layout, precision, machine)
+               for (kind, params), count in Counter((kinds[i], sizes[i]) for i in blocks).items())  # layers alike
 
 
 def _tp_per_microbatch(model: Model, blocks: range, layout: Layout, precision: Precision, machine: Machine) -> float:
-    """Each block's collectives over the TP set: 2 forward and 2 backward (again 2 for a full
-    recomputation), plus with sequence parallelism 4 small gradient all-reduces per layer; the
-    embedding's forward and the head's backward all-reduce, the cross-entropy's 3 small ones."""
+    """Each layer's collectives over the TP set: 4 activations' volume (2 forward, 2 backward; 6
+    with a full recomputation), as all-reduces or, with sequence parallelism, as all-gathers and
+    reduce-scatters; their fixed costs and the TP layers' own are the measured extra of a tiny
+    TP block over a local one.  The embedding's forward and the head's backward all-reduce and
+    the cross-entropy's 3 small ones are charged latency and volume."""
     t = layout.tp
     if t == 1 or not isinstance(model, Transformer):
         return 0.0
     link, kinds = machine.direct_allreduce, model.block_kinds()
     nbytes = layout.micro_batch * model.sequence_length // layout.cp * model.hidden * precision.activation
-    if layout.sequence_parallel:  # an all-gather and a reduce-scatter instead of each all-reduce
-        big = 2 * gather(link, nbytes, t)
-    else:
-        big = allreduce(link, nbytes, t)
+    volume = 2 * (t - 1) / t * nbytes / link.bandwidth  # one all-reduce's, or an all-gather's and a reduce-scatter's
+    layer_fixed = machine.sp_layer_overhead_s if layout.sequence_parallel else machine.tp_layer_overhead_s
     small = allreduce(link, 4 * layout.micro_batch, t)
     seconds = 0.0
     for i in blocks:
         if kinds[i] == "layer":
-            seconds += (6 if layout.recompute == "full" else 4) * big
-            seconds += 4 * small if layout.sequence_parallel else 0.0
+            again = layout.recompute == "full"
+            seconds += (6 if again else 4) * volume + layer_fixed * (4 / 3 if again else 1.0)
         elif kinds[i] == "embedding":
-            seconds += big
+            seconds += link.latency_s + volume
         else:
-            seconds += big + 3 * small
+            seconds += link.latency_s + volume + 3 * small
     return seconds
 
 
@@ -183,7 +191,7 @@ def step_time(model: Model, stages: Sequence[tuple[range, tuple]], layout: Layou
             continue
         params = sum(sizes[i] for i in blocks)
         per_stage.append(alike.setdefault(key, (
-            _compute_per_microbatch(model, blocks, layout, machine),
+            _compute_per_microbatch(model, blocks, layout, precision, machine),
             _tp_per_microbatch(model, blocks, layout, precision, machine),
             _cp_per_microbatch(model, blocks, layout, precision, machine),
             _pp_per_microbatch(model, layout, precision, machine),

@@ -48,8 +48,14 @@ class Machine:
 
     ``matmul`` lists (n, FLOP/s) of n × n float matrix products; a product of other shapes
     runs at the rate of a square one of the same volume (interpolated in log-log).
-    ``layer_overhead_s`` is what one small transformer block's forward and backward cost
-    beyond their FLOPs (dispatch and small kernels), charged per block and micro-batch.
+    ``attention`` lists (head dim, FLOP/s) of causal fused attention, forward and backward.
+    ``layer_overhead_s`` is what a tiny transformer block's forward and backward cost (dispatch
+    and small kernels), charged per block and micro-batch; ``tp_layer_overhead_s`` and
+    ``sp_layer_overhead_s`` what a tiny block split over the probe's ranks costs more, without
+    and with sequence parallelism (its layers' and collectives' fixed costs, the ranks waiting
+    for each other); ``elementwise_s_per_byte`` what the
+    rest of a block's forward and backward (GELU, LayerNorm, additions, copies) costs per byte
+    of the activations it keeps, measured on a mid-sized block.
     ``engine_allreduce``: ``hvd.allreduce`` (data parallelism and ZeRO); ``direct_allreduce``:
     the direct path's collectives (tensor parallelism); ``p2p``: pipeline messages.
     ``optimizer_s_per_param``: one Adam step per parameter; ``memcpy_bandwidth``: bytes copied
@@ -59,7 +65,11 @@ class Machine:
     name: str
     measured: bool
     matmul: tuple[tuple[int, float], ...]
+    attention: tuple[tuple[int, float], ...]
     layer_overhead_s: float
+    tp_layer_overhead_s: float
+    sp_layer_overhead_s: float
+    elementwise_s_per_byte: float
     engine_allreduce: Link
     direct_allreduce: Link
     p2p: Link
@@ -68,13 +78,16 @@ class Machine:
     details: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.matmul:
-            raise InvalidArgumentError("a machine profile needs at least one matmul measurement")
-        object.__setattr__(self, "matmul", tuple(sorted((int(n), float(f)) for n, f in self.matmul)))
-        for n, flops in self.matmul:
-            if n < 1 or not flops > 0:
-                raise InvalidArgumentError(f"matmul entry ({n}, {flops}) must have n >= 1 and FLOP/s > 0")
-        for name in ("layer_overhead_s", "optimizer_s_per_param"):
+        for name in ("matmul", "attention"):
+            points = getattr(self, name)
+            if not points:
+                raise InvalidArgumentError(f"a machine profile needs at least one {name} measurement")
+            object.__setattr__(self, name, tuple(sorted((int(n), float(f)) for n, f in points)))
+            for n, flops in getattr(self, name):
+                if n < 1 or not flops > 0:
+                    raise InvalidArgumentError(f"{name} entry ({n}, {flops}) must have a size >= 1 and FLOP/s > 0")
+        for name in ("layer_overhead_s", "tp_layer_overhead_s", "sp_layer_overhead_s", "elementwise_s_per_byte",
+                     "optimizer_s_per_param"):
             if not getattr(self, name) >= 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("engine_allreduce", "direct_allreduce", "p2p"):
@@ -86,20 +99,15 @@ class Machine:
 
     def flops(self, n: float) -> float:
         """FLOP/s of a product of the volume of an n × n one."""
-        points = self.matmul
-        if n <= points[0][0] or len(points) == 1:
-            return points[0][1]
-        if n >= points[-1][0]:
-            return points[-1][1]
-        for (n0, f0), (n1, f1) in zip(points, points[1:]):
-            if n0 <= n <= n1:
-                w = math.log(n / n0) / math.log(n1 / n0)
-                return math.exp((1 - w) * math.log(f0) + w * math.log(f1))
-        raise AssertionError("unreachable")
+        return _interpolate(self.matmul, n)
 
     def matmul_seconds(self, m: int, k: int, n: int) -> float:
         """An (m × k) @ (k × n) product."""
         return 2.0 * m * k * n / self.flops((m * k * n) ** (1 / 3))
+
+    def attention_seconds(self, flops: float, head_dim: int) -> float:
+        """Attention work of ``flops`` (forward or backward) with heads of ``head_dim``."""
+        return flops / _interpolate(self.attention, head_dim)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -112,13 +120,30 @@ class Machine:
             links = {name: Link(**data[name]) for name in ("engine_allreduce", "direct_allreduce", "p2p")}
             return cls(name=str(data["name"]), measured=bool(data["measured"]),
                        matmul=tuple(tuple(point) for point in data["matmul"]),
+                       attention=tuple(tuple(point) for point in data["attention"]),
                        layer_overhead_s=float(data["layer_overhead_s"]),
+                       tp_layer_overhead_s=float(data["tp_layer_overhead_s"]),
+                       sp_layer_overhead_s=float(data["sp_layer_overhead_s"]),
+                       elementwise_s_per_byte=float(data["elementwise_s_per_byte"]),
                        optimizer_s_per_param=float(data["optimizer_s_per_param"]),
                        memcpy_bandwidth=float(data["memcpy_bandwidth"]), details=dict(data.get("details", {})),
                        **links)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"not a psrt machine profile ({type(exc).__name__}: {exc}); write one with "
                                        "`psrt plan --measure`") from exc
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
+    """The rate at ``x``, log-log between measured points, flat beyond them."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, f0), (x1, f1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            w = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp((1 - w) * math.log(f0) + w * math.log(f1))
+    raise AssertionError("unreachable")
 
 
 def load_machine(path: str) -> Machine:
@@ -140,7 +165,11 @@ def default_machine() -> Machine:
         name="default profile (NOT measured here: psrt's 2-core development VM, 2026-11-24)",
         measured=False,
         matmul=((64, 9.0e9), (128, 20.0e9), (256, 30.0e9), (512, 34.0e9), (1024, 35.0e9)),
+        attention=((16, 7.0e9), (64, 15.0e9), (128, 20.0e9)),
         layer_overhead_s=1.0e-3,
+        tp_layer_overhead_s=1.0e-3,
+        sp_layer_overhead_s=2.5e-3,
+        elementwise_s_per_byte=1.0e-9,
         engine_allreduce=Link(latency_s=2.0e-4, bandwidth=2.0e9),
         direct_allreduce=Link(latency_s=1.0e-4, bandwidth=2.0e9),
         p2p=Link(latency_s=5.0e-5, bandwidth=3.0e9),

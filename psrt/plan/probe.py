@@ -6,8 +6,10 @@ cost model needs and writes a machine profile (:class:`psrt.plan.Machine`) as JS
 Every rank measures at once, so each figure is what one rank gets while the others are busy
 too (on a shared host, its share of the cores and of the memory bandwidth); the slowest
 rank's time is taken (collectives after a barrier each, as the ranks of a step reach them
-together).  Figures: float32 n × n matmul FLOP/s for a few n; the fixed cost of a
-small transformer block's forward and backward; ``hvd.allreduce`` (the engine, as data
+together).  Figures: float32 n × n matmul FLOP/s for a few n; causal fused attention's
+FLOP/s for a few head dimensions; the fixed cost of a tiny transformer block's forward and
+backward, and what it costs more split over every rank (TP, with and without sequence
+parallelism); what a mid-sized block takes beyond all that, per byte of its activations; ``hvd.allreduce`` (the engine, as data
 parallelism and ZeRO use it) and the direct path's all-reduce (as TP uses it) at a few sizes,
 each fitted to a latency plus a bus bandwidth; a point-to-point message between ranks 0 and 1
 (as pipelines send activations), fitted the same way; memcpy bandwidth; and the time of an
@@ -16,6 +18,7 @@ AdamW step per parameter.  ``--quick`` measures fewer sizes and repeats (for tes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -28,9 +31,15 @@ import torch
 import psrt
 import psrt.torch as hvd
 from psrt import runtime, tp
+from psrt.plan.cost import block_seconds
+from psrt.plan.layout import Layout, precision
 from psrt.plan.machine import Link, Machine
+from psrt.plan.memory import layer_activations
+from psrt.plan.model import Transformer
+from psrt.topology import ProcessSet
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
+HEAD_DIMS = (16, 64, 128)
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 _TAG = 31
 
@@ -69,11 +78,53 @@ def matmul_flops(sizes: tuple[int, ...], budget_s: float) -> list[tuple[int, flo
     return points
 
 
-def layer_overhead(repeats: int) -> float:
-    """Forward and backward of a transformer block so small that its FLOPs cost nothing."""
-    block = tp.ParallelTransformerBlock(8, 1)
-    x = torch.randn(1, 4, 8, requires_grad=True)
+def attention_flops(head_dims: tuple[int, ...], repeats: int, sequence: int = 256) -> list[tuple[int, float]]:
+    """Causal fused attention, forward and backward, over 2 × 8 heads of ``sequence`` tokens."""
+    points = []
+    for d in head_dims:
+        q, k, v = (torch.randn(2, 8, sequence, d, requires_grad=True) for _ in range(3))
+        grad = torch.randn(2, 8, sequence, d)
+
+        def work() -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        flops = 3 * 2 * 8 * 2 * sequence * sequence * d  # fwd + bwd; causal: half of the 4·s²·d
+        points.append((d, flops / _median_seconds(work, repeats)))
+    return points
+
+
+def _block_seconds(dim: int, heads: int, rows: int, sequence: int, repeats: int,
+                   process_set: ProcessSet | None = None, sequence_parallel: bool = False) -> float:
+    """Forward and backward of one of psrt's transformer blocks, local or split over ``process_set``."""
+    tp.manual_seed(0, process_set)
+    block = tp.ParallelTransformerBlock(dim, heads, process_set=process_set, sequence_parallel=sequence_parallel)
+    parts = process_set.size() if sequence_parallel else 1
+    x = torch.randn(rows, sequence // parts, dim, requires_grad=True)
     return _median_seconds(lambda: block(x).sum().backward(), repeats)
+
+
+def tp_overheads(local: float, repeats: int) -> tuple[float, float]:
+    """What a tiny block split over every rank costs beyond the ``local`` one: without and with
+    sequence parallelism."""
+    ranks = hvd.size()
+    if ranks == 1:
+        return 0.0, 0.0
+    world = psrt.global_process_set
+    split = _block_seconds(8 * ranks, ranks, 1, 4 * ranks, repeats, world)
+    sequence_parallel = _block_seconds(8 * ranks, ranks, 1, 4 * ranks, repeats, world, sequence_parallel=True)
+    return max(0.0, split - local), max(0.0, sequence_parallel - local)
+
+
+def elementwise_seconds_per_byte(machine: Machine, repeats: int) -> float:
+    """What a mid-sized block's forward and backward take beyond its products, its attention and
+    its fixed cost, per byte of the activations it keeps (fp32): GELU, LayerNorm, additions,
+    copies.  ``machine`` holds the other figures, already measured."""
+    dim, heads, rows, sequence = 128, 8, 4, 128
+    model = Transformer(layers=1, hidden=dim, heads=heads, vocab=2, sequence_length=sequence)
+    layout = Layout(dp=1, tp=1, pp=1, cp=1, zero=0, micro_batch=rows, micro_batches=1)
+    fp32 = precision("fp32")
+    modelled = block_seconds(model, "layer", model.layer_params(), layout, fp32, machine)
+    measured = _block_seconds(dim, heads, rows, sequence, repeats)
+    return max(0.0, measured - modelled) / layer_activations(model, layout, fp32.activation, "none")
 
 
 def _collective_link(run: Callable[[torch.Tensor], None], sizes: tuple[int, ...], repeats: int,
@@ -133,18 +184,23 @@ def measure(quick: bool = False) -> Machine:
     repeats = 5 if quick else 15
     sizes = MESSAGE_BYTES[:2] + MESSAGE_BYTES[-1:] if quick else MESSAGE_BYTES
     matmul = matmul_flops(MATMUL_SIZES[::2] if quick else MATMUL_SIZES, 0.02 if quick else 0.1)
+    attention = attention_flops(HEAD_DIMS[::2] if quick else HEAD_DIMS, repeats)
+    # a tiny block: its FLOPs cost nothing, what it takes is the fixed cost of any block
+    overhead = _block_seconds(8, 1, 1, 4, 3 * repeats)
+    tp_overhead, sp_overhead = tp_overheads(overhead, 3 * repeats)
     engine, engine_points = engine_allreduce(sizes, repeats)
     direct, direct_points = direct_allreduce(sizes, repeats)
     p2p, p2p_points = point_to_point(sizes, repeats) if hvd.size() > 1 else (Link(0.0, 1e12), [])
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return Machine(
+    machine = Machine(
         name=f"measured on {platform.node()} by {hvd.size()} ranks, {torch.get_num_threads()} torch threads each, {when}",
-        measured=True, matmul=tuple(matmul), layer_overhead_s=layer_overhead(3 * repeats),
-        engine_allreduce=engine, direct_allreduce=direct, p2p=p2p,
+        measured=True, matmul=tuple(matmul), attention=tuple(attention), layer_overhead_s=overhead,
+        tp_layer_overhead_s=tp_overhead, sp_layer_overhead_s=sp_overhead, elementwise_s_per_byte=0.0, engine_allreduce=engine, direct_allreduce=direct, p2p=p2p,
         optimizer_s_per_param=optimizer_seconds_per_param(1_000_000 if quick else 4_000_000, repeats),
         memcpy_bandwidth=memcpy_bandwidth(16 << 20 if quick else 64 << 20, repeats),
         details={"ranks": hvd.size(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                  "engine_allreduce": engine_points, "direct_allreduce": direct_points, "p2p": p2p_points})
+    return dataclasses.replace(machine, elementwise_s_per_byte=elementwise_seconds_per_byte(machine, repeats))
 
 
 def main(argv: list[str] | None = None) -> None:

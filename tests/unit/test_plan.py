@@ -35,7 +35,8 @@ def layout(**changes) -> plan.Layout:
 
 def ideal_machine(**changes) -> plan.Machine:
     """Free compute and latency, 1 byte/s links: every second is a byte moved."""
-    values = dict(name="ideal", measured=False, matmul=((1, 1e30),), layer_overhead_s=0.0,
+    values = dict(name="ideal", measured=False, matmul=((1, 1e30),), attention=((1, 1e30),), layer_overhead_s=0.0,
+                  tp_layer_overhead_s=0.0, sp_layer_overhead_s=0.0, elementwise_s_per_byte=0.0,
                   engine_allreduce=plan.Link(0.0, 1.0), direct_allreduce=plan.Link(0.0, 1.0),
                   p2p=plan.Link(0.0, 1.0), optimizer_s_per_param=0.0, memcpy_bandwidth=1e30)
     values.update(changes)
@@ -172,7 +173,7 @@ def test_tensor_parallelism_runs_four_allreduces_per_layer_and_microbatch():
 
 
 def test_full_recomputation_costs_a_third_forward():
-    machine = ideal_machine(matmul=((1, 1e9),))
+    machine = ideal_machine(matmul=((1, 1e9),), attention=((1, 1e9),), elementwise_s_per_byte=1e-9)
     none = plan.evaluate(GPT, layout(), global_batch=16, machine=machine, precision=FP32).time.compute
     full = plan.evaluate(GPT, layout(recompute="full"), global_batch=16, machine=machine, precision=FP32).time.compute
     assert full / none == pytest.approx(4 / 3)

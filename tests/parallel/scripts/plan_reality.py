@@ -99,8 +99,10 @@ def check_gpt(name: str, dp: int, tp: int, pp: int, microbatches: int, recompute
 
 def check_probe(name: str) -> None:
     machine = probe.measure(quick=True)
-    assert machine.measured and len(machine.matmul) >= 2, machine
-    assert all(flops > 1e6 for _, flops in machine.matmul), machine.matmul
+    assert machine.measured and len(machine.matmul) >= 2 and len(machine.attention) >= 2, machine
+    assert all(flops > 1e6 for _, flops in machine.matmul + machine.attention), machine
+    assert machine.layer_overhead_s > 0 and machine.tp_layer_overhead_s >= 0 and machine.sp_layer_overhead_s >= 0
+    assert machine.elementwise_s_per_byte >= 0 and machine.optimizer_s_per_param > 0, machine
     for link in (machine.engine_allreduce, machine.direct_allreduce, machine.p2p):
         assert link.bandwidth > 1e6 and 0 <= link.latency_s < 1, link
     assert plan.Machine.from_dict(json.loads(machine.to_json())) == machine
