@@ -6,8 +6,8 @@ pinned choice set free, and more ranks (2×, 4×, ... 64×).
 """
 from __future__ import annotations
 
-from psrt.plan.search import Plan, Request, candidates, ranked, with_fixed
 from psrt.plan.model import Transformer
+from psrt.plan.search import Plan, Request, candidates, ranked, with_fixed
 from psrt.plan.units import format_bytes
 
 _MAX_REASONS = 6
@@ -61,8 +61,8 @@ def _more_ranks(request: Request) -> list[str]:
         fitting = ranked(plans, request.memory_per_rank)
         if fitting:
             smallest = min(fitting, key=lambda plan: plan.memory.total)
-            return [f"with {ranks} ranks, {_layouts(len(fitting))} (the smallest, {smallest.layout.name}, needs "
-                    f"{format_bytes(smallest.memory.total)})"]
+            return [(f"with {ranks} ranks, {_layouts(len(fitting))} (the smallest, {smallest.layout.name}, needs "
+                     f"{format_bytes(smallest.memory.total)})")]
     return [f"even {request.ranks * _RANK_FACTORS[-1]} ranks leave nothing that fits"]
 
 
@@ -75,9 +75,9 @@ def explain(request: Request, plans: list[Plan], reasons: list[str]) -> str:
         lines += [f"Would run: {hint}." for hint in _freed(request, need_fit=False)]
         return "\n".join(lines)
     smallest = min(plans, key=lambda plan: plan.memory.total)
-    which = "the only layout psrt can run" if len(plans) == 1 else f"the smallest of the {len(plans)} layouts psrt can run"
-    lines = [f"nothing fits in {format_bytes(request.memory_per_rank)} per rank: {which}, {smallest.layout.name}, "
-             f"needs {format_bytes(smallest.memory.total)} per rank ({_breakdown(smallest)}).",
+    which = "the only layout" if len(plans) == 1 else f"the smallest of the {len(plans)} layouts"
+    lines = [(f"nothing fits in {format_bytes(request.memory_per_rank)} per rank: {which} psrt can run, "
+              f"{smallest.layout.name}, needs {format_bytes(smallest.memory.total)} per rank ({_breakdown(smallest)})."),
              _dominant(smallest, isinstance(request.model, Transformer))]
     lines += [f"Would fit: {hint}." for hint in _freed(request, need_fit=True)]
     lines += [f"Would fit: {hint}." for hint in _more_ranks(request)]

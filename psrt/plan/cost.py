@@ -17,8 +17,8 @@ reduce-scatter (n − 1)/n, at the measured bus bandwidth, plus a latency each.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 from psrt.plan.layout import Layout, Precision
 from psrt.plan.machine import Link, Machine

@@ -24,7 +24,7 @@ import json
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -71,7 +71,7 @@ def matmul_flops(sizes: tuple[int, ...], budget_s: float) -> list[tuple[int, flo
         a, b = torch.randn(n, n), torch.randn(n, n)
         calls = max(1, int(budget_s * 2e9 / (2 * n ** 3)))  # about budget_s at 2 GFLOP/s per call batch
 
-        def work() -> None:
+        def work(a: torch.Tensor = a, b: torch.Tensor = b, calls: int = calls) -> None:
             for _ in range(calls):
                 torch.mm(a, b)
         points.append((n, 2 * n ** 3 * calls / _median_seconds(work, 5)))
@@ -85,7 +85,7 @@ def attention_flops(head_dims: tuple[int, ...], repeats: int, sequence: int = 25
         q, k, v = (torch.randn(2, 8, sequence, d, requires_grad=True) for _ in range(3))
         grad = torch.randn(2, 8, sequence, d)
 
-        def work() -> None:
+        def work(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v, grad: torch.Tensor = grad) -> None:
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
         flops = 3 * 2 * 8 * 2 * sequence * sequence * d  # fwd + bwd; causal: half of the 4·s²·d
         points.append((d, flops / _median_seconds(work, repeats)))
@@ -132,7 +132,7 @@ def _collective_link(run: Callable[[torch.Tensor], None], sizes: tuple[int, ...]
     points = []
     for nbytes in sizes:
         tensor = torch.ones(nbytes // 4)
-        seconds = _median_seconds(lambda: run(tensor), repeats, together=True)
+        seconds = _median_seconds(lambda tensor=tensor: run(tensor), repeats, together=True)
         points.append((2 * (ranks - 1) / ranks * nbytes, seconds))
     return Link.fit(points), [{"bytes": n, "seconds": s} for n, (_, s) in zip(sizes, points)]
 
@@ -154,7 +154,7 @@ def point_to_point(sizes: tuple[int, ...], repeats: int) -> tuple[Link, list]:
     for nbytes in sizes:
         tensor = torch.ones(nbytes // 4)
 
-        def work() -> None:
+        def work(tensor: torch.Tensor = tensor) -> None:
             if rank == 0:
                 group.send(tensor, 1, _TAG).wait()
                 group.recv(1, _TAG, kind="a probe message", what="the probe's reply from rank 1")

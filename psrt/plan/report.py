@@ -35,8 +35,8 @@ def header(request: Request, considered: int, fitting: int) -> str:
         machine += "; run `psrt plan --measure` for this machine's figures"
     return "\n".join([
         f"model: {request.model.describe()}",
-        f"{request.ranks} ranks, global batch {request.global_batch}, {format_bytes(request.memory_per_rank)} per "
-        f"rank, {request.precision.name}",
+        (f"{request.ranks} ranks, global batch {request.global_batch}, {format_bytes(request.memory_per_rank)} per "
+         f"rank, {request.precision.name}"),
         f"machine: {machine}",
         f"{fitting} of {considered} layouts psrt can run fit; fastest first (modelled step time)",
     ])
@@ -54,9 +54,9 @@ def describe(plan: Plan) -> str:
     """One plan: its layout, the bytes of its first, fullest and last pipeline stages (with the
     blocks each holds) and where the step time goes."""
     layout, time = plan.layout, plan.time
-    lines = [f"layout {layout.name}: {_plural(layout.ranks, 'rank')}, ZeRO-{layout.zero} over "
-             f"{_plural(layout.data_ranks, 'data-parallel rank')}, {_plural(layout.micro_batches, 'micro-batch')} of "
-             f"{layout.micro_batch}, recompute {layout.recompute}"]
+    lines = [(f"layout {layout.name}: {_plural(layout.ranks, 'rank')}, ZeRO-{layout.zero} over "
+              f"{_plural(layout.data_ranks, 'data-parallel rank')}, {_plural(layout.micro_batches, 'micro-batch')} of "
+              f"{layout.micro_batch}, recompute {layout.recompute}")]
     fullest = max(range(len(plan.stages)), key=lambda s: plan.stages[s].total)
     for stage in sorted({0, fullest, len(plan.stages) - 1}):
         memory, (start, stop) = plan.stages[stage], plan.split[stage]

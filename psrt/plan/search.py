@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.plan.cost import StepTime, step_time
-from psrt.plan.layout import RECOMPUTE, Layout, Precision, precision as make_precision
+from psrt.plan.layout import RECOMPUTE, Layout, Precision
+from psrt.plan.layout import precision as make_precision
 from psrt.plan.machine import Machine, default_machine, load_machine
 from psrt.plan.memory import MemoryBreakdown, in_flight, stage_memory
 from psrt.plan.model import Model, ParameterBlocks, as_model, stage_key

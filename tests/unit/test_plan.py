@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-import psrt.plan as plan
 import psrt.torch as hvd
+from psrt import plan
 from psrt.cli import main as psrt_main
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.plan import cli as plan_cli
@@ -28,17 +28,18 @@ FP32, BF16 = plan.precision("fp32"), plan.precision("bf16")
 
 
 def layout(**changes) -> plan.Layout:
-    values = dict(dp=1, tp=1, pp=1, cp=1, zero=0, micro_batch=4, micro_batches=4)
+    values = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "zero": 0, "micro_batch": 4, "micro_batches": 4}
     values.update(changes)
     return plan.Layout(**values)
 
 
 def ideal_machine(**changes) -> plan.Machine:
     """Free compute and latency, 1 byte/s links: every second is a byte moved."""
-    values = dict(name="ideal", measured=False, matmul=((1, 1e30),), attention=((1, 1e30),), layer_overhead_s=0.0,
-                  tp_layer_overhead_s=0.0, sp_layer_overhead_s=0.0, elementwise_s_per_byte=0.0,
-                  engine_allreduce=plan.Link(0.0, 1.0), direct_allreduce=plan.Link(0.0, 1.0),
-                  p2p=plan.Link(0.0, 1.0), optimizer_s_per_param=0.0, memcpy_bandwidth=1e30)
+    values = {"name": "ideal", "measured": False, "matmul": ((1, 1e30),), "attention": ((1, 1e30),),
+              "layer_overhead_s": 0.0, "tp_layer_overhead_s": 0.0, "sp_layer_overhead_s": 0.0,
+              "elementwise_s_per_byte": 0.0, "engine_allreduce": plan.Link(0.0, 1.0),
+              "direct_allreduce": plan.Link(0.0, 1.0), "p2p": plan.Link(0.0, 1.0), "optimizer_s_per_param": 0.0,
+              "memcpy_bandwidth": 1e30}
     values.update(changes)
     return plan.Machine(**values)
 
@@ -108,8 +109,8 @@ def test_1f1b_keeps_p_minus_stage_microbatches():
     assert [in_flight(stage, layout(pp=4, micro_batches=2)) for stage in range(4)] == [2, 2, 2, 1]
 
 
-@pytest.mark.parametrize("config", [dict(), dict(recompute="full"), dict(recompute="selective"),
-                                    dict(dropout=0.1), dict(dropout=0.1, recompute="selective")])
+@pytest.mark.parametrize("config", [{}, {"recompute": "full"}, {"recompute": "selective"},
+                                    {"dropout": 0.1}, {"dropout": 0.1, "recompute": "selective"}])
 def test_activations_match_a_one_stage_pipelines_profile(config):
     """In one process: the tiny GPT's Pipeline measures what the planner predicts, to the byte."""
     data, alphabet = corpus()
@@ -241,13 +242,13 @@ def test_a_pinned_knob_that_keeps_anything_from_fitting_is_named():
 
 
 @pytest.mark.parametrize("kwargs, error", [
-    (dict(global_batch="16"), ArgumentTypeError), (dict(ranks=0), InvalidArgumentError),
-    (dict(memory_per_rank="lots"), InvalidArgumentError), (dict(memory_per_rank=[1]), ArgumentTypeError),
-    (dict(zero=4), InvalidArgumentError), (dict(recompute="some"), InvalidArgumentError),
-    (dict(tp=1.5), ArgumentTypeError), (dict(precision="fp8"), InvalidArgumentError),
-    (dict(machine=42), ArgumentTypeError), (dict(model=42), ArgumentTypeError)])
+    ({"global_batch": "16"}, ArgumentTypeError), ({"ranks": 0}, InvalidArgumentError),
+    ({"memory_per_rank": "lots"}, InvalidArgumentError), ({"memory_per_rank": [1]}, ArgumentTypeError),
+    ({"zero": 4}, InvalidArgumentError), ({"recompute": "some"}, InvalidArgumentError),
+    ({"tp": 1.5}, ArgumentTypeError), ({"precision": "fp8"}, InvalidArgumentError),
+    ({"machine": 42}, ArgumentTypeError), ({"model": 42}, ArgumentTypeError)])
 def test_wrong_arguments_raise_before_any_search(kwargs, error):
-    arguments = dict(model=GPT, global_batch=16, ranks=2, memory_per_rank="1GiB")
+    arguments = {"model": GPT, "global_batch": 16, "ranks": 2, "memory_per_rank": "1GiB"}
     arguments.update(kwargs)
     with pytest.raises(error):
         plan.layouts(arguments.pop("model"), **arguments)

@@ -26,8 +26,8 @@ import sys
 import torch
 
 import _harness
-import psrt.plan as plan
 import psrt.torch as hvd
+from psrt import plan
 from psrt.grid import ProcessGrid
 from psrt.plan import probe
 from psrt.zero import ZeroOptimizer
@@ -109,15 +109,15 @@ def check_probe(name: str) -> None:
 
 
 GPT_LAYOUTS = [
-    ("dp2", dict(dp=2, tp=1, pp=1, microbatches=2)),
-    ("tp2", dict(dp=1, tp=2, pp=1, microbatches=2)),
-    ("tp2_sequence_parallel", dict(dp=1, tp=2, pp=1, microbatches=2, sequence_parallel=True)),
-    ("tp2_sequence_parallel_selective", dict(dp=1, tp=2, pp=1, microbatches=2, sequence_parallel=True,
-                                             recompute="selective")),
-    ("pp2_1f1b", dict(dp=1, tp=1, pp=2, microbatches=4)),
-    ("pp2_1f1b_full_recompute", dict(dp=1, tp=1, pp=2, microbatches=4, recompute="full")),
-    ("dp2_dropout", dict(dp=2, tp=1, pp=1, microbatches=2, dropout=0.1)),
-    ("dp2_dropout_selective", dict(dp=2, tp=1, pp=1, microbatches=2, dropout=0.1, recompute="selective")),
+    ("dp2", {"dp": 2, "tp": 1, "pp": 1, "microbatches": 2}),
+    ("tp2", {"dp": 1, "tp": 2, "pp": 1, "microbatches": 2}),
+    ("tp2_sequence_parallel", {"dp": 1, "tp": 2, "pp": 1, "microbatches": 2, "sequence_parallel": True}),
+    ("tp2_sequence_parallel_selective", {"dp": 1, "tp": 2, "pp": 1, "microbatches": 2, "sequence_parallel": True,
+                                         "recompute": "selective"}),
+    ("pp2_1f1b", {"dp": 1, "tp": 1, "pp": 2, "microbatches": 4}),
+    ("pp2_1f1b_full_recompute", {"dp": 1, "tp": 1, "pp": 2, "microbatches": 4, "recompute": "full"}),
+    ("dp2_dropout", {"dp": 2, "tp": 1, "pp": 1, "microbatches": 2, "dropout": 0.1}),
+    ("dp2_dropout_selective", {"dp": 2, "tp": 1, "pp": 1, "microbatches": 2, "dropout": 0.1, "recompute": "selective"}),
 ]
 
 
