@@ -20,7 +20,10 @@ front; they take turns; each round gives every layout one untimed step, then tim
 ``--steps`` steps after a barrier, taking the slowest rank; the figure is the median over
 ``--rounds`` rounds.  Reported: each layout's predicted and measured step time, their ratio,
 both ranks, and Spearman's rank correlation between prediction and measurement (1: the same
-order).  Rank 0 prints a table and one JSON line.  Nothing is asserted.
+order).  The 1-minute load average at the start and the end says whether other jobs shared
+the cores (the TP layouts suffer most: every collective waits for a descheduled peer); the
+probe and the timed steps both assume they did not.  Rank 0 prints a table and one JSON
+line.  Nothing is asserted.
 """
 from __future__ import annotations
 
@@ -120,6 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
+    load_before = os.getloadavg()[0]
     if hvd.size() != 2:
         raise SystemExit("benchmarks/plan.py runs its layouts on exactly 2 ranks: psrun -np 2")
     machine = plan.load_machine(args.machine) if args.machine else probe.measure()
@@ -139,25 +143,27 @@ def main() -> None:
         for name, trainer in setups.items():
             times[name].append(timed_window(trainer, inputs, targets, args.steps))
     if hvd.rank() == 0:
-        report(args, machine, predicted, {name: statistics.median(values) for name, values in times.items()})
+        report(args, machine, predicted, {name: statistics.median(values) for name, values in times.items()},
+               (load_before, os.getloadavg()[0]))
     hvd.shutdown()
 
 
 def report(args: argparse.Namespace, machine: plan.Machine, predicted: dict[str, float],
-           measured: dict[str, float]) -> None:
+           measured: dict[str, float], load: tuple[float, float]) -> None:
     names = list(predicted)
     rho = spearman([predicted[n] for n in names], [measured[n] for n in names])
     want, got = ranks_of([predicted[n] for n in names]), ranks_of([measured[n] for n in names])
     print(f"tiny GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, sequence {args.seq}, global batch "
           f"{args.batch}, fp32 AdamW, 2 ranks; measured: median of {args.rounds} rounds of {args.steps}-step windows")
-    print(f"machine: {machine.name}")
+    print(f"machine: {machine.name}; 1-minute load average {load[0]:.2f} at the start, {load[1]:.2f} at the end "
+          "(above the 2 ranks' own, other jobs shared the cores)")
     print("| layout | predicted ms | measured ms | predicted / measured | predicted rank | measured rank |")
     print("| --- | --- | --- | --- | --- | --- |")
     for i, n in enumerate(names):
         print(f"| {n} | {predicted[n] * 1e3:.1f} | {measured[n] * 1e3:.1f} | {predicted[n] / measured[n]:.2f} | "
               f"{want[i]:g} | {got[i]:g} |")
     print(f"Spearman's rank correlation: {rho:.2f} over {len(names)} layouts")
-    print(json.dumps({"benchmark": "plan", "ranks": 2, "machine": machine.name, "spearman": rho,
+    print(json.dumps({"benchmark": "plan", "ranks": 2, "machine": machine.name, "load_average": load, "spearman": rho,
                       "layouts": {n: {"predicted_s": predicted[n], "measured_s": measured[n]} for n in names}}))
 
 

@@ -4,9 +4,10 @@ its volume over measured bandwidths, and the pipeline's bubble.
 A step of 1F1B on p stages with m micro-batches lasts (m + p − 1) times the slowest stage's
 time per micro-batch (its bubble is the (p − 1)/(m + p − 1) share); that time is the
 stage's forward and backward (a third forward with full recomputation, the attention core
-again with selective), its tensor-parallel collectives (4 per block: 2 forward, 2 backward;
-with sequence parallelism the same volume as all-gathers and reduce-scatters), its ring
-hops (context parallelism) and its two pipeline messages.  After the last backward come
+again with selective: products and attention at their measured FLOP/s, plus each block's
+measured fixed cost and elementwise work), its tensor-parallel collectives (4 per block: 2
+forward, 2 backward; with sequence parallelism the same volume as all-gathers and
+reduce-scatters), its ring hops (context parallelism) and its two pipeline messages.  After the last backward come
 the data-parallel reductions over the dp × cp ranks and the optimizer step over this rank's
 shard.  Nothing is assumed to overlap: communication is added to compute, which is what a
 CPU that also runs the transport sees, and pessimistic where a GPU overlaps them.

@@ -159,20 +159,20 @@ def load_machine(path: str) -> Machine:
 
 def default_machine() -> Machine:
     """Figures of one probe run on psrt's development VM (2 vCPUs, no GPU, 2 ranks, one torch
-    thread each; 2026-11-24), not of the machine you are on: measure yours with
-    ``psrt plan --measure``."""
+    thread each, idle otherwise; 2026-11-24 20:58 UTC, ``psrun -np 2 python -m psrt.plan.probe
+    --threads 1``), rounded, not of the machine you are on: measure yours with ``psrt plan --measure``."""
     return Machine(
         name="default profile (NOT measured here: psrt's 2-core development VM, 2026-11-24)",
         measured=False,
-        matmul=((64, 9.0e9), (128, 20.0e9), (256, 30.0e9), (512, 34.0e9), (1024, 35.0e9)),
-        attention=((16, 7.0e9), (64, 15.0e9), (128, 20.0e9)),
-        layer_overhead_s=1.0e-3,
-        tp_layer_overhead_s=1.0e-3,
-        sp_layer_overhead_s=2.5e-3,
-        elementwise_s_per_byte=1.0e-9,
-        engine_allreduce=Link(latency_s=2.0e-4, bandwidth=2.0e9),
-        direct_allreduce=Link(latency_s=1.0e-4, bandwidth=2.0e9),
-        p2p=Link(latency_s=5.0e-5, bandwidth=3.0e9),
-        optimizer_s_per_param=2.0e-9,
-        memcpy_bandwidth=5.0e9,
+        matmul=((64, 24e9), (128, 33e9), (256, 34e9), (512, 33e9), (1024, 34e9)),
+        attention=((16, 7.0e9), (64, 11e9), (128, 12e9)),
+        layer_overhead_s=1.6e-3,
+        tp_layer_overhead_s=0.8e-3,
+        sp_layer_overhead_s=2.8e-3,
+        elementwise_s_per_byte=3.0e-9,
+        engine_allreduce=Link(latency_s=83e-6, bandwidth=2.4e9),
+        direct_allreduce=Link(latency_s=47e-6, bandwidth=2.8e9),
+        p2p=Link(latency_s=82e-6, bandwidth=4.7e9),
+        optimizer_s_per_param=8.1e-9,
+        memcpy_bandwidth=4.7e9,
     )

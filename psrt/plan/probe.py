@@ -123,7 +123,7 @@ def elementwise_seconds_per_byte(machine: Machine, repeats: int) -> float:
     layout = Layout(dp=1, tp=1, pp=1, cp=1, zero=0, micro_batch=rows, micro_batches=1)
     fp32 = precision("fp32")
     modelled = block_seconds(model, "layer", model.layer_params(), layout, fp32, machine)
-    measured = _block_seconds(dim, heads, rows, sequence, repeats)
+    measured = _block_seconds(dim, heads, rows, sequence, 3 * repeats)
     return max(0.0, measured - modelled) / layer_activations(model, layout, fp32.activation, "none")
 
 
