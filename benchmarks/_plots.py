@@ -65,7 +65,7 @@ def remember(figure: str, key: str, record: dict) -> dict[str, dict]:
     runs = json.loads(path.read_text()) if path.exists() else {}
     runs[key] = {**record, "taken": _now()}
     PLOTS.mkdir(exist_ok=True)
-    path.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps(runs, indent=1) + "\n")
     return runs
 
 
@@ -115,9 +115,7 @@ def dp_scaling(runs: dict[str, dict]) -> Path:
             ax.plot(ranks, [single] + [f[impl] for f in figures], marker="o", color=_COLORS[impl], label=label)
         if counts[-1] > cores:
             ax.axvspan(cores + 0.5, counts[-1] + 0.5, color="red", alpha=0.07)
-            ax.text(cores + 0.6, ax.get_ylim()[1] * 0.97, f"oversubscribed:\nmore ranks than\n{cores} cores",
-                    va="top", fontsize=8, color="darkred")
-        ax.set_xticks(ranks)
+        ax.set_xticks(ranks, [f"{n}\n(oversubscribed:\n{cores} cores)" if n > cores else str(n) for n in ranks])
         ax.set_xlim(0.5, counts[-1] + 0.5)
         ax.set_xlabel("ranks")
         ax.set_ylabel("samples / s (all ranks)")
