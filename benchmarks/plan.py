@@ -156,7 +156,7 @@ def report(args: argparse.Namespace, machine: plan.Machine, predicted: dict[str,
     print(f"tiny GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, sequence {args.seq}, global batch "
           f"{args.batch}, fp32 AdamW, 2 ranks; measured: median of {args.rounds} rounds of {args.steps}-step windows")
     print(f"machine: {machine.name}; 1-minute load average {load[0]:.2f} at the start, {load[1]:.2f} at the end "
-          "(above the 2 ranks' own, other jobs shared the cores)")
+          "(it lags by a minute or so; this job's 2 ranks add about 2)")
     print("| layout | predicted ms | measured ms | predicted / measured | predicted rank | measured rank |")
     print("| --- | --- | --- | --- | --- | --- |")
     for i, n in enumerate(names):
