@@ -31,7 +31,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``plan`` to ``psrt``'s subcommands."""
     plan = commands.add_parser(
         "plan", help="list the layouts (dp x tp x pp, ZeRO, micro-batch, recomputation) that fit a model on a "
-                     "number of ranks, fastest first", description=__doc__.split("\n\n")[0],
+                     "number of ranks, fastest first",
+        description="List the layouts (dp x tp x pp [x cp], ZeRO stage, micro-batch size and count, recomputation) "
+                    "that fit a model on a number of ranks with a given memory each, fastest first by a modelled step "
+                    "time, with each layout's bytes per rank.",
         epilog="Sizes take K, M, G, T (powers of 1024, also KiB, MiB, ...) or KB, MB, GB, TB (powers of 1000). "
                "Without --machine or --measure the step times come from a default profile, labelled as such.")
     model = plan.add_argument_group("model", "a transformer by its shapes, or any model by its parameter count")
