@@ -60,12 +60,11 @@ class Embedding(nn.Module):
         if self.context_parallel is not None:
             ring = self.context_parallel
             where = cp.positions(ids.shape[1] * ring.size(), ring.rank(), ring.size(), device=ids.device)
-        weight = self.positions.weight
-        if self.sequence_parallel:
-            (weight,) = tp.sequence_parallel_parameters(self.process_set, weight)
-            rows = hidden.shape[1]  # this rank's block of the sequence
-            where = where[rows * tp.comm.group_rank(self.process_set):][:rows]
-        return hidden + weight[where]
+        if not self.sequence_parallel:
+            return hidden + self.positions(where)  # called, so ZeRO-3 gathers the table first
+        (weight,) = tp.sequence_parallel_parameters(self.process_set, self.positions.weight)
+        rows = hidden.shape[1]  # this rank's block of the sequence
+        return hidden + weight[where[rows * tp.comm.group_rank(self.process_set):][:rows]]
 
 
 class Head(nn.Module):

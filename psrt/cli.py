@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except (PsrtError, OSError) as exc:
         print(f"psrt: error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # a truncated or corrupt input file: say so without a traceback
-        print(f"psrt {args.command}: error: cannot read its input: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception as exc:  # a truncated or corrupt input file, most often: no traceback, the cause named
+        print(f"psrt {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     return 0
 
