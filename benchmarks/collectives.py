@@ -19,7 +19,8 @@ buffers allocated once, gloo on torch tensors allocated once.  Bandwidths follow
 busbw = algbw x 2(n-1)/n (allreduce), x (n-1)/n (allgather, reducescatter;
 bytes = the full gathered / reduced buffer), x 1 (broadcast).  Rank 0 prints a
 table per collective, one JSON line per (collective, size), and a summary JSON
-line with the targets; targets are reported, never asserted.
+line with the targets; targets are reported, never asserted.  With allreduce among the
+collectives, rank 0 also draws benchmarks/plots/allreduce_busbw.png.
 """
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ Peak activation is the most bytes autograd held for backward at once on each sta
 saved tensors); in-flight is the most micro-batches held (1F1B: p - stage, GPipe: m, ZB-H1:
 min(p, m) on every stage, from forward to weight half; it also keeps each deferred weight
 half's output gradient).
-Rank 0 prints a table and one JSON line.  Nothing is asserted.
+Rank 0 prints a table and one JSON line.  Nothing is asserted.  It also draws one more step of
+each schedule, measured against simulated, into benchmarks/plots/pipeline_timeline.png.
 """
 from __future__ import annotations
 

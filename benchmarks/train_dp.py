@@ -48,7 +48,9 @@ fixed cost per training step: ``allreduce_async_`` + ``synchronize`` of 6 tiny t
 timed after a barrier; the figure is the median over calls of the slowest rank's time.
 
 Rank 0 prints a table per model and per part, then one JSON line with every figure.
-Figures are reported, never asserted.
+Figures are reported, never asserted.  The training part also draws
+benchmarks/plots/dp_scaling.png from this run and the earlier runs of other rank counts
+(kept in benchmarks/plots/dp_scaling.json).
 """
 from __future__ import annotations
 

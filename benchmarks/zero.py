@@ -26,7 +26,8 @@ amount of gathered parameters at any time.
 Step time: the modes take turns; each round gives every mode 2 untimed steps and then a
 window of ``--steps`` steps timed after a barrier, taking the slowest rank.  The figure is
 the median over ``--rounds`` rounds, and ``vs dp`` divides it by dp's.  Rank 0 prints a
-table and one JSON line.  Nothing is asserted.
+table and one JSON line.  Nothing is asserted.  It also draws benchmarks/plots/zero_memory.png,
+one panel per rank count run so far (kept in benchmarks/plots/zero_memory.json).
 
 ``--adam-sizes`` instead times torch's Adam step (one thread, rank 0 alone) on the same
 6.3 M elements cut into tensors of different sizes, which is what sets ZeRO's default
