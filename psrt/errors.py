@@ -87,6 +87,21 @@ class CheckpointError(PsrtError, RuntimeError):
     failing ranks their own error and the others this one, naming each failing rank."""
 
 
+class NothingFitsError(InvalidArgumentError):
+    """``psrt plan``: no layout can run the model on these ranks, or none fits the memory per
+    rank; the message says why and what would help.  ``smallest`` is the layout needing the
+    fewest bytes (None when none can run)."""
+
+    def __init__(self, message: str, smallest: object = None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+
+class TimelineError(PsrtError, ValueError):
+    """``psrt timeline-summary``: the file is not a psrt timeline, or is damaged beyond what a
+    crash leaves."""
+
+
 class ElasticError(PsrtError, RuntimeError):
     """Elastic state that cannot be committed or restored: a damaged or foreign commit, a
     value that cannot be stored, or a layout that cannot take the commit.  The message names

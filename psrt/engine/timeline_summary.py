@@ -30,7 +30,7 @@ import bisect
 import json
 from dataclasses import dataclass, field
 
-from psrt.errors import PsrtError
+from psrt.errors import TimelineError
 
 #: Phase categories in report order; the trace's phase names map onto them.
 CATEGORIES = ("negotiate", "wait", "queue", "copy_in", "collective", "copy_out")
@@ -42,10 +42,6 @@ _PHASES = {"NEGOTIATE": "negotiate", "WAIT_FOR_OTHER_RANKS": "wait", "QUEUE": "q
 #: An instant belongs to the first category active then, in this order (the most advanced).
 _PRIORITY = ("collective", "copy_in", "copy_out", "queue", "wait", "negotiate")
 _PROCESS_PREFIX = "psrt rank "
-
-
-class TimelineError(PsrtError, ValueError):
-    """A file is not a psrt timeline, or is damaged beyond what a crash leaves."""
 
 
 @dataclass
@@ -277,7 +273,8 @@ def render(summary: Summary, path: str, max_rows: int = 20) -> str:
               f"  {'step':>4}{'wall ms':>10}{'ops':>5}" + (f"{'cycles':>7}" if marked else "")
               + "".join(f"{_SHORT[c]:>11}" for c in columns)]
     for k, (step, step_wall) in enumerate(zip(s.steps[:max_rows], s.step_walls)):
-        lines.append(f"  {k:>4}{step_wall / 1e3:>10.3f}{s.step_ops[k]:>5}" + (f"{s.step_cycles[k]:>7}" if marked else "")
+        cycles = f"{s.step_cycles[k]:>7}" if marked else ""
+        lines.append(f"  {k:>4}{step_wall / 1e3:>10.3f}{s.step_ops[k]:>5}" + cycles
                      + "".join(f"{_share(step[c], step_wall):>11}" for c in columns))
     if len(s.steps) > max_rows:
         lines.append(f"  ... and {len(s.steps) - max_rows} more steps")

@@ -13,7 +13,7 @@ import functools
 import itertools
 from dataclasses import dataclass, replace
 
-from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.errors import ArgumentTypeError, InvalidArgumentError, NothingFitsError
 from psrt.plan.cost import StepTime, step_time
 from psrt.plan.layout import RECOMPUTE, Layout, Precision
 from psrt.plan.layout import precision as make_precision
@@ -54,15 +54,6 @@ class Request:
 
     def pinned(self, name: str) -> object:
         return dict(self.fixed).get(name)
-
-
-class NothingFitsError(InvalidArgumentError):
-    """No layout can run, or none fits the memory per rank; the message says why and what would
-    help.  ``smallest`` is the layout needing the fewest bytes (None when none can run)."""
-
-    def __init__(self, message: str, smallest: Plan | None = None) -> None:
-        super().__init__(message)
-        self.smallest = smallest
 
 
 def _positive(name: str, value: object) -> int:
