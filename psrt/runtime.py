@@ -47,7 +47,6 @@ class Runtime:
     #: Collectives run by the parallel layers outside the engine, by family
     #: ("tensor-parallel", "context-parallel", "expert-parallel"): counts and seconds.
     stats: defaultdict[str, CommStats] = field(default_factory=lambda: defaultdict(CommStats))
-    closed: bool = False  # shutdown() has run: objects still holding it must not use it
 
 
 _runtime: Runtime | None = None
@@ -168,7 +167,6 @@ def shutdown() -> None:
     global _runtime
     if _runtime is not None:
         runtime, _runtime = _runtime, None
-        runtime.closed = True
         if runtime.ps is not None:
             global _parameter_servers_gone
             _parameter_servers_gone = True
@@ -198,7 +196,7 @@ def given(runtime: object) -> Runtime:
     if not isinstance(runtime, Runtime):
         raise ArgumentTypeError(f"runtime must be a psrt Runtime (psrt.runtime.current()), got "
                                 f"{type(runtime).__name__}")
-    if runtime.closed:
+    if runtime is not _runtime:  # one runtime at a time: any other was shut down
         raise NotInitializedError("the runtime given was shut down; pass the current one "
                                   "(psrt.runtime.current()) or none")
     return runtime
