@@ -24,6 +24,11 @@ from psrt.config import Config
 from psrt.errors import CommunicationError
 
 
+# MPI 4.0 brought persistent collectives (MPI_Allreduce_init); an MPI 3.x library (Open MPI
+# 4.1, still the system MPI of many clusters) lacks them, and mpi4py raises NotImplementedError.
+PERSISTENT_COLLECTIVES = MPI.Get_version() >= (4, 0)
+
+
 def _failure(exc: MPI.Exception, what: str) -> CommunicationError:
     return CommunicationError(f"MPI failed during {what}: {exc.Get_error_string()}")
 
@@ -164,7 +169,7 @@ class MpiCommunicator(Communicator):
         return request if scale == 1.0 else then(request, lambda: _scale(tensor, scale))
 
     def persistent_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Persistent:
-        if self.size == 1 or tensor.dtype in WIDENED_FOR_REDUCTION:
+        if self.size == 1 or tensor.dtype in WIDENED_FOR_REDUCTION or not PERSISTENT_COLLECTIVES:
             return super().persistent_allreduce(tensor, op)
         return _MpiPersistent(self._comm.Allreduce_init(MPI.IN_PLACE, mpi_buffer(tensor),
                                                         mpi_op(op, tensor.dtype)),

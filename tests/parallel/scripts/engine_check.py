@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 import zlib
@@ -18,6 +19,7 @@ import zlib
 import torch
 
 import psrt
+import psrt.comm.mpi
 import psrt.runtime
 import psrt.torch as hvd
 
@@ -377,6 +379,9 @@ def timeline_records_each_phase(key: str) -> None:
 
 
 def main() -> None:
+    if "--without-persistent-collectives" in sys.argv:
+        # As on an MPI 3 library (Open MPI 4.1), which has no MPI_Allreduce_init.
+        psrt.comm.mpi.PERSISTENT_COLLECTIVES = False
     psrt.init()
     checks = _harness.Checks()
     for name, function in [
