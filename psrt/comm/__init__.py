@@ -1,12 +1,13 @@
 """Transport layer: the :class:`Communicator` interface and its MPI and NCCL backends.
 
-Nothing above this package imports mpi4py or cupy.  Importing mpi4py starts MPI, so a
-process that no launcher started gets its transport settings here, before any module
-of this package imports it (see :func:`psrt.comm.bootstrap.prepare_singleton`).
+Nothing above this package imports mpi4py or cupy.  Importing mpi4py starts MPI, which
+happens here, before any module of this package imports it: watched in a job, with the
+singleton's transport settings in a process that no launcher started (see
+:func:`psrt.comm.bootstrap.start_mpi_at_import`).
 """
-from psrt.comm.bootstrap import prepare_singleton
+from psrt.comm.bootstrap import start_mpi_at_import
 
-prepare_singleton()
+start_mpi_at_import()
 
 from psrt.comm.base import Communicator, CompletedRequest, ReduceOp, Request  # noqa: E402
 

@@ -42,14 +42,25 @@ def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
     return any(name in env for name in _LAUNCHER_VARIABLES)
 
 
-def prepare_singleton() -> None:
-    """In a process no launcher started, start MPI now with the singleton's transports
-    (unless the user chose them): importing mpi4py starts MPI, reading the environment.
+def start_mpi_at_import() -> None:
+    """Start MPI now (importing mpi4py does), before any module of psrt imports it.
 
-    The settings are taken out of the environment again at once, so that programs this
-    process starts (a psrun launching a real job) never inherit a singleton's transports.
+    In a process a launcher started, MPI's start-up waits for every rank of the job: it
+    runs watched (:class:`psrt.comm.startup.StartupWatch`).  In one no launcher started,
+    MPI starts with the singleton's transports (unless the user chose them), taken out of
+    the environment again at once, so that programs this process starts (a psrun
+    launching a real job) never inherit them.
     """
+    if "mpi4py.MPI" in sys.modules:  # the program started MPI itself
+        return
     if launched_by_mpi():
+        from psrt.comm.startup import StartupWatch
+
+        watch = StartupWatch(*_stall_times())
+        try:
+            from mpi4py import MPI  # noqa: F401  (initialises MPI, thread level MULTIPLE)
+        finally:
+            watch.stop()
         return
     saved = {name: os.environ.get(name) for name in _SINGLETON_MCA_DEFAULTS}
     for name, value in _SINGLETON_MCA_DEFAULTS.items():
@@ -64,8 +75,21 @@ def prepare_singleton() -> None:
                 os.environ[name] = value
 
 
+def _stall_times() -> tuple[float, float]:
+    """The stall check and shutdown times, or their defaults if the settings are wrong
+    (``init()`` names what is wrong in them)."""
+    from psrt.config import config_from_env
+    from psrt.errors import PsrtError
+
+    try:
+        config = config_from_env()
+    except PsrtError:
+        config = Config()
+    return config.stall_check_time_s, config.stall_shutdown_time_s
+
+
 def _import_mpi():
-    from mpi4py import MPI  # started already by prepare_singleton, or by a launcher's import
+    from mpi4py import MPI  # started already by start_mpi_at_import
 
     return MPI
 
@@ -159,7 +183,7 @@ class Arrivals:
     def describe(self) -> str:
         missing = self.missing()
         if missing:
-            from psrt.comm.watchdog import rank_ranges
+            from psrt.comm.ranks import rank_ranges
 
             return (f"psrt.init() on rank {self.rank} waiting for rank{'s' if len(missing) > 1 else ''} "
                     f"{rank_ranges(missing)} to call psrt.init() (failed to start, or stuck before init)")

@@ -32,7 +32,7 @@ import array
 import enum
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ from psrt.comm.base import Communicator, Persistent, ReduceOp, Request, all_of
 from psrt.comm.buffers import dtype_code, dtype_of
 from psrt.comm.nccl import NcclCommunicator
 from psrt.comm.poll import wait_politely
+from psrt.comm.deadlock import DIRECT, RECEIVE
 from psrt.comm.watchdog import Text, Wait, Watchdog
 from psrt.errors import CollectiveMismatchError, CommunicationError, InvalidArgumentError
 
@@ -162,6 +163,8 @@ class DirectGroup:
         self._words: memoryview | None = None  # the digest and its negation, as the all-reduce sees them
         self._digests: dict[tuple, int] = {}  # by (kind, dtype, shape): see _agree_on
         self._marks: dict[tuple, Wait] = {}  # by (label, call, thread): see _collective
+        self._calls = 0  # collectives begun on the group: see _collective
+        self._ident = f"{self.name} of ranks {self.ranks}"  # the group, the same on every member
 
     @property
     def name(self) -> str:
@@ -178,13 +181,15 @@ class DirectGroup:
         return comm
 
     # -- waits ------------------------------------------------------------------------------
-    def waiting(self, kind: str, what: Text, peers: Sequence[int] | None = None) -> Wait:
+    def waiting(self, kind: str, what: Text, peers: Sequence[int] | None = None, *, ident: tuple | None = None,
+                needs: Callable[[], Sequence[int] | None] | None = None) -> Wait:
         """Mark the calling thread as waiting on ``peers`` (ranks as the group names them;
-        default every member) for the block's duration."""
+        default every member) for the block's duration; ``ident`` and ``needs`` make it a
+        call (see :class:`~psrt.comm.watchdog.Wait`)."""
         peers = self.ranks if peers is None else peers
         if self._job_ranks:
-            return self._watchdog.waiting(kind, what, job_peers=peers)
-        return self._watchdog.waiting(kind, what, peers)
+            return self._watchdog.waiting(kind, what, job_peers=peers, ident=ident, needs=needs)
+        return self._watchdog.waiting(kind, what, peers, ident=ident, needs=needs)
 
     def wait(self, request: Request, kind: str, what: Text, peers: Sequence[int] | None = None) -> None:
         """Wait for ``request`` politely, marked for the watchdog."""
@@ -193,14 +198,18 @@ class DirectGroup:
                 wait_politely(request)
 
     def _collective(self, label: str, call: str) -> Wait:
-        """The mark of a collective, made once per (label, call, thread): a mark serves one
-        thread, and making one costs more than a small collective's other Python."""
+        """The mark of the group's next collective, made once per (label, call, thread): a
+        mark serves one thread, and making one costs more than a small collective's other
+        Python.  Its identity, the group and the collective's number in it, is the same on
+        every member (they call the group's collectives in the same order)."""
         key = (label, call, threading.get_ident())
         mark = self._marks.get(key)
         if mark is None:
             me = self.ranks[self.rank]
             mark = self._marks[key] = self.waiting(f"a {label} collective",
                                                    lambda: f"{label} {call} on rank {me} over {self.name}")
+        self._calls += 1
+        mark.ident = (DIRECT, self._ident, self._calls)
         return mark
 
     @staticmethod
@@ -347,8 +356,7 @@ class DirectGroup:
         ``label``, the wait is marked as that user's check, else the caller marks it."""
         if label is None:
             return self.host.allgather_object(value)
-        me = self.ranks[self.rank]
-        with self.waiting(f"a {label} collective", lambda: f"a {label} check on rank {me} over {self.name}"):
+        with self._collective(label, "check"):
             return self.host.allgather_object(value)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Request:
@@ -371,8 +379,12 @@ class DirectGroup:
         """The next message :meth:`send` sent from member ``source`` on ``tag``: its header
         and a new host tensor holding its data.  The wait is marked as ``kind``/``what``."""
         words = torch.empty(HEADER_WORDS, dtype=torch.int64)
-        with self.waiting(kind, what, (self.ranks[source],)):
+        sender = (self.ranks[source],)
+        # A receive needs its sender until the header is in (a call, for deadlock detection);
+        # the data then follows by itself.
+        with self.waiting(kind, what, sender, ident=(RECEIVE, self._ident, source, tag), needs=lambda: sender):
             wait_politely(self.host.irecv(words, source, tag))
+        with self.waiting(kind, what, sender):
             header = Header.decode(words.tolist())
             if not header.complete:
                 raise CommunicationError(f"rank {self.ranks[source]} sent a header this psrt cannot read "

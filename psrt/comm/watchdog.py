@@ -7,7 +7,7 @@ Loops that hold requests instead of blocking in them (a parameter server; the en
 table of collectives some ranks have not submitted) :meth:`~Watchdog.publish` what they
 hold.  The caller waits in MPI as usual: marking costs a dictionary write, nothing polls.
 
-A daemon thread per rank looks twice a second.  A wait older than
+A daemon thread per rank looks four times a second.  A wait older than
 ``PSRT_STALL_CHECK_TIME`` is *probed*: the watchdog asks the ranks it waits on what
 they are doing, over a communicator of its own (see :class:`Prober`).  A rank that is
 stopped, hung with the GIL held, or cut off by the network cannot answer; one that
@@ -25,17 +25,20 @@ in I/O answers probes), but a join's imbalance is the user's data, not a fault.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
+from psrt.comm import callsite, deadlock
+from psrt.comm.ranks import rank_ranges
+
 logger = logging.getLogger("psrt")
 
-LOOK_EVERY_S = 0.5
+LOOK_EVERY_S = 0.25
 # How long a probed rank has to answer: its watchdog looks every LOOK_EVERY_S, and on an
 # oversubscribed host it may wait for a core.
 ANSWER_WITHIN_S = 2.0
@@ -46,6 +49,7 @@ _LASTING_S = 1.0
 _MAX_TEXT = 400
 
 Text = str | Callable[[], str]
+_MAIN_THREAD = threading.main_thread().ident
 Ranks = Sequence[int] | Callable[[], Sequence[int]]
 
 
@@ -56,15 +60,26 @@ class Wait:
     As the context :meth:`Watchdog.waiting` returns, it marks the calling thread for the
     block's duration; it is cheap enough for every engine round and TP collective: the
     description and the ranks are looked at only once the wait has become a stall.
+
+    A wait with an ``ident`` is a *call* the thread is blocked in (a collective, a
+    receive, the shutdown), which deadlock detection compares across ranks (see
+    :mod:`psrt.comm.deadlock`): ``ident`` is the same on every rank for the same
+    collective, and ``needs`` (a function, in the same ranks as ``peers``) says which
+    ranks the call still needs, or None while it cannot tell; without ``needs``, a
+    collective needs the members not in it.
     """
 
-    __slots__ = ("kind", "what", "peers", "since", "key", "ends_job", "_to_job", "_stack")
+    __slots__ = ("kind", "what", "peers", "since", "key", "ends_job", "stalls", "ident", "needs", "_to_job",
+                 "_stack")
 
     def __init__(self, kind: str, what: Text, peers: Ranks, since: float = 0.0, key: object = None,
                  to_job: Callable[[Iterable[int]], tuple[int, ...]] | None = None,
-                 stack: list[Wait] | None = None, ends_job: bool = True) -> None:
+                 stack: _Stack | None = None, ends_job: bool = True, ident: tuple | None = None,
+                 needs: Callable[[], Sequence[int] | None] | None = None) -> None:
         self.kind, self.what, self.peers, self.since, self.key = kind, what, peers, since, key
         self.ends_job = ends_job  # False: a wait by design, reported but never ending the job
+        self.stalls = True  # False: a call whose stall another wait reports (the engine's table)
+        self.ident, self.needs = ident, needs
         self._to_job, self._stack = to_job, stack  # peers in psrt's world, mapped to job ranks
 
     def __enter__(self) -> None:
@@ -72,14 +87,13 @@ class Wait:
         self._stack.append(self)
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.pop()
+        stack = self._stack
+        stack.pop()
+        if self.ident is not None:
+            stack.last = (self.kind, self.what)
 
     def describe(self) -> str:
-        try:
-            text = self.what() if callable(self.what) else self.what
-        except Exception as e:  # a description read while its owner changes state
-            text = f"{self.kind} (not described: {type(e).__name__})"
-        return text
+        return _text(self.what, self.kind)
 
     def peer_ranks(self) -> tuple[int, ...]:
         """The job ranks waited on."""
@@ -88,6 +102,33 @@ class Wait:
             return tuple(peers) if self._to_job is None else self._to_job(peers)
         except Exception:
             return ()
+
+    def needed_ranks(self) -> tuple[int, ...] | None:
+        """The job ranks the call still needs (see the class docstring), or None."""
+        try:
+            needs = self.needs()
+            if needs is None:
+                return None
+            return tuple(needs) if self._to_job is None else self._to_job(needs)
+        except Exception:  # read while its owner changes state: ask again next time
+            return None
+
+
+def _text(what: Text, kind: str) -> str:
+    try:
+        return what() if callable(what) else what
+    except Exception as e:  # a description read while its owner changes state
+        return f"{kind} (not described: {type(e).__name__})"
+
+
+class _Stack(list):
+    """A thread's waits, innermost last, and the last call it left: (kind, what)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: tuple[str, Text] | None = None
 
 
 class Prober(Protocol):
@@ -139,7 +180,7 @@ class Watchdog:
         self._name_rank = name_rank or (lambda r: f"rank {r}")
         self._world_to_job: Sequence[int] | None = None
         self._prober: Prober | None = None
-        self._stacks: dict[int, list[Wait]] = {}  # thread id -> its waits, innermost last
+        self._stacks: dict[int, _Stack] = {}  # thread id -> its waits, innermost last
         self._local = threading.local()
         self._published: dict[str, tuple[Wait, ...]] = {}
         self._probes: dict[object, _Probe] = {}
@@ -147,6 +188,7 @@ class Watchdog:
         self._reported: set[object] = set()
         # Who speaks while no probe is possible (start-up); see bootstrap.Arrivals.speaks.
         self.speaks_unprobed: Callable[[], bool] = lambda: self.rank == 0
+        self._detector = deadlock.Detector(rank, ANSWER_WITHIN_S)
         self._ended = False
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="psrt-watchdog", daemon=True)
@@ -156,6 +198,7 @@ class Watchdog:
     def attach(self, prober: Prober) -> None:
         """Start probing through ``prober`` (made once every rank has started)."""
         self._prober, self.rank = prober, prober.rank
+        self._detector = deadlock.Detector(prober.rank, ANSWER_WITHIN_S)
 
     def name_ranks(self, name_rank: Callable[[int], str], world_to_job: Sequence[int]) -> None:
         """Parameter-server mode: how to name a job rank in reports, and the job rank of each
@@ -167,7 +210,8 @@ class Watchdog:
         return tuple(world_ranks) if mapping is None else tuple(mapping[r] for r in world_ranks)
 
     # -- what callers mark ------------------------------------------------------------------------
-    def waiting(self, kind: str, what: Text, world_peers: Ranks = (), *, job_peers: Ranks = ()) -> Wait:
+    def waiting(self, kind: str, what: Text, world_peers: Ranks = (), *, job_peers: Ranks = (),
+                ident: tuple | None = None, needs: Callable[[], Sequence[int] | None] | None = None) -> Wait:
         """Mark the calling thread as waiting on other ranks for ``what`` (a string, or a
         function evaluated only if the wait becomes a stall) until the block ends.
 
@@ -175,14 +219,15 @@ class Watchdog:
         parameter-server traffic, job ranks (``job_peers``); either may be a function.
         The returned wait may be entered again and again by the thread that made it (the
         engine thread keeps one for all its negotiation rounds), never by another thread.
+        ``ident`` and ``needs`` make it a call (see :class:`Wait`).
         """
         try:
             stack = self._local.stack
         except AttributeError:
-            stack = self._local.stack = self._stacks.setdefault(threading.get_ident(), [])
+            stack = self._local.stack = self._stacks.setdefault(threading.get_ident(), _Stack())
         if world_peers:
-            return Wait(kind, what, world_peers, 0.0, None, self.job_ranks, stack)
-        return Wait(kind, what, job_peers, 0.0, None, None, stack)
+            return Wait(kind, what, world_peers, 0.0, None, self.job_ranks, stack, ident=ident, needs=needs)
+        return Wait(kind, what, job_peers, 0.0, None, None, stack, ident=ident, needs=needs)
 
     def publish(self, source: str, waits: Sequence[Wait]) -> None:
         """Replace what ``source`` (a loop on this rank) holds; each wait's ``key`` must stay
@@ -203,21 +248,44 @@ class Watchdog:
         waits = []
         for stack in list(self._stacks.values()):
             try:
-                waits.append(stack[-1])  # the innermost wait says most
+                innermost = stack[-1]  # the innermost wait says most
             except IndexError:
                 continue
+            if innermost.stalls:
+                waits.append(innermost)
         for published in list(self._published.values()):
             waits.extend(published)
         return waits
 
     def status(self) -> dict:
         """What this rank tells a rank that probes it: how long its oldest wait has lasted,
-        and its first waits."""
+        its first waits, the call its main thread is blocked in (or else where that thread
+        is), and the last call it left."""
         now = time.monotonic()
         lasting = min(_LASTING_S, self._check_s / 2)
         waits = sorted((w for w in self._current() if now - w.since >= lasting), key=lambda w: w.since)
-        return {"oldest": round(now - waits[0].since, 1) if waits else 0.0,
-                "waits": [[w.kind, w.describe()[:_MAX_TEXT]] for w in waits[:_MAX_REPORTED_WAITS]]}
+        call = self.main_call(now)
+        status = {"oldest": round(now - waits[0].since, 1) if waits else 0.0,
+                  "waits": [[w.kind, w.describe()[:_MAX_TEXT]] for w in waits[:_MAX_REPORTED_WAITS]],
+                  "call": None if call is None else call.to_status()}
+        if call is None:
+            status["at"] = callsite.locate(_MAIN_THREAD)[0]
+        last = self._stacks.get(_MAIN_THREAD, _Stack()).last
+        if last is not None:
+            status["last"] = _text(last[1], last[0])[:_MAX_TEXT]
+        return status
+
+    def main_call(self, now: float) -> deadlock.Call | None:
+        """The call the main thread is blocked in (its innermost wait with an identity)."""
+        stack = self._stacks.get(_MAIN_THREAD)
+        wait = next((w for w in reversed(tuple(stack or ())) if w.ident is not None), None)
+        if wait is None:
+            return None
+        needs = None if wait.needs is None else wait.needed_ranks()
+        site, api = callsite.locate(_MAIN_THREAD)
+        return deadlock.Call(self.rank, wait.ident, wait.since, now - wait.since, wait.peer_ranks(), needs,
+                             wait.needs is None or needs is not None, wait.describe()[:_MAX_TEXT], site, api,
+                             wait.ident[0] != deadlock.RECEIVE)
 
     def _watch(self) -> None:
         while not self._stopping.wait(LOOK_EVERY_S):
@@ -231,6 +299,8 @@ class Watchdog:
         if prober is not None:
             prober.serve(self.status)
         now = time.monotonic()
+        if prober is not None and not self._ended:
+            self._look_for_deadlock(now, prober)
         current = self._current()
         live = {self._key(w) for w in current}
         self._probes = {k: p for k, p in self._probes.items() if k[1] in live}  # k: (step, the wait's key)
@@ -239,6 +309,22 @@ class Watchdog:
             waited = now - wait.since
             if waited >= self._check_s and not self._ended:
                 self._inspect(wait, waited, now, prober)
+
+    def _look_for_deadlock(self, now: float, prober: Prober) -> None:
+        """End the job at once if the main thread's call is part of a deadlock (see
+        :mod:`psrt.comm.deadlock`), with a line per rank saying what it waits in and where."""
+        found = self._detector.look(self.main_call(now), now, prober)
+        if found is None:
+            return
+        ranks, calls = found
+        self._ended = True
+        lines = deadlock.report(ranks, calls)
+        for line in lines:
+            print(f"psrt: deadlock: {line}", file=sys.__stderr__, flush=True)
+        shown = "; ".join(f"rank {r} in {calls[r].what}" for r in ranks[:3]) + (
+            f"; and {len(ranks) - 3} more" if len(ranks) > 3 else "")
+        self._end_job(f"deadlock: ranks {rank_ranges(ranks)} each wait in a psrt call that cannot complete "
+                      f"({shown}); each rank's call site is named above")
 
     @staticmethod
     def _key(wait: Wait) -> object:
@@ -265,10 +351,25 @@ class Watchdog:
         report = f"stall: {wait.describe()} has waited {waited:.0f} s" + self._peers_report(peers, heard)
         if wait.ends_job and self._shutdown_s > 0 and waited >= self._shutdown_s and (speaks or late):
             self._ended = True
+            self._blame(peers, heard, wait, waited)
             self._end_job(f"{report} (PSRT_STALL_SHUTDOWN_TIME={self._shutdown_s:g} s)")
         elif speaks and key not in self._reported:
             self._reported.add(key)
             logger.warning("psrt: %s", report)
+
+    def _blame(self, peers: list[int], heard: dict[int, dict], wait: Wait, waited: float) -> None:
+        """Before a stall ends the job, name the rank to blame on a line of its own, which psrun
+        headlines (not this rank, which only noticed): the first that stopped answering, else
+        the first that answers but is not in any psrt call (busy in its own code)."""
+        silent = [r for r in peers if r not in heard]
+        idle = [r for r in peers if r in heard and not heard[r]["waits"] and not heard[r].get("call")]
+        culprits = silent or idle
+        if not culprits:
+            return
+        why = "it stopped answering" if silent else "it answers but never came (busy in its own code)"
+        others = f" (and {self._names(culprits[1:])})" if culprits[1:] else ""
+        print(f"psrt: rank {self.rank} blames {self._name_rank(culprits[0])}: {why}{others} while "
+              f"{wait.describe()} waited {waited:.0f} s", file=sys.__stderr__, flush=True)
 
     def _deciders(self) -> tuple[int, ...]:
         """The lower ranks a stalled rank asks before speaking: 0 and the powers of two below
@@ -321,22 +422,20 @@ class Watchdog:
             one = len(idle) == 1
             parts.append(f"{self._names(idle)} {'answers' if one else 'answer'} but {'waits' if one else 'wait'} "
                          "for nothing in psrt (busy in its own code, or not calling this)")
-        return ": " + "; ".join(parts) if parts else ""
+            parts += [self._whereabouts(r, heard[r]) for r in idle[:_MAX_REPORTED_WAITS]]
+        return ": " + "; ".join(p for p in parts if p) if parts else ""
+
+    def _whereabouts(self, rank: int, status: dict) -> str:
+        """Where an answering rank that waits for nothing in psrt is, and its last psrt call."""
+        where = [f"it runs {status['at']}" if status.get("at") else "",
+                 f"its last psrt call was {status['last']}" if status.get("last") else ""]
+        where = [w for w in where if w]
+        return f"{self._name_rank(rank)}: {', '.join(where)}" if where else ""
 
     def _names(self, ranks: list[int]) -> str:
         if len(ranks) == 1:
             return self._name_rank(ranks[0])
         return "ranks " + rank_ranges(ranks)
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    ordered = sorted(set(ranks))
-    runs = []
-    for _, group in itertools.groupby(enumerate(ordered), lambda pair: pair[1] - pair[0]):
-        run = [r for _, r in group]
-        runs.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ", ".join(runs)
 
 
 class MpiProber:

@@ -29,7 +29,8 @@ import torch
 
 from psrt.comm import bootstrap, poll
 from psrt.comm.base import Communicator, ReduceOp, Request
-from psrt.comm.watchdog import Wait, Watchdog, combined, rank_ranges
+from psrt.comm.ranks import rank_ranges
+from psrt.comm.watchdog import Wait, Watchdog, combined
 from psrt.config import Config
 from psrt.engine import fusion
 from psrt.engine.doorbell import Doorbell
@@ -92,7 +93,7 @@ class Engine:
         self._join_sent = self._stop_sent = False
         self._driving: int | None = None  # the thread running a cycle
         self._last_submit = 0.0  # when asynchronous work last arrived
-        self._thread_marks: dict[int, tuple[Wait, Wait]] = {}  # per driving thread (see _marks)
+        self._thread_marks: dict[int, tuple[Wait, Wait, Wait]] = {}  # per driving thread (see _marks)
         self._data_comms: dict[tuple[int, torch.device], Communicator] = {}
         self._local: dict[WorkKey, Work] = {}
         self._fusion = fusion.FusionBuffers()
@@ -178,16 +179,22 @@ class Engine:
         are the engine thread's own, so names are matched, works fused, ordered, checked
         and watched exactly as for asynchronous work.  Not from within a cycle (an
         ``execute`` callable), where the work can only be waited for."""
-        while not work.done():
-            if self._driving == threading.get_ident():
-                work.wait()
-                return
-            with self._driver:
-                pause = 0.0 if work.done() or self._stopped is not None else self._drive_once()
-            if pause is None:  # quiet, yet not done: another driver is finishing it
-                pause = self._config.cycle_time_ms / 1000
-            if pause:
-                work.wait(pause)
+        thread = threading.get_ident()
+        if self._driving == thread:
+            work.wait()
+            return
+        call = self._marks(thread)[2]
+        announcement = work.announcement
+        call.what, call.peers = announcement.describe, announcement.ranks
+        call.ident, call.needs = ("engine", *work.key), functools.partial(self._negotiator.missing, work.key)
+        with call:
+            while not work.done():
+                with self._driver:
+                    pause = 0.0 if work.done() or self._stopped is not None else self._drive_once()
+                if pause is None:  # quiet, yet not done: another driver is finishing it
+                    pause = self._config.cycle_time_ms / 1000
+                if pause:
+                    work.wait(pause)
 
     def join(self) -> int:
         """Block until every rank has joined; meanwhile contribute zeros to allreduces.
@@ -200,10 +207,18 @@ class Engine:
             self._join_done.clear()
             self._join_requested = True
         self._wake.set()
-        self._join_done.wait()
+        call = self._watchdog.waiting("a join", f"hvd.join() on rank {self.rank}", self._everyone, ident=("join",),
+                                      needs=self._not_joined)
+        call.stalls = False  # the engine's table reports a join, which waits by design
+        with call:
+            self._join_done.wait()
         if isinstance(self._join_value, BaseException):
             raise self._join_value
         return self._join_value
+
+    def _not_joined(self) -> list[int]:
+        joined = set(self._negotiator.joined)
+        return [r for r in self._everyone if r not in joined and r != self.rank]
 
     def pending_in(self, set_id: int) -> list[str]:
         """Names of this rank's unfinished works on a process set."""
@@ -218,10 +233,23 @@ class Engine:
         with self._lock:
             self._stop_requested = True
         self._wake.set()
-        self._thread.join()
+        with self._watchdog.waiting("psrt.shutdown()", self._describe_shutdown, self._everyone, ident=("shutdown",),
+                                    needs=self._not_gone):
+            self._thread.join()
         self.stop_timeline()
         self._doorbell.close()
         self._negotiator.close()
+
+    def _not_gone(self) -> list[int]:
+        """The other ranks that have not called shutdown yet."""
+        with self._lock:
+            gone = set(self._gone)
+        return [r for r in self._everyone if r not in gone and r != self.rank]
+
+    def _describe_shutdown(self) -> str:
+        missing = self._not_gone()
+        waiting = f"rank{'s' if len(missing) > 1 else ''} {rank_ranges(missing)}" if missing else "the other ranks"
+        return f"rank {self.rank}'s psrt.shutdown() (at exit, or called; waiting for {waiting} to shut down too)"
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         """Write a timeline to ``path`` (on rank 0; other ranks ignore the call)."""
@@ -390,14 +418,18 @@ class Engine:
         with self._marks(self._driving)[0]:
             self._wait_for_round(request)
 
-    def _marks(self, thread: int) -> tuple[Wait, Wait]:
-        """A driving thread's marks for negotiation rounds and for collectives (a mark serves
-        one thread; the collective's says what it runs when it is entered)."""
+    def _marks(self, thread: int) -> tuple[Wait, Wait, Wait]:
+        """A driving thread's marks for negotiation rounds, for collectives and for the call
+        it is blocked in (a mark serves one thread; the last two say what they are when
+        entered).  A call's stall is the engine table's (:meth:`_inspect_stalls`), so the
+        call mark serves deadlock detection only."""
         marks = self._thread_marks.get(thread)
         if marks is None:
+            call = self._watchdog.waiting("a blocking engine call", "", self._everyone)
+            call.stalls = False
             marks = self._thread_marks[thread] = (
                 self._watchdog.waiting("an engine negotiation round", self._describe_round, self._everyone),
-                self._watchdog.waiting("an engine collective", "", self._everyone))
+                self._watchdog.waiting("an engine collective", "", self._everyone), call)
         return marks
 
     def _wait_for_round(self, request: Request) -> None:

@@ -263,6 +263,20 @@ class Negotiator:
         result.waiting = waiting or bool(self.table) or bool(self.joined)
         return result
 
+    def missing(self, key: WorkKey) -> list[int] | None:
+        """The ranks that have not submitted work ``key``, or None while the table does not
+        know it (a work waits in it once announced: when new, or after waiting a while).
+        Read from other threads: a table changing meanwhile gives None (ask again later)."""
+        try:
+            pending = self.table.get(key)
+            if pending is None:
+                return None
+            by_rank = dict(pending.by_rank)
+            first = next(iter(by_rank.values()))
+            return [r for r in first.ranks if r not in by_rank and r not in self.joined]
+        except (RuntimeError, StopIteration):
+            return None
+
     def stalled(self, older_than: float) -> list[tuple[str, float, list[int], list[int]]]:
         """What has waited at least ``older_than`` seconds for some ranks: (what, seconds
         waited, ranks that are there, ranks missing), for table works and for a join."""

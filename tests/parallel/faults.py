@@ -85,3 +85,23 @@ def _left_behind(tag: str, patience_s: float = 3.0) -> list[int]:
     while (left := job_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def run_until_it_ends(script: str, np: int, args: tuple[str, ...], env: Mapping[str, str], *,
+                      blocked: str = "BLOCKED", timeout_s: float = 90.0) -> FaultedJob:
+    """Run ``script`` on ``np`` ranks, each of which prints a line starting with ``blocked``
+    just before it makes a call that goes wrong (a deadlock, a rank left behind): the fault
+    is the last of those lines, and the job must end on its own within ``timeout_s``."""
+    tag = uuid.uuid4().hex
+    job = start_job(psrun_argv("-np", str(np), sys.executable, str(SCRIPTS / script), *args),
+                    f"`psrun -np {np} {script} {' '.join(args)}`", {**env, "PSRT_TEST_JOB": tag})
+    try:
+        returncode = job.finish(timeout_s)
+        left = _left_behind(tag)
+    finally:
+        for pid in job_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+        job.stop()
+    marks = [at for at, line in job.stdout if line.startswith(blocked)]
+    faulted_at = max(marks) if marks else float("nan")
+    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left)

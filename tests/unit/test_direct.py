@@ -130,7 +130,7 @@ class RecordingWatchdog:
     def __init__(self) -> None:
         self.waits: list[tuple[str, str, tuple, str]] = []
 
-    def waiting(self, kind, what, world_peers=(), *, job_peers=()):
+    def waiting(self, kind, what, world_peers=(), *, job_peers=(), ident=None, needs=None):
         record = self.waits
 
         class _Wait:
@@ -268,7 +268,8 @@ def test_a_receive_marks_its_wait_on_the_sender_alone_and_returns_the_message():
     results, _, dogs = run_ranks(2, body, ranks=[3, 5])
     header, tensor = results[1]
     assert header.ident == 42 and torch.equal(tensor, torch.arange(6.0).reshape(2, 3))
-    assert dogs[1].waits == [("a pipeline message", "rank 1's receive", (3,), "world")]
+    # the header's wait (a call: it needs the sender) and the data's
+    assert dogs[1].waits == [("a pipeline message", "rank 1's receive", (3,), "world")] * 2
 
 
 def test_a_group_over_job_ranks_names_its_peers_as_job_ranks():
