@@ -28,14 +28,15 @@ from torch.utils._pytree import tree_flatten
 from psrt.errors import ParameterReleasedError
 
 #: Attributes (read or written) and methods a released parameter still answers: metadata,
-#: its gradient (a tensor of its own), and hook registration.  Everything else reads its values.
+#: where its (empty) storage is, its gradient (a tensor of its own), and hook registration.
+#: Everything else reads its values.
 _METADATA = frozenset({
     "shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad", "grad_fn", "_version",
     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "output_nr",
-    "_backward_hooks", "_post_accumulate_grad_hooks",
+    "nbytes", "itemsize", "_backward_hooks", "_post_accumulate_grad_hooks",
     "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "stride",
-    "is_contiguous", "get_device", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-    "__hash__", "__len__", "__format__",
+    "is_contiguous", "get_device", "untyped_storage", "data_ptr", "storage_offset",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__", "__len__", "__format__",
 })
 _NAME = "_psrt_zero_name"
 _OWN_CLASS = "_psrt_zero_class"

@@ -37,6 +37,7 @@ def test_a_released_parameter_keeps_its_metadata_gradient_and_hooks():
     assert param.grad.sum().item() == 24.0
     param.register_post_accumulate_grad_hook(lambda p: None)
     assert isinstance(param, torch.nn.Parameter) and {param: 1}[param] == 1
+    assert param.untyped_storage().nbytes() == param.nbytes == 96  # not freed here: only the class switched
     assert "released" in repr(param) and "'layer.weight'" in repr(param)
 
 
