@@ -99,11 +99,8 @@ def build_blocks(config: GPTConfig, process_set: ProcessSet | None = None,
 
 
 def moe(config: GPTConfig, process_set: ProcessSet | None, expert_parallel: ProcessSet | None) -> ep.MoE:
-    """The MoE variant of a block's MLP: experts sharded over the EP set, each split over TP.
-    Under sequence parallelism the TP ranks would hold different tokens and route them
-    differently, which TP-split experts cannot follow."""
-    if config.sequence_parallel and tp.comm.group_size(process_set) > 1:
-        raise ValueError("the MoE variant does not support sequence parallelism with TP > 1")
+    """The MoE variant of a block's MLP: experts sharded over the EP set, each split over TP
+    (``ParallelTransformerBlock`` refuses it with sequence parallelism over TP > 1)."""
     hidden = 4 * config.dim
     return ep.MoE(config.dim, hidden, config.experts, top_k=config.top_k, capacity_factor=config.capacity_factor,
                   aux_loss_coef=config.aux_loss_coef, process_set=expert_parallel,

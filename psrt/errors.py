@@ -106,3 +106,9 @@ class ElasticError(PsrtError, RuntimeError):
     """Elastic state that cannot be committed or restored: a damaged or foreign commit, a
     value that cannot be stored, or a layout that cannot take the commit.  The message names
     the file or attribute and what to do."""
+
+
+class ParameterReleasedError(PsrtError, RuntimeError):
+    """A ZeRO stage-3 parameter was read outside a gather: between its module's forward and
+    backward it holds no memory (only its shape and dtype).  The message names the parameter
+    and how to gather it (``with opt.gathered_parameters():``)."""

@@ -16,7 +16,10 @@ the results back (combine), where they are weighted and summed per token.
   E · Σₑ fₑ · Pₑ over this rank's tokens, fₑ the share of assignments routed to expert e
   and Pₑ its mean router probability; 1 when balanced.  With ``aux_loss_coef`` > 0 its
   gradient joins backward as if ``aux_loss_coef × aux_loss`` had been added to the loss
-  (Megatron's way: no change to the training loop or the pipeline's loss).
+  (Megatron's way: no change to the training loop or the pipeline's loss).  In a pipeline
+  of m micro-batches each micro-batch's term carries ``aux_loss_coef / m`` (Megatron's
+  1/num_microbatches), so the step adds ``aux_loss_coef ×`` the micro-batches' mean aux
+  loss, whichever ``loss_reduction`` it uses (:func:`aux_loss_share`).
 - *Sharding:* every rank builds all E experts in order (one seed gives every layout the
   single-process weights) and keeps its E / ep consecutive ones, named by their global
   index, so ``state_dict()`` keys are the single-process model's.  ``expert`` builds one
@@ -29,8 +32,9 @@ rest of the model over the whole DP set (see :func:`expert_parameters`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -85,6 +89,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): built[e] for e in range(self.first, self.first + self.local)})
         self.aux_loss: torch.Tensor | None = None
         self.dropped = 0
+        self.aux_loss_share = 1.0  # the part of the step's aux term one forward carries (see aux_loss_share)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, self.dim)
@@ -109,7 +114,7 @@ class MoE(nn.Module):
         by_assignment = torch.zeros_like(results).index_copy(0, order, results)
         out = torch.zeros_like(tokens).index_add(0, token_of, by_assignment * gate.unsqueeze(-1))
         if self.aux_loss_coef and torch.is_grad_enabled():
-            out = _AuxLossGradient.apply(out, self.aux_loss, self.aux_loss_coef)
+            out = _AuxLossGradient.apply(out, self.aux_loss, self.aux_loss_coef * self.aux_loss_share)
         return out.view_as(x)
 
     def _within_capacity(self, expert_of: torch.Tensor, count: int) -> torch.Tensor | None:
@@ -165,6 +170,23 @@ class MoE(nn.Module):
         if not outputs:
             return torch.zeros_like(rows)
         return torch.zeros_like(rows).index_copy(0, torch.cat(indices), torch.cat(outputs))
+
+
+@contextlib.contextmanager
+def aux_loss_share(module: nn.Module, share: float) -> Iterator[None]:
+    """Within the block, every MoE layer of ``module`` weights its aux-loss gradient by
+    ``share`` on top of its coefficient: a pipeline of m micro-batches runs its step with
+    1/m, as the forwards of one step together make one aux term.  The weight is taken at
+    forward, so a backward after the block keeps it."""
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    before = [layer.aux_loss_share for layer in layers]
+    for layer in layers:
+        layer.aux_loss_share = share
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, before):
+            layer.aux_loss_share = value
 
 
 def expert_parameters(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from psrt.ep.moe import aux_loss_share
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.pp import schedule as schedules
 from psrt.pp.p2p import TIED_VALUE_TAG, StageLink
@@ -27,7 +28,9 @@ class Pipeline:
     or the sum of the micro-batch losses.  Gradients accumulate in the stage's
     parameters; a data-parallel optimizer over the DP set reduces them after the
     step's last backward (``backward_passes_per_step=microbatches`` for
-    ``DistributedOptimizer``; ZeRO reduces in ``step()``).
+    ``DistributedOptimizer``; ZeRO reduces in ``step()``).  An :class:`psrt.ep.MoE` layer's
+    aux-loss gradient is shared out over the micro-batches (each carries ``coef / m``), in
+    both reductions.
 
     The stage's layout decides interleaving: a stage built with ``chunks`` > 1 runs the
     interleaved schedule, one with a single chunk runs 1F1B, unless ``schedule`` names
@@ -64,7 +67,8 @@ class Pipeline:
             self._agree(inputs, targets)
         self._share_tied_values()
         run = StepRun(self, _split(inputs, self.microbatches), _split(targets, self.microbatches))
-        loss = run.execute()
+        with aux_loss_share(self.stage, 1.0 / self.microbatches):  # one MoE aux term per step, not per micro-batch
+            loss = run.execute()
         with self._waiting("the loss broadcast at the end of a pipeline step"):
             self._host.broadcast(loss, root=self.stage.stages - 1).wait()
         self.profile = run.profile

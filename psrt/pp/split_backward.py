@@ -5,12 +5,13 @@ The input half runs autograd from the output to the stage's input only.  On the 
 passes the nodes where each parameter's gradient branches off that path (for a linear
 layer, its matmul), and a pre-hook keeps the gradient arriving at each such node.  The
 weight half restarts autograd from those nodes with the kept gradients and goes to the
-parameters only, so no activation gradient is computed twice.  Parameters whose
-branches meet the path at the same nodes are done in one pass; where a pass starts
-from several nodes and one lies below another, the lower one's kept gradient replaces
-what flows into it, so nothing is counted twice.  The weight half accumulates into
-``.grad`` through the parameters' own accumulation nodes, so post-accumulate hooks (a
-data-parallel optimizer's) fire as in an ordinary backward.
+parameters only, all of them in one call: a recomputed (checkpointed) region then runs its
+forward again once for the weight half, as it does once for the input half.  In that call
+every start node takes its kept gradient in place of whatever reaches it, and the rest of
+the input's path carries nothing (its nodes get no gradient, so they skip their math), so
+no activation gradient is computed twice and nothing is counted twice.  The weight half
+accumulates into ``.grad`` through the parameters' own accumulation nodes, so
+post-accumulate hooks (a data-parallel optimizer's) fire as in an ordinary backward.
 """
 from __future__ import annotations
 
@@ -22,24 +23,32 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
 @dataclass
-class _Pass:
-    """One weight pass: the nodes it starts from, their kept output gradients, its parameters."""
+class WeightPass:
+    """What the weight half of one micro-batch's backward needs: the nodes where the
+    parameters' branches meet the input's path, the gradients kept there, the parameters,
+    and the other nodes of the path."""
 
-    nodes: list[Node]
+    starts: list[Node]
     params: list[torch.Tensor]
+    path: list[Node]
     grads: dict[Node, tuple] = field(default_factory=dict)
 
-
-@dataclass
-class WeightPass:
-    """What the weight half of one micro-batch's backward needs."""
-
-    passes: list[_Pass]
-
     def run(self) -> None:
-        for one in self.passes:
-            _run(one)
-        self.passes = []
+        roots, grads = [], []
+        for node in self.starts:
+            for index, grad in enumerate(self.grads.get(node, ())):
+                if grad is not None:
+                    roots.append(GradientEdge(node, index))
+                    grads.append(grad)
+        if roots:
+            hooks = [node.register_prehook(_feed(self.grads.get(node))) for node in self.starts]
+            hooks += [node.register_prehook(_feed(None)) for node in self.path]
+            try:
+                torch.autograd.backward(roots, grads, inputs=self.params, retain_graph=True)
+            finally:
+                for handle in hooks:
+                    handle.remove()
+        self.starts, self.path, self.grads = [], [], {}
 
 
 def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, input: torch.Tensor,
@@ -52,22 +61,30 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, input
     parents = _parents(root) if root is not None else {}
     if start is None or start not in parents:
         torch.autograd.backward(output, grad_output)
-        return WeightPass([])
+        return WeightPass([], [], [])
     on_path = _reachable(start, parents)
-    passes = _passes(on_path, parents, [p for p in params if p.requires_grad])
-    handles = [node.register_prehook(_keep(one, node)) for one in passes for node in one.nodes]
+    starts, used = _starts(on_path, parents, [p for p in params if p.requires_grad])
+    weight_pass = WeightPass(starts, used, [node for node in on_path if node not in set(starts)])
+    handles = [node.register_prehook(_keep(weight_pass, node)) for node in starts]
     try:
         (grad,) = torch.autograd.grad(output, input, grad_output, retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()
     input.grad = grad if input.grad is None else input.grad + grad
-    return WeightPass(passes)
+    return weight_pass
 
 
-def _keep(one: _Pass, node: Node):
+def _keep(weight_pass: WeightPass, node: Node):
     def hook(grad_outputs: tuple) -> None:
-        one.grads[node] = grad_outputs
+        weight_pass.grads[node] = grad_outputs
+    return hook
+
+
+def _feed(kept: tuple | None):
+    """A pre-hook giving a node ``kept`` (None: no gradient) instead of what reached it."""
+    def hook(grad_outputs: tuple) -> tuple:
+        return kept if kept is not None else (None,) * len(grad_outputs)
     return hook
 
 
@@ -98,48 +115,25 @@ def _reachable(start: Node, parents: dict[Node, list[Node]]) -> set[Node]:
     return seen
 
 
-def _passes(on_path: set[Node], parents: dict[Node, list[Node]], params: list[torch.Tensor]) -> list[_Pass]:
-    """Group the parameters by the path nodes their branches meet (shared nodes, one pass)."""
-    passes: list[_Pass] = []
-    pass_of: dict[Node, _Pass] = {}
+def _starts(on_path: set[Node], parents: dict[Node, list[Node]], params: list[torch.Tensor]
+            ) -> tuple[list[Node], list[torch.Tensor]]:
+    """The path nodes each parameter's branch meets first on its way up (every gradient of the
+    parameter flows through one of them), and the parameters this micro-batch used."""
+    starts: dict[Node, None] = {}
+    used = []
     for param in params:
         leaf = get_gradient_edge(param).node
         if leaf not in parents:
             continue  # not used in this micro-batch's forward
-        meets: list[Node] = []
+        used.append(param)
         seen, queue = {leaf}, deque([leaf])
         while queue:
             for parent in parents[queue.popleft()]:
                 if parent in seen:
                     continue
                 seen.add(parent)
-                (meets.append if parent in on_path else queue.append)(parent)
-        merged = {id(pass_of[n]): pass_of[n] for n in meets if n in pass_of}
-        one = _Pass(list(dict.fromkeys(meets)), [param])
-        for other in merged.values():
-            one.nodes = list(dict.fromkeys(other.nodes + one.nodes))
-            one.params = other.params + one.params
-            passes.remove(other)
-        passes.append(one)
-        for node in one.nodes:
-            pass_of[node] = one
-    return passes
-
-
-def _run(one: _Pass) -> None:
-    roots, grads = [], []
-    for node in one.nodes:
-        for index, grad in enumerate(one.grads.get(node, ())):
-            if grad is not None:
-                roots.append(GradientEdge(node, index))
-                grads.append(grad)
-    if not roots:
-        return
-    clamps = []
-    if len(one.nodes) > 1:  # a start node below another takes its kept gradient, not the sum
-        clamps = [node.register_prehook(lambda _, kept=one.grads.get(node): kept) for node in one.nodes]
-    try:
-        torch.autograd.backward(roots, grads, inputs=one.params, retain_graph=True)
-    finally:
-        for handle in clamps:
-            handle.remove()
+                if parent in on_path:
+                    starts[parent] = None
+                else:
+                    queue.append(parent)
+    return list(starts), used

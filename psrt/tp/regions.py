@@ -4,6 +4,9 @@ Each one's name says what it does in forward; its backward is the transpose.
 A "tensor-parallel region" is where activations are split along the hidden
 (last) dimension across the TP set; a "sequence-parallel region" is where they
 are split along the sequence (``SEQUENCE_DIM``, batch-first layout) instead.
+A region given no gradient passes none on and runs no collective: a zero-bubble
+weight pass (:mod:`psrt.pp.split_backward`) sends none along the activations'
+path, and every rank of the set skips alike.
 """
 from __future__ import annotations
 
@@ -21,11 +24,14 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, process_set):
+        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None
         return comm.all_reduce_(grad.contiguous().clone(), ctx.process_set), None
 
 
@@ -34,10 +40,13 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, process_set):
+        ctx.set_materialize_grads(False)
         return comm.all_reduce_(x.contiguous().clone(), process_set)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None
         return grad, None
 
 
@@ -46,11 +55,14 @@ class _ScatterToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, process_set):
+        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.split(x, HIDDEN_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None
         return comm.all_gather(grad, HIDDEN_DIM, ctx.process_set), None
 
 
@@ -59,11 +71,14 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, process_set):
+        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.all_gather(x, HIDDEN_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None
         return comm.split(grad, HIDDEN_DIM, ctx.process_set), None
 
 
@@ -72,11 +87,14 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, process_set):
+        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.split(x, SEQUENCE_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None
         return comm.all_gather(grad, SEQUENCE_DIM, ctx.process_set), None
 
 
@@ -86,11 +104,14 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, process_set):
+        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.all_gather(x, SEQUENCE_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None
         return comm.reduce_scatter(grad, SEQUENCE_DIM, ctx.process_set), None
 
 
@@ -99,11 +120,14 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, process_set):
+        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.reduce_scatter(x, SEQUENCE_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None
         return comm.all_gather(grad, SEQUENCE_DIM, ctx.process_set), None
 
 

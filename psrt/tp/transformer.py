@@ -15,8 +15,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from psrt.errors import InvalidArgumentError
 from psrt.cp.ring import ring_attention
+from psrt.ep.moe import MoE
+from psrt.errors import InvalidArgumentError
 from psrt.tp.comm import group_size
 from psrt.tp.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
 from psrt.tp.random import check_probability, replicated_dropout, tensor_parallel_dropout
@@ -97,7 +98,10 @@ class ParallelTransformerBlock(nn.Module):
     backward; ``"selective"`` recomputes only the attention core (see
     :class:`ParallelSelfAttention`).  ``context_parallel`` is the CP set when the sequence is
     split over one (each rank holds its zig-zag part; attention runs as ring attention).
-    ``mlp`` replaces the dense MLP, e.g. with a :class:`psrt.ep.MoE`."""
+    ``mlp`` replaces the dense MLP, e.g. with a :class:`psrt.ep.MoE`; not with sequence
+    parallelism over TP > 1, where each TP rank would route only its own part of the sequence
+    while its TP-split experts and replicated router expect every rank to see the same tokens
+    (refused)."""
 
     def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, process_set: ProcessSet | None = None,
                  sequence_parallel: bool = False, dropout: float = 0.0, attention_dropout: float = 0.0,
@@ -113,6 +117,7 @@ class ParallelTransformerBlock(nn.Module):
                                           recompute="selective" if recompute == "selective" else None,
                                           context_parallel=context_parallel, **options)
         self.ln2 = LayerNorm(dim, **options)
+        _refuse_moe_with_sequence_parallelism(mlp, process_set, sequence_parallel)
         self.mlp = ParallelMLP(dim, mlp_ratio * dim, **options) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,3 +132,16 @@ class ParallelTransformerBlock(nn.Module):
             return branch
         return replicated_dropout(branch, self.dropout, self.process_set, sequence_parallel=self.sequence_parallel,
                                   training=self.training)
+
+
+def _refuse_moe_with_sequence_parallelism(mlp: nn.Module | None, process_set: ProcessSet | None,
+                                          sequence_parallel: bool) -> None:
+    """An MoE behind a sequence-parallel norm would see a different 1/TP of the tokens on each
+    TP rank: the router's gradients would differ between its replicas (which then drift apart)
+    and a TP-split expert would combine different tokens' partial results."""
+    size = group_size(process_set)
+    if sequence_parallel and size > 1 and mlp is not None and any(isinstance(m, MoE) for m in mlp.modules()):
+        raise InvalidArgumentError(
+            f"a mixture of experts is not supported with sequence parallelism over a tensor-parallel size of {size}: "
+            "each TP rank would route only its own part of the sequence; build the block with "
+            "sequence_parallel=False (TP then all-reduces instead), or keep the MoE at TP = 1")

@@ -154,6 +154,8 @@ def consolidate(directory: str) -> dict:
                 key: whole[key][where].view(info.shape).clone() if key in whole
                 else (value.clone() if isinstance(value, torch.Tensor) else value)
                 for key, value in states[0].items()}
+    for alias, name in meta.get("aliases", {}).items():  # a tied parameter under its other names
+        model[alias] = model[name]
     param_groups = [dict(options, params=[position[param] for param in members])
                     for options, members in zip(shards[0]["param_groups"], optimizer_groups)]
     return {"model": model, "optimizer": {"state": per_param_state, "param_groups": param_groups},
@@ -179,7 +181,7 @@ def _meta(zero, save_id: str, extra: dict | None, files: dict[str, dict]) -> dic
             "optimizer_class": _class_name(type(zero.optimizer)),
             "params": [[info.name, list(info.shape), info.dtype] for info in partition.params],
             "groups": [list(flat.params) for flat in partition.groups], "optimizer_groups": zero.optimizer_groups,
-            "extra": extra, "files": files}
+            "aliases": zero.aliases, "extra": extra, "files": files}
 
 
 def _optimizer_groups(meta: dict) -> list[list[int]]:
@@ -276,5 +278,5 @@ def _restore(zero, full: dict) -> None:
     for saved, group in zip(full["optimizer"]["param_groups"], zero.optimizer.param_groups):
         group.update((key, value) for key, value in saved.items() if key != "params")
     zero.loss_scaler.load_state_dict(full["loss_scaler"])
-    managed = set(zero.param_names)
+    managed = set(zero.param_names) | set(zero.aliases)
     zero.model.load_state_dict({k: v for k, v in full["model"].items() if k not in managed}, strict=False)

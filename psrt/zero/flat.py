@@ -5,7 +5,8 @@ The parameters of a group become views of one flat buffer in the compute dtype
 (``full``).  This rank's shard is a view of it (stages 0-2) or a tensor of its
 own while ``full`` is released between uses (stage 3: its storage is resized to
 zero, so the parameter views stay valid and autograd's saved references see
-the values again once they are gathered back).  The master copy is the shard
+the values again once they are gathered back; while released, reading a
+parameter raises instead of reading freed memory: ``psrt.zero.released``).  The master copy is the shard
 itself unless a compute dtype is set, in which case it keeps the parameters'
 own dtype (fp32 master weights).  Communication goes through ``psrt.zero.comm``.
 """
@@ -16,6 +17,7 @@ import torch
 from psrt.topology import ProcessSet
 from psrt.zero import comm
 from psrt.zero.partition import Partition
+from psrt.zero.released import mark_gathered, mark_released, name_parameter
 
 
 class ShardedGroup:
@@ -37,8 +39,9 @@ class ShardedGroup:
         # Stage 3 keeps its shard apart from ``full``, whose storage comes and goes.
         self.shard = self.full[start:stop].clone() if gathered_on_demand else self.full[start:stop]
         self.master = values[start:stop].clone() if self.compute_dtype != values.dtype else self.shard
-        for param, offset in zip(params, self.flat.offsets):
+        for param, offset, index in zip(params, self.flat.offsets, self.flat.params):
             param.data = self.full[offset:offset + param.numel()].view(param.shape)
+            name_parameter(param, partition.params[index].name)
         self.grad: torch.Tensor | None = None  # this rank's reduced gradient shard, compute dtype
         self._gather: int | None = None        # handle of an all-gather in flight
         if gathered_on_demand:
@@ -97,13 +100,23 @@ class ShardedGroup:
         self._gather = comm.gather(self.shard, self.full, f"{self.name}.param", self.process_set)
 
     def finish_gather(self) -> None:
+        """Wait for the gather started last; from then on the parameters can be read."""
+        self._wait_gather()
+        if self.is_gathered:
+            for param in self.params:
+                mark_gathered(param)
+
+    def _wait_gather(self) -> None:
         if self._gather is not None:
             handle, self._gather = self._gather, None
             comm.wait(handle)
 
     def release(self) -> None:
-        """Free ``full`` (stage 3); the parameters keep their shapes but hold no memory."""
-        self.finish_gather()
+        """Free ``full`` (stage 3); the parameters keep their shapes but hold no memory, and
+        reading one raises ``ParameterReleasedError`` until the group is gathered again."""
+        self._wait_gather()
+        for param in self.params:
+            mark_released(param)
         self.full.untyped_storage().resize_(0)
 
     def gathered_bytes(self) -> int:

@@ -17,6 +17,7 @@ gradients.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from contextlib import contextmanager
 from typing import Iterator
@@ -84,6 +85,7 @@ class ZeroOptimizer:
                              allgather_bucket_size=allgather_bucket_size, overlap=overlap, param_groups=param_groups)
         self.model, self.stage, self.process_set = model, stage, process_set
         self.partition, self.param_names, self.shard_index = layout.partition, layout.names, layout.shard
+        self.aliases = layout.aliases  # other state_dict names of tied parameters -> their trained name
         self.optimizer_groups = [members for _, members in layout.optimizer_groups]
         self.overlap = overlap_pays_here(layout.params) if overlap is None else overlap
         name = self.runtime.names.instance("zero", process_set.process_set_id)
@@ -112,6 +114,8 @@ class ZeroOptimizer:
                 allgather_bucket_size, layout.shared_uses)
             for module in dict.fromkeys([module for module, _ in layout.units + layout.shared_uses]):
                 module.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
+                # torch marks the hook with an attribute, which a bound method cannot take
+                module.register_state_dict_post_hook(functools.partial(self._copy_gathered_entries))
 
     # -- torch.optim.Optimizer's surface --------------------------------------------------
     @property
@@ -213,8 +217,9 @@ class ZeroOptimizer:
         """Within the block, every parameter of the model holds its full value in the compute
         dtype, for reading: stage 3 gathers them all (collective; do not run forward inside the
         block, which frees them again) and frees them on exit; other stages always hold them.
-        ``model.state_dict()`` works inside the block.  For fp32 masters use :meth:`save` and
-        :func:`psrt.zero.consolidate`."""
+        ``model.state_dict()`` works inside the block and returns copies, which stay readable
+        after it; a parameter read outside the block raises ``ParameterReleasedError``.  For
+        fp32 masters use :meth:`save` and :func:`psrt.zero.consolidate`."""
         if self.gatherer is None:
             yield
             return
@@ -229,14 +234,14 @@ class ZeroOptimizer:
 
     def unsharded_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's ``state_dict`` entries that ZeRO does not manage: buffers and frozen
-        parameters (the same on every rank)."""
-        managed = set(self.param_names)
+        parameters (the same on every rank).  A managed parameter is left out under every name
+        it has (a tied one's alias too), by identity."""
         allowed, self._state_dict_allowed = self._state_dict_allowed, True
-        try:  # the sharded entries are dropped unread, so stage 3 need not gather them
-            entries = self.model.state_dict()
+        try:  # the parameters themselves (keep_vars): the sharded ones are dropped unread
+            entries = self.model.state_dict(keep_vars=True)
         finally:
             self._state_dict_allowed = allowed
-        return {name: tensor for name, tensor in entries.items() if name not in managed}
+        return {name: tensor.detach() for name, tensor in entries.items() if id(tensor) not in self._group_of}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now in parameters, gradients and optimizer state (fp32 masters
@@ -251,6 +256,15 @@ class ZeroOptimizer:
                 "ZeRO stage 3: the model's parameters are sharded and hold no values outside their module's "
                 "forward and backward; call state_dict() inside `with opt.gathered_parameters():`, or save "
                 "with opt.save() and consolidate (psrt zero-to-full)")
+
+    def _copy_gathered_entries(self, module, state_dict, prefix, local_metadata) -> None:
+        """Stage 3 state_dict post-hook: a gathered parameter's entry becomes a copy, which stays
+        readable once the gather ends and the parameter's memory is freed (``keep_vars=True``
+        entries are the parameters themselves, and stay so)."""
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            entry = state_dict.get(prefix + name)
+            if id(param) in self._group_of and entry is not None and entry is not param:
+                state_dict[prefix + name] = entry.clone()
 
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate hook (stages 2 and 3): once a group's last gradient is in, reduce it

@@ -36,6 +36,7 @@ class Layout:
     units: list[tuple[torch.nn.Module, list[int]]]
     optimizer_groups: list[tuple[dict, list[int]]]
     shared_uses: list[tuple[torch.nn.Module, int]]  # stage 3: (module, unit) where a module uses a tied parameter
+    aliases: dict[str, str]  # another name of a tied trainable parameter -> the name it is trained under
 
     def optimizer_group_of(self, flat_group: int) -> int:
         """The optimizer group whose parameters flat group ``flat_group`` holds (one, by construction)."""
@@ -82,7 +83,7 @@ def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs:
         unit_groups.append((module, list(range(next_group, next_group + len(module_groups)))))
         next_group += len(module_groups)
     return Layout(params, names, partition, 0 if stage == 0 else process_set.rank(), unit_groups, optimizer_groups,
-                  shared_uses)
+                  shared_uses, _aliases(model, params, names))
 
 
 def _optimizer_groups(param_groups: list[dict] | None, model: torch.nn.Module, params: list[torch.nn.Parameter],
@@ -186,6 +187,14 @@ def _units(model: torch.nn.Module, params: list[torch.nn.Parameter], group_of: d
             units.append((module, list(by_dtype.values())))
         shared_uses += [(module, unit) for unit in dict.fromkeys(uses)]
     return units, shared_uses
+
+
+def _aliases(model: torch.nn.Module, params: list[torch.nn.Parameter], names: list[str]) -> dict[str, str]:
+    """The other names under which ``state_dict()`` lists a trainable parameter (GPT-2's
+    ``lm_head.weight`` is ``transformer.wte.weight``), each with the name it is trained under."""
+    name_of = {id(param): name for param, name in zip(params, names)}
+    return {name: name_of[id(param)] for name, param in model.named_parameters(remove_duplicate=False)
+            if id(param) in name_of and name != name_of[id(param)]}
 
 
 def _digest(param: torch.Tensor) -> str:

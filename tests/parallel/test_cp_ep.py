@@ -3,7 +3,9 @@
 CP: ring attention against full attention (causal and not), a block with CP × TP against
 one process, the grid's CP sets, bad sequences and layouts.  EP: the MoE layer against one
 process on every rank's tokens (top-1/2, dropless and with capacity), with DP (expert
-gradients over the expert-data-parallel set) and TP-split experts, and bad input.
+gradients over the expert-data-parallel set) and TP-split experts, MoE layers in a pipeline
+of 1, 2 and 4 micro-batches (the aux loss shared out over them), and bad input (MoE with
+sequence parallelism over TP > 1 refused).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ def cp_checks(n: int) -> list[str]:
 def ep_checks(n: int) -> list[str]:
     routing = [f"moe/top{k}/{mode}" for k in (1, 2) for mode in ("dropless", "capacity1", "capacity0.5")]
     four = ["moe/ep2_dp4/expert_gradients_over_edp", "moe/ep2_tp2/tensor_parallel_experts"] if n == 4 else []
-    return routing + four + ["errors/bad_layouts_and_inputs"]
+    pipeline = [f"moe/pp2/aux_loss/microbatches{m}/{reduction}" for m in (1, 2, 4) for reduction in ("mean", "sum")]
+    return routing + four + pipeline + ["errors/bad_layouts_and_inputs"]
 
 
 @pytest.mark.parametrize("script,checks", [("cp_check.py", cp_checks), ("ep_check.py", ep_checks)])

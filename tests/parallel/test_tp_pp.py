@@ -23,7 +23,8 @@ TP_CHECKS = ["grid/coordinates_sets_and_neighbours"] + [
     f"{name}{suffix}" for suffix in ("", "/sequence_parallel") for name in (
         "rng/block_dropout_masks", "rng/residual_dropout_matches_single_process")] + [
     f"recompute/{mode}{suffix}/matches_keeping_activations" for mode in ("full", "selective")
-    for suffix in ("", "/sequence_parallel")]
+    for suffix in ("", "/sequence_parallel")] + [
+    f"recompute/full{suffix}/split_backward_recomputes_once_per_half" for suffix in ("", "/sequence_parallel")]
 
 
 def pp_checks(p: int) -> list[str]:

@@ -1,8 +1,9 @@
 """Expert parallelism over all ranks of the job (EP = 2 or 4; EP 2 × DP and EP 2 × TP 2 at 4
 ranks): the MoE layer against the same layer in one process on every rank's tokens, in
 float64 (outputs, input, router and expert gradients, load-balancing loss and dropped
-tokens), top-1 and top-2, with a capacity factor and dropless; and the errors a user can
-trigger.
+tokens), top-1 and top-2, with a capacity factor and dropless; MoE layers in a two-stage
+pipeline of 1, 2 and 4 micro-batches against one process adding the mean aux loss; and the
+errors a user can trigger.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import _harness
 import psrt.torch as hvd
 from _training_common import expect_raises, randn
-from psrt import ep, tp
+from psrt import ep, pp, tp
 from psrt.errors import CollectiveMismatchError, InvalidArgumentError
 from psrt.grid import ProcessGrid
 
@@ -116,6 +117,45 @@ def _check_ep_with_tp(key: str, g: ProcessGrid, tp_expert, plain_expert) -> None
               f"gradient of expert {name}")
 
 
+class MoEBlock(torch.nn.Module):
+    """``x + moe(x)``, the MoE's experts all on this rank."""
+
+    def __init__(self, aux_loss_coef: float) -> None:
+        super().__init__()
+        self.moe = ep.MoE(DIM, HIDDEN, 4, top_k=2, aux_loss_coef=aux_loss_coef)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(x)
+
+
+def moe_blocks(aux_loss_coef: float) -> list[torch.nn.Module]:
+    torch.manual_seed(11)
+    return [MoEBlock(aux_loss_coef).double() for _ in range(2)]
+
+
+def check_pipeline_aux_loss(key: str, microbatches: int, loss_reduction: str) -> None:
+    """Two pipeline stages of one MoE block each, m micro-batches: every gradient equals one
+    process's for the reduced loss plus ``coef ×`` the micro-batches' mean aux loss (each
+    micro-batch's aux term carries coef / m, as Megatron's 1/num_microbatches)."""
+    g = grid(dp=hvd.size() // 2, ep=1, pp=2)
+    x, target = randn(key, (8, 3, DIM), "x"), randn(key, (8, 3, DIM), "target")
+    mse = torch.nn.functional.mse_loss
+    stage = pp.PipelineStage(moe_blocks(COEF), g.pp_set, split=[1, 1])
+    pipe = pp.Pipeline(stage, mse, microbatches=microbatches, schedule="1f1b", loss_reduction=loss_reduction)
+    loss = pipe.step(x if g.coords.pp == 0 else None, target if g.coords.pp == 1 else None)
+    reference = torch.nn.Sequential(*moe_blocks(0.0))
+    losses, aux = [], []
+    for rows, want in zip(x.chunk(microbatches), target.chunk(microbatches)):
+        losses.append(mse(reference(rows), want))
+        aux.append(sum(block.moe.aux_loss for block in reference))
+    total = sum(losses) / (microbatches if loss_reduction == "mean" else 1)
+    (total + COEF * sum(aux) / microbatches).backward()
+    close(loss.detach(), total.detach(), "pipeline loss")
+    mine = reference[g.coords.pp]
+    for name, param in stage.named_parameters():
+        close(grad_or_zeros(param), grad_or_zeros(mine.get_parameter(name.split(".", 1)[1])), f"gradient of {name}")
+
+
 def check_errors(key: str) -> None:
     """Refused alike on every rank, before any token moves, naming the problem."""
     n = hvd.size()
@@ -136,23 +176,30 @@ def check_errors(key: str) -> None:
     odd = ep.MoE(wide, HIDDEN, 2 * n, process_set=g.ep_set).double()
     expect_raises(CollectiveMismatchError, lambda: odd(randn(key, (1, 4, wide), "odd")),
                   "expert-parallel ranks disagree on the tokens", "a rank with another model width")
+    tp_set = grid(dp=n // 2, tp=2, ep=1).tp_set
+    expect_raises(InvalidArgumentError, lambda: tp.ParallelTransformerBlock(
+        DIM, 2, process_set=tp_set, sequence_parallel=True,
+        mlp=ep.MoE(DIM, HIDDEN, 4, expert=lambda: tp.ParallelMLP(DIM, HIDDEN, process_set=tp_set))),
+        "not supported with sequence parallelism over a tensor-parallel size of 2", "MoE with SP and TP 2")
     check_pure_ep(key + "/after", 2, None)  # the set still works
 
 
 _GRIDS: dict[tuple, ProcessGrid] = {}
 
 
-def grid(dp: int | None = None, tp: int = 1, ep: int | None = None) -> ProcessGrid:
+def grid(dp: int | None = None, tp: int = 1, ep: int | None = None, pp: int = 1) -> ProcessGrid:
     n = hvd.size()
-    shape = (dp or n, tp, ep or n)
+    shape = (dp or n, tp, ep or n, pp)
     if shape not in _GRIDS:
-        _GRIDS[shape] = ProcessGrid(dp=shape[0], tp=tp, ep=shape[2])
+        _GRIDS[shape] = ProcessGrid(dp=shape[0], tp=tp, ep=shape[2], pp=pp)
     return _GRIDS[shape]
 
 
 def main() -> None:
     hvd.init()
     grid()
+    grid(dp=hvd.size() // 2, tp=2, ep=1)
+    grid(dp=hvd.size() // 2, ep=1, pp=2)
     if hvd.size() == 4:
         grid(dp=4, ep=2)
         grid(dp=2, tp=2, ep=2)
@@ -164,6 +211,10 @@ def main() -> None:
     if hvd.size() == 4:
         checks.add("moe/ep2_dp4/expert_gradients_over_edp", check_ep_with_dp)
         checks.add("moe/ep2_tp2/tensor_parallel_experts", check_ep_with_tp)
+    for microbatches in (1, 2, 4):
+        for reduction in ("mean", "sum"):
+            checks.add(f"moe/pp2/aux_loss/microbatches{microbatches}/{reduction}", check_pipeline_aux_loss,
+                       microbatches, reduction)
     checks.add("errors/bad_layouts_and_inputs", check_errors)
     _harness.run(checks)
     hvd.shutdown()

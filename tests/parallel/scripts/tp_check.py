@@ -21,6 +21,7 @@ from psrt import tp
 from psrt.tp import random as tp_random
 from psrt.errors import ArgumentTypeError, CollectiveMismatchError, InvalidArgumentError
 from psrt.grid import ProcessGrid
+from psrt.pp.split_backward import backward_input
 
 BATCH, SEQ, DIM, HEADS, VOCAB = 2, 8, 16, 4, 37  # VOCAB is divisible by neither 2 nor 4
 
@@ -526,6 +527,37 @@ def check_recompute(key: str, mode: str, sequence_parallel: bool) -> None:
         "the tensor-parallel stream ends elsewhere than without recomputation"
 
 
+def check_split_backward_recomputes_once_per_half(key: str, sequence_parallel: bool) -> None:
+    """A zero-bubble split backward (input half, then weight half) of a block with
+    ``recompute="full"`` gives the ordinary backward's gradients and runs the forward's
+    collectives once more per half: ``BACKWARD_COUNTS`` plus one recomputation, not one
+    recomputation per group of parameters."""
+    n, ps = hvd.size(), grid().tp_set
+    x = randn(key, (BATCH, SEQ // n if sequence_parallel else SEQ, DIM), "x")
+    weights = randn(key, x.shape, "R")
+    runs = {}
+    for split in (False, True):
+        torch.manual_seed(11)
+        block = tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps, sequence_parallel=sequence_parallel,
+                                            dropout=DROPOUT, attention_dropout=DROPOUT, recompute="full").double()
+        tp.manual_seed(SEED, ps)
+        leaf = x.clone().requires_grad_()
+        out = block(leaf)
+        tp.stats().reset()
+        if split:
+            backward_input(out, weights, leaf, list(block.parameters())).run()
+        else:
+            out.backward(weights)
+        runs[split] = (leaf.grad, [p.grad for p in block.parameters()], dict(tp.stats().counts))
+    close(runs[True][0], runs[False][0], "split backward: input gradient")
+    for i, (got, want) in enumerate(zip(runs[True][1], runs[False][1])):
+        close(got, want, f"split backward: gradient of parameter {i}")
+    forward = {kind: count - BACKWARD_COUNTS[(None, sequence_parallel)].get(kind, 0)
+               for kind, count in BACKWARD_COUNTS[("full", sequence_parallel)].items()}  # one recomputation's
+    want = {kind: count + forward.get(kind, 0) for kind, count in runs[False][2].items()}
+    assert runs[True][2] == want, f"split backward ran {runs[True][2]}, expected {want} (one recomputation more)"
+
+
 class SavedBytes:
     """Bytes autograd saves for backward outside a recomputed region (distinct storages)."""
 
@@ -593,6 +625,8 @@ def main() -> None:
                    sp)
         for mode in ("full", "selective"):
             checks.add(f"recompute/{mode}{suffix}/matches_keeping_activations", check_recompute, mode, sp)
+        checks.add(f"recompute/full{suffix}/split_backward_recomputes_once_per_half",
+                   check_split_backward_recomputes_once_per_half, sp)
     checks.add("errors/dropout_and_recompute_arguments", check_dropout_and_recompute_arguments)
     checks.add("cross_entropy/padded_vocabulary_three_all_reduces", check_cross_entropy)
     checks.add("errors/bad_layouts", check_bad_layouts)
