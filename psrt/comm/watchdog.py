@@ -43,6 +43,7 @@ LOOK_EVERY_S = 0.25
 # oversubscribed host it may wait for a core.
 ANSWER_WITHIN_S = 2.0
 _MAX_REPORTED_WAITS = 3  # of a probed rank's own waits, in its answer
+_MAX_REPORTED_PEERS = 16  # of the ranks each of those waits for
 # A probed rank mentions only waits this old (or half the check time, if shorter): the
 # engine thread is in some negotiation round almost all the time, each lasting milliseconds.
 _LASTING_S = 1.0
@@ -112,6 +113,11 @@ class Wait:
             return tuple(needs) if self._to_job is None else self._to_job(needs)
         except Exception:  # read while its owner changes state: ask again next time
             return None
+
+
+def _busy(status: dict) -> bool:
+    """Whether a probed rank said it waits in psrt itself."""
+    return bool(status["waits"]) or bool(status.get("call"))
 
 
 def _text(what: Text, kind: str) -> str:
@@ -266,7 +272,8 @@ class Watchdog:
         waits = sorted((w for w in self._current() if now - w.since >= lasting), key=lambda w: w.since)
         call = self.main_call(now)
         status = {"oldest": round(now - waits[0].since, 1) if waits else 0.0,
-                  "waits": [[w.kind, w.describe()[:_MAX_TEXT]] for w in waits[:_MAX_REPORTED_WAITS]],
+                  "waits": [[w.kind, w.describe()[:_MAX_TEXT], list(w.peer_ranks()[:_MAX_REPORTED_PEERS])]
+                            for w in waits[:_MAX_REPORTED_WAITS]],
                   "call": None if call is None else call.to_status()}
         if call is None:
             status["at"] = callsite.locate(_MAIN_THREAD)[0]
@@ -333,6 +340,7 @@ class Watchdog:
     def _inspect(self, wait: Wait, waited: float, now: float, prober: Prober | None) -> None:
         key = self._key(wait)
         late = self._shutdown_s > 0 and waited >= self._shutdown_s + self._check_s
+        peers_beyond: list[int] = []
         if prober is None:
             speaks, heard, peers = self.speaks_unprobed(), {}, []
         else:
@@ -348,28 +356,65 @@ class Watchdog:
             heard = self._probe(("peers", key), peers, now, prober)
             if heard is None:
                 return
-        report = f"stall: {wait.describe()} has waited {waited:.0f} s" + self._peers_report(peers, heard)
+            # Step three: the ranks those wait for in turn (a worker waits for its server, which
+            # waits for a frozen worker): the rank to blame may be one further.
+            beyond = self._beyond(peers, heard)
+            heard_beyond = self._probe(("beyond", key), beyond, now, prober) if beyond else {}
+            if heard_beyond is None:
+                return
+            heard = {**heard_beyond, **heard}
+            peers_beyond = [r for r in beyond if r not in heard_beyond or not _busy(heard_beyond[r])]
+        report = (f"stall: {wait.describe()} has waited {waited:.0f} s" + self._peers_report(peers, heard)
+                  + self._beyond_report(peers_beyond, peers, heard))
         if wait.ends_job and self._shutdown_s > 0 and waited >= self._shutdown_s and (speaks or late):
             self._ended = True
-            self._blame(peers, heard, wait, waited)
+            self._blame(peers, heard, wait, waited) or self._blame(peers_beyond, heard, wait, waited)
             self._end_job(f"{report} (PSRT_STALL_SHUTDOWN_TIME={self._shutdown_s:g} s)")
         elif speaks and key not in self._reported:
             self._reported.add(key)
             logger.warning("psrt: %s", report)
 
-    def _blame(self, peers: list[int], heard: dict[int, dict], wait: Wait, waited: float) -> None:
+    def _beyond(self, peers: list[int], heard: dict[int, dict]) -> list[int]:
+        """The ranks that the peers which answer, waiting themselves, wait for."""
+        further = {r for peer in peers if peer in heard for entry in heard[peer]["waits"]
+                   for r in (entry[2] if len(entry) > 2 else ())}
+        return sorted(further - set(peers) - {self.rank})
+
+    def _beyond_report(self, beyond: list[int], peers: list[int], heard: dict[int, dict]) -> str:
+        """What the ranks one further say, where they do not wait themselves."""
+        if not beyond:
+            return ""
+        waiters = [r for r in peers if r in heard and heard[r]["waits"]]
+        through = f"which {self._names(waiters)} {'waits' if len(waiters) == 1 else 'wait'} for"
+        silent = [r for r in beyond if r not in heard]
+        idle = [r for r in beyond if r in heard]
+        parts = []
+        if silent:
+            one = len(silent) == 1
+            parts.append(f"{self._names(silent)}, {through}, {'does' if one else 'do'} not respond (stopped, hung, "
+                         "or cut off from this host)")
+        if idle:
+            one = len(idle) == 1
+            parts.append(f"{self._names(idle)}, {through}, {'answers' if one else 'answer'} but "
+                         f"{'waits' if one else 'wait'} for nothing in psrt")
+            parts += [self._whereabouts(r, heard[r]) for r in idle[:_MAX_REPORTED_WAITS]]
+        return "; " + "; ".join(p for p in parts if p)
+
+    def _blame(self, peers: list[int], heard: dict[int, dict], wait: Wait, waited: float) -> bool:
         """Before a stall ends the job, name the rank to blame on a line of its own, which psrun
         headlines (not this rank, which only noticed): the first that stopped answering, else
-        the first that answers but is not in any psrt call (busy in its own code)."""
+        the first that answers but is not in any psrt call (busy in its own code).  Whether
+        one of ``peers`` was."""
         silent = [r for r in peers if r not in heard]
-        idle = [r for r in peers if r in heard and not heard[r]["waits"] and not heard[r].get("call")]
+        idle = [r for r in peers if r in heard and not _busy(heard[r])]
         culprits = silent or idle
         if not culprits:
-            return
+            return False
         why = "it stopped answering" if silent else "it answers but never came (busy in its own code)"
         others = f" (and {self._names(culprits[1:])})" if culprits[1:] else ""
         print(f"psrt: rank {self.rank} blames {self._name_rank(culprits[0])}: {why}{others} while "
               f"{wait.describe()} waited {waited:.0f} s", file=sys.__stderr__, flush=True)
+        return True
 
     def _deciders(self) -> tuple[int, ...]:
         """The lower ranks a stalled rank asks before speaking: 0 and the powers of two below

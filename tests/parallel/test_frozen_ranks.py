@@ -63,6 +63,18 @@ def test_a_frozen_parameter_server_is_named_by_its_workers_and_the_job_ends():
     assert not job.left_behind, job.diagnosis()
 
 
+def test_a_frozen_parameter_server_worker_is_blamed_through_the_server_that_waits_for_it():
+    """Worker 0 waits for the server, which waits for worker 1's pushes: the rank to blame is
+    one further than the rank waited on."""
+    job = run_with_fault("frozen_training.py", 3, ("ps",), {**ENV, "PSRT_NUM_SERVERS": "1"}, after="step 3",
+                         rank=1, signum=signal.SIGSTOP)
+    assert job.returncode not in (0, None), job.diagnosis()
+    assert job.seconds_after_fault < SHUTDOWN_S + MARGIN_S, job.diagnosis()
+    assert "psrt: rank 0 blames rank 1 (worker 1): it stopped answering" in job.stderr, job.diagnosis()
+    assert "rank 1 (worker 1), which rank 2 (parameter server 0) waits for, does not respond" in job.stderr
+    assert not job.left_behind, job.diagnosis()
+
+
 def test_a_killed_rank_ends_the_job_at_once_naming_it():
     job = run_with_fault("frozen_training.py", 2, ("dp",), ENV, after="step 3", rank=1, signum=signal.SIGKILL)
     assert job.returncode not in (0, None), job.diagnosis()

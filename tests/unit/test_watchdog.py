@@ -192,7 +192,7 @@ def test_status_tells_a_prober_only_waits_that_last():
         status = dog.status()
     dog.stop()
     assert (fresh["oldest"], fresh["waits"]) == (0.0, []), "a round of milliseconds is not news"
-    assert status["waits"] == [["an engine negotiation round", "rank 0's round"]] and status["oldest"] >= 0.2
+    assert status["waits"] == [["an engine negotiation round", "rank 0's round", []]] and status["oldest"] >= 0.2
 
 
 def test_short_waits_are_not_reported_and_stop_ends_the_thread():
