@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -20,7 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launcher import elastic
+from launcher import cli, elastic
+from launcher.blacklist import Blacklist, check_cooldown_range
 from launcher.elastic import ElasticSettings, Supervisor, discover, rank_groups
 from launcher.failures import Failure, FailureKind
 from launcher.hostfile import Host, HostfileError, parse_discovery, parse_hostfile, parse_hosts
@@ -164,32 +166,32 @@ def write_commit(store: CommitStore, number: int, document: dict) -> dict:
 def test_a_published_commit_loads_and_replaces_the_previous_one(tmp_path):
     store = CommitStore(str(tmp_path))
     assert store.latest() is None and CommitStore(None).latest() is None
-    store.publish(write_commit(store, 1, {"step": 1, "w": torch.arange(4.0)}))
+    store.publish(write_commit(store, 1, {"step": 1, "w": torch.arange(4.0)}), replaces=0)
     record = store.latest()
     assert (record["commit"], record["size"], record["format"]) == (1, 1, commits.FORMAT)
     document = store.load(record, commits.REPLICATED)
     assert document["step"] == 1 and torch.equal(document["w"], torch.arange(4.0))
-    store.publish(write_commit(store, 2, {"step": 2}))
+    store.publish(write_commit(store, 2, {"step": 2}), replaces=1)
     assert not (tmp_path / "commit-000001").exists()
     assert CommitStore(str(tmp_path)).load(store.latest(), commits.REPLICATED) == {"step": 2}
 
 
 def test_a_commit_killed_before_it_was_published_leaves_the_previous_one(tmp_path):
     store = CommitStore(str(tmp_path))
-    store.publish(write_commit(store, 1, {"step": 1}))
-    store.publish(write_commit(store, 2, {"step": 2}))
+    store.publish(write_commit(store, 1, {"step": 1}), replaces=0)
+    store.publish(write_commit(store, 2, {"step": 2}), replaces=1)
     write_commit(store, 3, {"step": 3})  # killed here
     relaunched = CommitStore(str(tmp_path))
     record = relaunched.latest()
     assert record["commit"] == 2 and relaunched.load(record, commits.REPLICATED) == {"step": 2}
-    relaunched.publish(write_commit(relaunched, 3, {"step": 3.5}))  # the relaunch's commit 3 overwrites
+    relaunched.publish(write_commit(relaunched, 3, {"step": 3.5}), replaces=2)  # the relaunch's commit 3 overwrites
     assert relaunched.load(relaunched.latest(), commits.REPLICATED) == {"step": 3.5}
     assert not (tmp_path / "commit-000002").exists()
 
 
 def test_a_file_changed_after_its_commit_is_refused_by_name(tmp_path):
     store = CommitStore(str(tmp_path))
-    store.publish(write_commit(store, 1, {"w": torch.arange(100.0)}))
+    store.publish(write_commit(store, 1, {"w": torch.arange(100.0)}), replaces=0)
     path = tmp_path / "commit-000001" / commits.REPLICATED
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -218,8 +220,8 @@ def test_hosts_version_and_reset_request(tmp_path):
     assert json.loads((tmp_path / commits.RESET).read_text()) == {"reason": "the hosts changed"}
     CommitStore(None).request_reset("nowhere to write: nothing happens")
     # launcher.elastic keeps its own copies of the names, so that psrun needs no torch
-    assert (elastic.ENV_DIR, elastic.ENV_HOSTS_VERSION, elastic.HOSTS, elastic.RESET) == \
-        (commits.ENV_DIR, commits.ENV_HOSTS_VERSION, commits.HOSTS, commits.RESET)
+    assert (elastic.ENV_DIR, elastic.ENV_HOSTS_VERSION, elastic.HOSTS, elastic.RESET, elastic.RESTORE_FAILED) == \
+        (commits.ENV_DIR, commits.ENV_HOSTS_VERSION, commits.HOSTS, commits.RESET, commits.RESTORE_FAILED)
 
 
 # launcher: slot groups and discovery
@@ -283,7 +285,7 @@ def raised(rank: int) -> JobResult:
 
 
 def supervise(tmp_path, results, groups=(A, B, C), *, min_np=1, max_np=3, initial_np=None, restarts=3,
-              timeout_s=1.0, discovery=None, directory=None):
+              timeout_s=1.0, discovery=None, directory=None, cooldown_s=None):
     """Run a Supervisor whose jobs end with ``results`` in turn (a callable gets the launch's
     environment and returns the result); returns its exit code, each launch's (hosts,
     num_proc), each launch's environment and the messages."""
@@ -299,7 +301,7 @@ def supervise(tmp_path, results, groups=(A, B, C), *, min_np=1, max_np=3, initia
         return result(run.envs[-1]) if callable(result) else result
 
     settings = ElasticSettings(min_np, max_np, initial_np, restarts, timeout_s, discovery,
-                               directory or str(tmp_path))
+                               directory or str(tmp_path), cooldown_s)
     supervisor = Supervisor(settings, None if discovery else tuple(groups), launch=launch, run_job=run_job,
                             say=run.messages.append)
     run.code = supervisor.run()
@@ -375,11 +377,110 @@ def test_each_launch_is_told_the_elastic_directory_and_its_number(tmp_path, monk
     assert [env[elastic.ENV_HOSTS_VERSION] for env in run.envs] == ["0"] * 3
 
 
-def test_initial_np_caps_only_the_first_launch_and_max_np_every_one(tmp_path):
+def test_every_launch_takes_every_usable_slot_up_to_max_np_as_horovod(tmp_path):
+    """-np is not the first launch's size (Horovod starts on every available slot up to
+    --max-np): three usable groups give three ranks at once; --max-np caps every launch."""
     run = supervise(tmp_path, [raised(1), SUCCESS], initial_np=2)
-    assert run.code == 0 and run.launches == [((A, B), 2), ((A, B, C), 3)]
+    assert run.code == 0 and run.launches == [((A, B, C), 3)] * 2
     run = supervise(tmp_path, [raised(1), SUCCESS], max_np=2)
     assert run.launches == [((A, B), 2)] * 2
+
+
+def test_np_is_how_many_slots_the_first_launch_waits_for(tmp_path, monkeypatch):
+    """With discovery, the first launch waits for -np slots (Horovod's driver.start(np)), then
+    takes them all; later launches need only --min-np."""
+    monkeypatch.setattr(elastic, "DISCOVERY_INTERVAL_S", 0.05)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\nb:1\n")
+    threading.Timer(0.3, lambda: hosts.write_text("a:1\nb:1\nc:1\n")).start()
+    run = supervise(tmp_path, [killed(2), SUCCESS], initial_np=3, timeout_s=10.0,
+                    discovery=script(tmp_path, f"cat {hosts}\n"))
+    assert run.code == 0 and run.launches == [((A, B, C), 3), ((A, B), 2)], run.messages
+    assert "fewer than -np 3: waiting" in run.messages[0]
+
+
+def test_a_lost_group_is_blacklisted_with_a_cooldown_and_the_job_grows_back_into_it(tmp_path, monkeypatch):
+    """--blacklist-cooldown-range 1 1: the group that lost a rank stays out for 1 s; once it is
+    usable again the running job is told (hosts.json) and relaunched on all three groups."""
+    monkeypatch.setattr(elastic, "DISCOVERY_INTERVAL_S", 0.05)
+
+    def waits_for_the_group_to_return(env: dict) -> JobResult:
+        hosts = Path(env[commits.ENV_DIR]) / commits.HOSTS
+        deadline = time.monotonic() + 30
+        while not hosts.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(hosts.read_text())["hosts"] == ["a:1", "b:1", "c:1"]
+        return request_reset(env)
+
+    run = supervise(tmp_path, [killed(1), waits_for_the_group_to_return, SUCCESS], cooldown_s=(1.0, 1.0))
+    assert run.code == 0 and run.launches == [((A, B, C), 3), ((A, C), 2), ((A, B, C), 3)], run.messages
+    assert "dropped slot group b:1 for 1.0 s (--blacklist-cooldown-range)" in run.messages[1]
+    assert "hosts changed to a:1, b:1, c:1" in run.messages[2]
+
+
+def test_a_static_job_waits_for_a_blacklisted_group_to_come_back(tmp_path, monkeypatch):
+    """Two groups, --min-np 2: after a loss the job cannot run until the cooldown ends; with
+    no cooldown it fails at once, as before."""
+    monkeypatch.setattr(elastic, "DISCOVERY_INTERVAL_S", 0.05)
+    run = supervise(tmp_path, [killed(0), SUCCESS], groups=(A, B), min_np=2, timeout_s=30.0, cooldown_s=(1.0, 1.0))
+    assert run.code == 0 and run.launches == [((A, B), 2)] * 2, run.messages
+    run = supervise(tmp_path, [killed(0), SUCCESS], groups=(A, B), min_np=2, timeout_s=30.0)
+    assert run.code == 1 and len(run.launches) == 1 and "fewer than --min-np 2" in run.messages[-1]
+
+
+@pytest.mark.parametrize("low, high, jitter, expected", [
+    (2.0, 30.0, 0.0, [4.0, 8.0, 16.0, 30.0, 30.0]),  # LOW * 2**n, capped at HIGH
+    (2.0, 30.0, 0.5, [5.0, 9.0, 17.0, 30.0, 30.0]),  # plus a random share of LOW
+    (5.0, 5.0, 0.9, [5.0] * 5),  # never above HIGH, never below LOW
+])
+def test_the_blacklist_cooldown_doubles_with_each_loss_within_its_range(low, high, jitter, expected):
+    now = [100.0]
+    blacklist = Blacklist((low, high), clock=lambda: now[0], jitter=lambda: jitter)
+    for seconds in expected:
+        assert blacklist.add("b") == pytest.approx(seconds)
+        assert blacklist.excludes("b") and blacklist.returns_later() and not blacklist.excludes("a")
+        now[0] += seconds - 0.01
+        assert blacklist.excludes("b")
+        now[0] += 0.02
+        assert not blacklist.excludes("b") and not blacklist.returns_later()
+
+
+def test_without_a_cooldown_range_a_lost_group_stays_out_for_good():
+    now = [0.0]
+    blacklist = Blacklist(None, clock=lambda: now[0])
+    assert blacklist.add("b") == math.inf
+    now[0] = 1e9
+    assert blacklist.excludes("b") and not blacklist.returns_later()
+
+
+@pytest.mark.parametrize("low, high", [(0.5, 10), (5, 4), (1, 3601), (float("nan"), 2), (1, float("inf"))])
+def test_a_cooldown_range_outside_horovods_bounds_is_refused(low, high):
+    assert "--blacklist-cooldown-range" in check_cooldown_range(low, high)
+    assert check_cooldown_range(1, 3600) is None
+
+
+def restore_fails(reason: str):
+    """A launch whose job could not restore its commit (psrt.elastic's State._resume)."""
+    def job(env: dict) -> JobResult:
+        CommitStore(env[commits.ENV_DIR]).report_restore_failure(reason)
+        return raised(0)
+    return job
+
+
+def test_a_commit_that_fails_to_restore_the_same_way_twice_is_not_relaunched_again(tmp_path):
+    damaged = "cannot resume from commit 3: rank 0: .../replicated.pt was modified after it was saved"
+    run = supervise(tmp_path, [restore_fails(damaged)] * 4, restarts=3)
+    assert run.code == 1 and len(run.launches) == 2, run.messages
+    assert "giving up: launches 1 and 2 could not restore the last commit, both for the same reason" \
+        in run.messages[-1] and damaged in run.messages[-1]
+    assert not (tmp_path / commits.RESTORE_FAILED).exists()
+
+
+def test_restore_failures_that_differ_or_are_not_in_a_row_use_the_restarts(tmp_path):
+    run = supervise(tmp_path, [restore_fails("a transient read error"), restore_fails("another"), SUCCESS])
+    assert run.code == 0 and len(run.launches) == 3
+    run = supervise(tmp_path, [restore_fails("x"), raised(0), restore_fails("x"), SUCCESS])
+    assert run.code == 0 and len(run.launches) == 4
 
 
 # Bugs found while writing these tests, fixed since.
@@ -410,3 +511,58 @@ def test_an_exit_before_any_launch_leaves_no_temporary_directory(tmp_path, monke
                             launch=None, run_job=None, say=messages.append)
     assert supervisor.run() == 1 and "fewer than --min-np 2" in messages[-1]
     assert list(tmp_path.iterdir()) == []
+
+
+# psrun's elastic flags (main() in-process, against a fake mpirun that records being run)
+
+def recording_mpirun(tmp_path: Path) -> tuple[str, Path]:
+    """A fake Open MPI mpirun that answers --version and otherwise writes its arguments to a file."""
+    ran = tmp_path / "mpirun-ran"
+    path = tmp_path / "mpirun"
+    path.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 5.0.11'; exit 0; fi\n"
+                    f"echo \"$@\" >> {ran}\n")
+    path.chmod(0o755)
+    return str(path), ran
+
+
+def test_dry_run_with_elastic_flags_prints_the_first_launch_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(elastic.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    mpirun, ran = recording_mpirun(tmp_path)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\nlocalhost:1\nlocalhost:1\n")
+    code = cli.main(["--mpirun", mpirun, "--dry-run", "--hostfile", str(hosts), "--min-np", "2", "--max-np", "2",
+                     "--elastic-dir", str(tmp_path / "job"), "python", "train.py"])
+    out, err = capsys.readouterr()
+    assert code == 0 and not ran.exists(), err
+    command = shlex.split(out)
+    assert command[0] == mpirun and command[command.index("-np") + 1] == "2" and command[-2:] == ["python", "train.py"]
+    assert f"{elastic.ENV_DIR}={tmp_path / 'job'}" in command and f"{elastic.ENV_LAUNCH}=1" in command
+    assert "dry run: launch 1 would run 2 ranks on localhost:1, localhost:1" in err
+    assert not (tmp_path / "job").exists() and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_dry_run_does_not_wait_for_discovery(tmp_path, capsys):
+    """Too few slots now: the dry run says the job would wait, prints no command line and exits 1."""
+    mpirun, ran = recording_mpirun(tmp_path)
+    started = time.monotonic()
+    code = cli.main(["--mpirun", mpirun, "--dry-run", "--host-discovery-script", script(tmp_path, "echo a:1\n"),
+                     "--min-np", "2", "python", "train.py"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and not ran.exists() and time.monotonic() - started < 30
+    assert "1 usable slot(s) now (a:1), fewer than --min-np 2: the job would wait up to 600 s" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1", "soon"])
+def test_elastic_timeout_must_be_a_finite_positive_number_of_seconds(tmp_path, capsys, value):
+    mpirun, ran = recording_mpirun(tmp_path)
+    code = cli.main(["--mpirun", mpirun, "--min-np", "1", f"--elastic-timeout={value}", "python", "train.py"])
+    assert code == 2 and not ran.exists()
+    assert f"argument --elastic-timeout: {value!r}" in capsys.readouterr().err
+
+
+def test_a_bad_blacklist_cooldown_range_is_refused_before_launching(tmp_path, capsys):
+    mpirun, ran = recording_mpirun(tmp_path)
+    code = cli.main(["--mpirun", mpirun, "--blacklist-cooldown-range", "10", "5", "python", "train.py"])
+    assert code == 2 and not ran.exists()
+    assert "psrun: error: --blacklist-cooldown-range 10 5: need 1 <= LOW <= HIGH <= 3600" in capsys.readouterr().err
