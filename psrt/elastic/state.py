@@ -314,9 +314,9 @@ class TorchState(ObjectState):
         if self.optimizer is not None and self._kind == "torch":
             functions.broadcast_optimizer_state(self.optimizer, root, model=self.model,
                                                 process_set=self._process_set)
-        for name, sampler in self.samplers.items():
-            marks = functions.allgather_object(sampler.processed, name=f"psrt.elastic.sampler.{name}")
-            sampler.load_state_dict({"epoch": sampler.epoch, "processed": torch.stack(marks).any(dim=0)})
+        for name, sampler in self.samplers.items():  # rank 0's position, as Horovod, and every rank's marks
+            states = functions.allgather_object(sampler.state_dict(), name=f"psrt.elastic.sampler.{name}")
+            sampler.load_state_dict(dict(states[0], processed=torch.stack([s["processed"] for s in states]).any(dim=0)))
         ObjectState.sync(self)
         self.save()
 

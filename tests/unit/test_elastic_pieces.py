@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import shlex
 import subprocess
@@ -74,14 +75,71 @@ def test_the_ranks_shards_cover_the_dataset_in_equal_counts(monkeypatch, length,
     assert sum(map(len, shards)) - length == math.ceil(length / size) * size - length
 
 
-def test_record_batch_marks_what_every_rank_read_in_that_batch(monkeypatch):
+def test_record_batch_counts_what_every_rank_read_in_that_batch(monkeypatch):
     """One rank records a step for all without communication; 20 over 3 ranks in batches of
-    2 ends with a partial, padded batch."""
+    2 ends with a partial, padded batch.  After k batches a reset leaves exactly the samples
+    no rank has read."""
     ranks = samplers(monkeypatch, 20, 3)
+    recorder = samplers(monkeypatch, 20, 3)[1]
+    read: set[int] = set()
     for batch in range(4):
-        recorder = samplers(monkeypatch, 20, 3)[1]
         recorder.record_batch(batch, 2)
-        assert sorted(recorder.processed.nonzero().flatten().tolist()) == sorted(set(step(ranks, batch, 2)))
+        read |= set(step(ranks, batch, 2))
+        recorder.reset()
+        assert recorder.processed_num == 6 * (batch + 1)
+        assert set(recorder.remaining.tolist()) == set(range(20)) - read
+
+
+def horovod_shards(length: int, seed: int, epoch: int, processed_num: int, size: int) -> list[list[int]]:
+    """What each of ``size`` ranks reads under Horovod's ElasticSampler (horovod/torch/elastic/
+    sampler.py), restated from its documented behaviour: ``range(length)`` shuffled by
+    ``random.Random(seed + epoch)``, the first ``processed_num`` dropped, the rest padded with
+    its own first samples to a multiple of ``size``, and rank r taking every size-th from r."""
+    order = list(range(length))
+    random.Random(seed + epoch).shuffle(order)
+    remaining = order[processed_num:]
+    total = math.ceil(len(remaining) / size) * size
+    padded = remaining + remaining[:total - len(remaining)]
+    return [padded[rank:total:size] for rank in range(size)]
+
+
+def test_the_sampler_follows_horovods_processed_num_through_restore_and_resize(monkeypatch):
+    """The issue's case: record_batch adds batch_size x num_replicas whatever the index, so the
+    same calls after a restore leave Horovod's count and a resumed epoch reads what Horovod's
+    would, at the same size and at another."""
+    ranks = samplers(monkeypatch, 50, 3)
+    ranks[0].set_epoch(2)
+    for batch_idx in (0, 1):
+        ranks[0].record_batch(batch_idx, 2)
+    committed = ranks[0].state_dict()
+    ranks[0].record_batch(2, 2)
+    ranks[0].load_state_dict(committed)  # what restore() does
+    for batch_idx in (2, 3):  # a script that keeps counting its batches across the restore
+        ranks[0].record_batch(batch_idx, 2)
+    assert ranks[0].processed_num == 4 * 2 * 3
+    ranks[0].record_batch(0, 1)  # the index is not used
+    assert ranks[0].processed_num == 4 * 2 * 3 + 3
+    for size in (3, 2, 4):
+        relaunched = samplers(monkeypatch, 50, size, state=ranks[0].state_dict())
+        assert [list(sampler) for sampler in relaunched] == horovod_shards(50, 7, 2, 27, size)
+        assert [len(sampler) for sampler in relaunched] == [math.ceil(23 / size)] * size
+
+
+def test_a_horovod_sampler_state_loads(monkeypatch):
+    """Horovod's state_dict has the epoch and processed_num only."""
+    [sampler] = samplers(monkeypatch, 30, 1, state={"epoch": 4, "processed_num": 12})
+    assert list(sampler) == horovod_shards(30, 7, 4, 12, 1)[0] and not sampler.processed.any()
+
+
+def test_record_indices_marks_single_samples_which_every_rank_then_skips(monkeypatch):
+    """psrt keeps Horovod's earlier record_indices: marked samples drop out of what remains,
+    beside those record_batch counted."""
+    [sampler] = samplers(monkeypatch, 20, 1)
+    sampler.record_batch(0, 4)
+    sampler.record_indices([sampler.indices[10], sampler.indices[11]])
+    later = sampler.indices[4:10] + sampler.indices[12:]
+    sampler.reset()
+    assert sampler.indices == later
 
 
 @pytest.mark.parametrize("size", [1, 3])
@@ -111,19 +169,19 @@ def test_set_epoch_clears_processed_and_takes_that_epochs_order():
     a.record_batch(0, 10)
     for sampler in (a, b):
         sampler.set_epoch(1)
-    assert not a.processed.any() and len(a) == 50
-    assert list(a) == list(b) == torch.randperm(50, generator=torch.Generator().manual_seed(6)).tolist()
+    assert a.processed_num == 0 and len(a) == 50
+    assert list(a) == list(b) == horovod_shards(50, 5, 1, 0, 1)[0]
     assert list(a) != epoch0
 
 
-def test_a_state_of_another_dataset_and_a_negative_batch_are_refused():
+def test_a_state_of_another_dataset_and_a_batch_size_below_one_are_refused():
     sampler = ElasticSampler(range(10))
     with pytest.raises(InvalidArgumentError, match="covers 11 samples"):
         sampler.load_state_dict({"epoch": 0, "processed": torch.zeros(11, dtype=torch.bool)})
-    for batch, size in [(-1, 2), (0, 0)]:
-        with pytest.raises(InvalidArgumentError):
-            sampler.record_batch(batch, size)
-    assert not sampler.processed.any()
+    for size in (0, -2):
+        with pytest.raises(InvalidArgumentError, match="batch size must be > 0"):
+            sampler.record_batch(0, size)
+    assert sampler.processed_num == 0
 
 
 # plan_batch
