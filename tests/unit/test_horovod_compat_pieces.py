@@ -94,3 +94,18 @@ def test_sparse_allreduce_async_returns_a_callable_handle(world_of_one):
     assert got.is_sparse and not got.is_coalesced() and torch.equal(got.to_dense(), sparse.to_dense())
     integers = torch.sparse_coo_tensor([[1, 1]], torch.tensor([-3, 2]), (3,), check_invariants=True)
     assert hvd.sparse_allreduce_async(integers, name="ints", op=hvd.Average)().to_dense().tolist() == [0, -1, 0]
+
+
+def test_mpi_ops_holds_the_objects_horovod_code_imports_from_it(world_of_one):
+    """``from horovod.torch.mpi_ops import synchronize, allreduce_async, poll`` keeps working
+    with psrt's name: the same objects as hvd's, usable as such."""
+    from psrt.torch import mpi_ops
+    from psrt.torch.mpi_ops import allreduce_async, poll, synchronize
+
+    assert (allreduce_async, poll, synchronize) == (hvd.allreduce_async, hvd.poll, hvd.synchronize)
+    assert all(getattr(mpi_ops, name) is getattr(hvd, name) for name in mpi_ops.__all__)
+    assert len(set(mpi_ops.__all__)) == len(mpi_ops.__all__) and set(mpi_ops.__all__) <= set(hvd.__all__)
+    handle = allreduce_async(torch.arange(3.0), name="mpi_ops.check", op=hvd.Sum)
+    while not poll(handle):
+        pass
+    assert torch.equal(synchronize(handle), torch.arange(3.0))
