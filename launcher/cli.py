@@ -7,12 +7,14 @@ job's own exit code.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
+from launcher.blacklist import MAX_COOLDOWN_S, MIN_COOLDOWN_S, check_cooldown_range
 from launcher.command import (
     LaunchError,
     build_command,
@@ -85,15 +87,20 @@ def make_parser() -> argparse.ArgumentParser:
         "elastic training", "Relaunch the job when ranks fail or hosts come, continuing from its last "
         "state.commit() (scripts use psrt.torch.elastic, Horovod's elastic API). Any of these flags turns it on.")
     elastic.add_argument("--min-np", type=int, metavar="N", help="fewest ranks to run with (default: -np, else 1); "
-                         "-np is then the first launch's rank count")
+                         "every launch takes every usable slot up to --max-np, as Horovod's does, and -np is "
+                         "then how many slots the first launch waits for")
     elastic.add_argument("--max-np", type=int, metavar="M", help="most ranks to run with (default: all slots)")
     elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
                          help="executable printing the usable hosts, one HOST or HOST:SLOTS per line; run "
                               "again every second while the job runs, and while waiting for hosts")
     elastic.add_argument("--restarts", type=int, metavar="K",
                          help="relaunches allowed after failures (default 3; new hosts do not count)")
-    elastic.add_argument("--elastic-timeout", type=float, default=600.0, metavar="S",
+    elastic.add_argument("--elastic-timeout", type=_seconds, default=600.0, metavar="S",
                          help="how long to wait for --min-np slots before failing (default 600)")
+    elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("LOW", "HIGH"),
+                         help="a slot group that lost a rank comes back after LOW * 2^n seconds (n: its "
+                              "losses so far, plus up to LOW at random), within LOW..HIGH, as in Horovod "
+                              f"({MIN_COOLDOWN_S:g} <= LOW <= HIGH <= {MAX_COOLDOWN_S:g}; default: it stays out)")
     elastic.add_argument("--elastic-dir", metavar="DIR",
                          help="where commits are kept between launches, on a filesystem every host sees "
                               "(default: a temporary directory, removed when the job succeeds; jobs on "
@@ -101,9 +108,21 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true",
                         help="print the mpirun command line to stderr before running it")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the mpirun command line to stdout and exit without running it")
+                        help="print the mpirun command line to stdout and exit without running it (elastic: "
+                             "the first launch's, with the hosts usable now)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A duration flag's value: a finite number of seconds above zero (``nan`` would wait forever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds above 0")
+    return value
 
 
 def _hosts(args: argparse.Namespace, env: Mapping[str, str], merge: bool = True) -> tuple[Host, ...] | None:
@@ -180,14 +199,14 @@ def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
 
 def _is_elastic(args: argparse.Namespace) -> bool:
     return any(value is not None for value in (args.min_np, args.max_np, args.host_discovery_script,
-                                               args.restarts, args.elastic_dir))
+                                               args.restarts, args.elastic_dir, args.blacklist_cooldown_range))
 
 
 def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
     """The supervisor of an elastic job; raises on bad flags before anything runs."""
     static = None if args.host_discovery_script else _hosts(args, env, merge=False)
-    if static is None and not args.host_discovery_script:  # this machine: as many slots as ranks asked for
-        static = (Host("localhost", max(os.cpu_count() or 1, args.num_proc or 1, args.min_np or 1)),)
+    if static is None and not args.host_discovery_script:  # this machine: -np slots, else its CPUs
+        static = (Host("localhost", args.num_proc or max(os.cpu_count() or 1, args.min_np or 1)),)
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise LaunchError("--host-discovery-script replaces -H and --hostfile: give one source of hosts")
     min_np = args.min_np if args.min_np is not None else (args.num_proc or 1)
@@ -195,15 +214,18 @@ def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
     restarts = 3 if args.restarts is None else args.restarts
     if min_np < 1 or max_np < min_np:
         raise LaunchError(f"--min-np {min_np} and --max-np {max_np}: need 1 <= min-np <= max-np")
-    if restarts < 0 or args.elastic_timeout < 0:
-        raise LaunchError("--restarts and --elastic-timeout must not be negative")
+    if restarts < 0:
+        raise LaunchError(f"--restarts {restarts}: must not be negative")
+    cooldown = tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None
+    if cooldown is not None and (problem := check_cooldown_range(*cooldown)):
+        raise LaunchError(problem)
     if args.num_proc is not None and not min_np <= args.num_proc <= max_np:
         raise LaunchError(f"-np {args.num_proc} lies outside --min-np {min_np} .. --max-np {max_np}")
     if args.num_servers is not None and args.num_servers >= min_np:
         raise LaunchError(f"--num-servers {args.num_servers} leaves no worker at --min-np {min_np}")
     launch = _launcher(args, env)
     settings = ElasticSettings(min_np, max_np, args.num_proc, restarts, args.elastic_timeout,
-                               args.host_discovery_script, args.elastic_dir)
+                               args.host_discovery_script, args.elastic_dir, cooldown)
     return Supervisor(settings, static, launch, lambda command: run_job(command, env))
 
 
@@ -220,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (LaunchError, HostfileError) as e:
             print(f"psrun: error: {e}", file=sys.stderr, flush=True)
             return USAGE_ERROR
+        if args.dry_run:
+            return supervisor.dry_run(lambda line: print(line, flush=True))
         return supervisor.run()
     try:
         cmd = _prepare(args, env)

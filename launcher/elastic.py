@@ -3,24 +3,31 @@
 An MPI job cannot shrink or grow in place, so psrun supervises it and relaunches it:
 
 - when a rank dies (killed by a signal, or exits without finalizing: a lost process or
-  host), the slot group it ran in is dropped and the job relaunched on the groups left;
+  host), the slot group it ran in is blacklisted (:mod:`launcher.blacklist`: for good, or
+  for a cooldown that doubles with each loss) and the job relaunched on the groups left;
   a rank that raised an exception is relaunched on the same hosts (its host is fine);
-- when the host discovery script reports a change, psrun writes ``hosts.json`` in the
-  job's elastic directory; the job's next ``state.commit()`` raises
+- when usable slots appear below ``--max-np`` (the discovery script reports more, or a
+  blacklisted group's cooldown ends), or a group in use disappears, psrun writes
+  ``hosts.json`` in the job's elastic directory; the job's next ``state.commit()`` raises
   ``HostsUpdatedInterrupt``, the job stops there (leaving ``reset.json``), and psrun
-  relaunches it on the new hosts.  Growth does not count against ``--restarts``.
+  relaunches it on the new hosts.  Growth does not count against ``--restarts``;
+- when a launch cannot restore its commit (the job leaves ``restore-failed.json``) for the
+  same reason as the launch before it, psrun stops: a relaunch cannot mend a damaged commit.
 
-Every launch gets between ``--min-np`` and ``--max-np`` ranks, as many as the usable
-slots allow; below ``--min-np`` psrun waits for the discovery script to report enough
-(up to ``--elastic-timeout``), then fails naming what it had.  A *slot group* is one
-hostfile line, ``-H`` entry or discovery line: ``localhost:1`` three times is three
-groups of one machine, which is how a single machine rehearses losing a host.  Ranks fill
-the groups in order, as mpirun fills slots.
+Every launch runs on every usable slot up to ``--max-np``, as Horovod's does; ``-np`` is
+only how many slots the first launch waits for.  Below that (``--min-np`` for later
+launches) psrun waits, while discovery may report more or a blacklisted group may come back,
+up to ``--elastic-timeout``, then fails naming what it had.  A *slot group* is one hostfile
+line, ``-H`` entry or discovery line: ``localhost:1`` three times is three groups of one
+machine, which is how a single machine rehearses losing a host.  Ranks fill the groups in
+order, as mpirun fills slots.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from launcher.blacklist import Blacklist
 from launcher.failures import FailureKind
 from launcher.hostfile import Host, HostfileError, is_local_host, merge_hosts, parse_discovery, total_slots
 from launcher.monitor import JobResult
@@ -40,7 +48,7 @@ DISCOVERY_INTERVAL_S = 1.0
 DISCOVERY_TIMEOUT_S = 30.0
 # The names the job reads (psrt.elastic.commits), kept here so psrun needs no torch.
 ENV_DIR, ENV_HOSTS_VERSION, ENV_LAUNCH = "PSRT_ELASTIC_DIR", "PSRT_ELASTIC_HOSTS_VERSION", "PSRT_ELASTIC_LAUNCH"
-HOSTS, RESET = "hosts.json", "reset.json"
+HOSTS, RESET, RESTORE_FAILED = "hosts.json", "reset.json", "restore-failed.json"
 
 Launch = Callable[[tuple[Host, ...], int, list[tuple[str, str]]], list[str]]
 RunJob = Callable[[Sequence[str]], JobResult]
@@ -50,11 +58,12 @@ RunJob = Callable[[Sequence[str]], JobResult]
 class ElasticSettings:
     min_np: int
     max_np: int
-    initial_np: int | None
+    initial_np: int | None  # -np: the slots the first launch waits for (None: --min-np)
     restarts: int
     timeout_s: float
     discovery_script: str | None
     directory: str | None  # None: a fresh temporary directory, removed after success
+    cooldown_s: tuple[float, float] | None = None  # --blacklist-cooldown-range (None: out for good)
 
 
 def discover(script: str) -> tuple[Host, ...]:
@@ -94,6 +103,17 @@ def _describe(groups: Sequence[Host]) -> str:
     return ", ".join(str(g) for g in groups) or "none"
 
 
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """Where one launch runs: the usable groups (with their identities), the rank count and
+    the groups the ranks fill."""
+
+    keys: list[tuple[str, int]]
+    groups: tuple[Host, ...]
+    num_proc: int
+    used: tuple[Host, ...]
+
+
 @dataclass
 class Supervisor:
     """Launches, watches and relaunches one elastic job; :meth:`run` returns psrun's exit code."""
@@ -104,44 +124,41 @@ class Supervisor:
     run_job: RunJob
     say: Callable[[str], None] = field(default=lambda text: print(f"psrun: elastic: {text}", file=sys.stderr,
                                                                    flush=True))
-    dropped: set = field(default_factory=set)
+    blacklist: Blacklist | None = None  # made from the settings' cooldown unless given
+
+    def __post_init__(self) -> None:
+        if self.blacklist is None:
+            self.blacklist = Blacklist(self.settings.cooldown_s)
 
     def run(self) -> int:
         settings = self.settings
         directory = settings.directory
         restarts_used, launch, hosts_version = 0, 0, 0
-        reason = "start"
+        reason, restore_failure = "start", None
         while True:
-            available = self._usable_groups(reason)
-            if available is None:
+            plan = self._plan(reason, first=launch == 0)
+            if plan is None:
                 return 1
-            keys, groups = [key for key, _ in available], tuple(group for _, group in available)
-            num_proc = min(settings.max_np, total_slots(groups),
-                           settings.initial_np if launch == 0 and settings.initial_np else settings.max_np)
-            used = [groups[i] for i in sorted(set(rank_groups(groups, num_proc)))]
-            if settings.directory is None and not all(is_local_host(g.name) for g in used):
+            if settings.directory is None and not all(is_local_host(g.name) for g in plan.used):
                 self.say("error: hosts other than this machine need --elastic-dir on a filesystem they all see")
                 return 2
             if directory is None:  # made once a launch is certain, so early exits leave nothing behind
                 directory = tempfile.mkdtemp(prefix="psrt-elastic-")
             os.makedirs(directory, exist_ok=True)
             launch += 1
-            self.say(f"launch {launch}: {num_proc} ranks on {_describe(used)} ({reason})")
-            _remove(os.path.join(directory, RESET))
-            rank_env = [(ENV_DIR, os.path.abspath(directory)), (ENV_HOSTS_VERSION, str(hosts_version)),
-                        (ENV_LAUNCH, str(launch))]
-            command = self.launch(tuple(used), num_proc, rank_env)
-            watcher = _Watcher(self, directory, keys, groups, num_proc, hosts_version) \
-                if settings.discovery_script else None
+            self.say(f"launch {launch}: {plan.num_proc} ranks on {_describe(plan.used)} ({reason})")
+            for name in (RESET, RESTORE_FAILED):
+                _remove(os.path.join(directory, name))
+            command = self.launch(plan.used, plan.num_proc, _rank_env(directory, hosts_version, launch))
+            watcher = _Watcher(self, directory, plan, hosts_version)
             result = self.run_job(command)
-            if watcher is not None:
-                hosts_version = watcher.stop()
+            hosts_version = watcher.stop()
             if result.stopped_by is not None:
                 return result.returncode
             if result.returncode == 0 and result.failure is None:
                 reset = os.path.join(directory, RESET)
                 if os.path.exists(reset):
-                    reason = f"relaunch: {_read_reason(reset)}"
+                    reason, restore_failure = f"relaunch: {_read_reason(reset)}", None
                     continue
                 if settings.directory is None:
                     shutil.rmtree(directory, ignore_errors=True)
@@ -149,27 +166,50 @@ class Supervisor:
                 return 0
             failure = result.failure
             what = failure.summary() if failure is not None else f"mpirun exited with code {result.returncode}"
+            previous, restore_failure = restore_failure, _read_reason(os.path.join(directory, RESTORE_FAILED), None)
+            if restore_failure is not None and restore_failure == previous:
+                self.say(f"{what}; giving up: launches {launch - 1} and {launch} could not restore the last commit, "
+                         f"both for the same reason, which a relaunch cannot change: {restore_failure}")
+                return result.returncode or 1
             if restarts_used >= settings.restarts:
                 self.say(f"{what}; giving up: the {settings.restarts} restart(s) allowed (--restarts) are used")
                 return result.returncode or 1
             restarts_used += 1
             reason = f"restart {restarts_used} of {settings.restarts} after {what}"
-            if failure is not None and failure.kind is FailureKind.EXIT and failure.rank < num_proc:
-                lost = rank_groups(groups, num_proc)[failure.rank]
-                self.dropped.add(keys[lost])
-                reason += f"; dropped slot group {groups[lost]}"
+            if failure is not None and failure.kind is FailureKind.EXIT and failure.rank < plan.num_proc:
+                lost = rank_groups(plan.groups, plan.num_proc)[failure.rank]
+                seconds = self.blacklist.add(plan.keys[lost])
+                reason += f"; dropped slot group {plan.groups[lost]}" + \
+                    ("" if seconds == math.inf else f" for {seconds:.1f} s (--blacklist-cooldown-range)")
+
+    def dry_run(self, show: Callable[[str], None]) -> int:
+        """Say what the first launch would run (its mpirun command line through ``show``),
+        without waiting for hosts or running anything; 1 when it could not launch now."""
+        plan = self._plan("dry run", first=True, wait=False)
+        if plan is None:
+            return 1
+        directory = os.path.abspath(self.settings.directory) if self.settings.directory else \
+            os.path.join(tempfile.gettempdir(), "psrt-elastic-XXXXXXXX")
+        self.say(f"dry run: launch 1 would run {plan.num_proc} ranks on {_describe(plan.used)}; later launches "
+                 "follow failures (--restarts) and host changes")
+        show(shlex.join(self.launch(plan.used, plan.num_proc, _rank_env(directory, 0, 1))))
+        return 0
 
     def current_groups(self) -> list[tuple[tuple[str, int], Host]]:
-        """The slot groups known now (discovery's, or the hostfile's), less the dropped ones,
-        each with its identity in the whole list (which dropping must not renumber)."""
+        """The slot groups usable now (discovery's, or the hostfile's, less the blacklisted
+        ones), each with its identity in the whole list (which blacklisting must not renumber)."""
         groups = discover(self.settings.discovery_script) if self.settings.discovery_script \
             else self.static_groups or ()
-        return [(key, group) for key, group in zip(_keys(groups), groups) if key not in self.dropped]
+        return [(key, group) for key, group in zip(_keys(groups), groups) if not self.blacklist.excludes(key)]
 
-    def _usable_groups(self, reason: str) -> list[tuple[tuple[str, int], Host]] | None:
-        """Enough slot groups for ``--min-np``, waiting for discovery to find them; None
-        (after saying why) when there are not enough by the deadline."""
-        deadline = time.monotonic() + self.settings.timeout_s
+    def _plan(self, reason: str, *, first: bool, wait: bool = True) -> _LaunchPlan | None:
+        """The next launch: every usable slot up to --max-np, once there are at least -np
+        (first launch) or --min-np slots; None (after saying why) when there are not enough
+        by the deadline, or now when ``wait`` is False."""
+        settings = self.settings
+        needed = settings.initial_np if first and settings.initial_np else settings.min_np
+        asked = f"-np {needed}" if needed != settings.min_np else f"--min-np {needed}"
+        deadline = time.monotonic() + settings.timeout_s
         announced = False
         while True:
             try:
@@ -177,33 +217,43 @@ class Supervisor:
             except HostfileError as e:
                 self.say(f"error: {e}")
                 return None
-            groups = [group for _, group in available]
-            if total_slots(groups) >= self.settings.min_np:
-                return available
-            if not self.settings.discovery_script or time.monotonic() >= deadline:
-                waited = "" if not self.settings.discovery_script else \
-                    f" after waiting {self.settings.timeout_s:g} s (--elastic-timeout)"
+            groups = tuple(group for _, group in available)
+            if total_slots(groups) >= needed:
+                num_proc = min(settings.max_np, total_slots(groups))
+                used = tuple(groups[i] for i in sorted(set(rank_groups(groups, num_proc))))
+                return _LaunchPlan([key for key, _ in available], groups, num_proc, used)
+            can_wait = bool(settings.discovery_script) or self.blacklist.returns_later()
+            if not wait and can_wait:
+                self.say(f"{reason}: {total_slots(groups)} usable slot(s) now ({_describe(groups)}), fewer than "
+                         f"{asked}: the job would wait up to {settings.timeout_s:g} s (--elastic-timeout) for more")
+                return None
+            if not can_wait or time.monotonic() >= deadline:
+                waited = "" if not can_wait else f" after waiting {settings.timeout_s:g} s (--elastic-timeout)"
                 self.say(f"error: {total_slots(groups)} usable slot(s) ({_describe(groups)}), fewer than "
-                         f"--min-np {self.settings.min_np}{waited} ({reason}); add hosts or lower --min-np")
+                         f"{asked}{waited} ({reason}); add hosts or lower {asked.split()[0]}")
                 return None
             if not announced:
-                self.say(f"{total_slots(groups)} usable slot(s), fewer than --min-np {self.settings.min_np}: "
-                         f"waiting up to {self.settings.timeout_s:g} s for hosts")
+                self.say(f"{total_slots(groups)} usable slot(s), fewer than {asked}: "
+                         f"waiting up to {settings.timeout_s:g} s for hosts")
                 announced = True
             time.sleep(DISCOVERY_INTERVAL_S)
 
 
-class _Watcher:
-    """Re-runs discovery while a job runs; when the usable groups change in a way that
-    matters (room to grow below --max-np, or a group in use gone) it writes hosts.json,
-    which the job's next commit sees."""
+def _rank_env(directory: str, hosts_version: int, launch: int) -> list[tuple[str, str]]:
+    """The variables that tell a launch's ranks where its commits are and which launch it is."""
+    return [(ENV_DIR, os.path.abspath(directory)), (ENV_HOSTS_VERSION, str(hosts_version)),
+            (ENV_LAUNCH, str(launch))]
 
-    def __init__(self, supervisor: Supervisor, directory: str, keys: list[tuple[str, int]],
-                 groups: tuple[Host, ...], num_proc: int, version: int) -> None:
+
+class _Watcher:
+    """Re-reads the usable groups while a job runs; when the job could grow (usable slots
+    beyond its ranks, below --max-np) or a group in use is gone, it writes hosts.json, which
+    the job's next commit sees."""
+
+    def __init__(self, supervisor: Supervisor, directory: str, plan: _LaunchPlan, version: int) -> None:
         self.supervisor, self.directory, self.version = supervisor, directory, version
-        self.launched = set(keys)
-        self.used = {keys[i] for i in rank_groups(groups, num_proc)}
-        self.num_proc = num_proc
+        self.used = {plan.keys[i] for i in rank_groups(plan.groups, plan.num_proc)}
+        self.num_proc = plan.num_proc
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -217,7 +267,7 @@ class _Watcher:
                 continue
             keys, groups = {key for key, _ in available}, [group for _, group in available]
             grows = total_slots(groups) > self.num_proc and self.num_proc < self.supervisor.settings.max_np
-            if (keys != self.launched and grows) or not self.used <= keys:
+            if grows or not self.used <= keys:
                 self.version += 1
                 _write_json(os.path.join(self.directory, HOSTS), {"version": self.version,
                                                                   "hosts": [str(g) for g in groups]})
@@ -237,11 +287,14 @@ def _write_json(path: str, document: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _read_reason(path: str) -> str:
+def _read_reason(path: str, missing: str | None = "the job asked") -> str | None:
+    """The reason a job left in ``path`` (``missing`` when there is none), removing the file."""
+    if not os.path.exists(path):
+        return missing
     try:
         with open(path, encoding="utf-8") as f:
             return str(json.load(f).get("reason", "the job asked"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return "the job asked"
     finally:
         _remove(path)

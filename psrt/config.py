@@ -61,7 +61,9 @@ class Config:
     num_servers: int = 0
     # Tensors larger than this (bytes) are split into chunks of about this size
     # spread across the servers (BytePS's partition size); smaller ones live whole
-    # on the least-loaded server.
+    # on the least-loaded server.  Each chunk is a message of its own (0.1-0.4 ms
+    # each on a 2-core host), hence the floor of 256 bytes: 1-byte chunks made a
+    # 64 KiB push take 32 s.
     ps_chunk_bytes: int = 4 * _MiB
     # Tensor-parallel collectives first exchange a small header (kind, dtype,
     # shape) so that ranks feeding different shapes raise instead of hanging;
@@ -92,6 +94,8 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "hierarchical_allreduce": ("PSRT_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
 }
 _TiB = 1 << 40
+# The smallest parameter-server chunk: see Config.ps_chunk_bytes.
+_PS_CHUNK_FLOOR = 256
 # The stall check time must span at least this many engine cycles.
 _CYCLES_PER_CHECK = 20
 # The range each number may take: (lowest, highest, unit).  Sizes that make no sense at
@@ -105,7 +109,7 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "stall_check_time_s": (0.001, 1e7, "seconds"),
     "stall_shutdown_time_s": (0, 1e7, "seconds"),
     "num_servers": (0, 1_000_000, "ranks"),
-    "ps_chunk_bytes": (1, _TiB, "bytes"),
+    "ps_chunk_bytes": (_PS_CHUNK_FLOOR, _TiB, "bytes"),
 }
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -26,6 +26,7 @@ from psrt.engine import Engine
 from psrt.engine.handles import HandleTable
 from psrt.engine.names import Names
 from psrt.errors import ArgumentTypeError, NotInitializedError, ProcessSetError
+from psrt.horovod_env import export_horovod_variables
 from psrt.topology import ProcessSet, Topology
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
         if serve is None:
             _runtime = runtime  # from here on, shutdown() can stop what runs
             _install_exit_hook()
+            export_horovod_variables(runtime.topology)
             for process_set in process_sets or ():
                 runtime.topology.add_process_set(process_set)
     except Exception as exc:

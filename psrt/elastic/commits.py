@@ -8,18 +8,26 @@ outlive the processes that made it: it is written to the directory psrun names i
                          (each rank's own: RNG states, and a sharded model's pieces), and the
                          sharded optimizers' own checkpoints (zero/, ps/)
     latest.json          {"commit": 7, "size": 3, ...}: written by rank 0 once every rank has
-                         finished commit 7, after which older commit directories are removed
+                         finished commit 7, after which the commit it replaces is removed
 
 A commit is the moment ``latest.json`` names it.  A job killed before that keeps the
-previous commit, whose directory is only removed once the pointer has moved.  Without
-``PSRT_ELASTIC_DIR`` (a script run by plain ``mpirun``) commits live in memory only, as in
-Horovod, and nothing survives the job.
+previous commit, whose directory is only removed once the pointer has moved.  The pointer
+is written before anything else (naming commit 0, none, in a new directory), and it alone
+holds the checksums that say a commit is whole: so a directory with commit directories but
+no valid pointer lost it to something outside psrt, and is refused, naming what it holds,
+rather than guessed at.  A job removes only the commit its new one replaces (one it wrote or
+resumed from), never another directory it finds here.  Without ``PSRT_ELASTIC_DIR`` (a
+script run by plain ``mpirun``) commits live in memory only, as in Horovod, and nothing
+survives the job.
 
-psrun also writes ``hosts.json`` here when host discovery changes, and a job that stops to
-be relaunched on new hosts leaves ``reset.json`` saying why.
+psrun also writes ``hosts.json`` here when host discovery changes; a job that stops to be
+relaunched on new hosts leaves ``reset.json`` saying why, and one that cannot restore its
+commit leaves ``restore-failed.json``, so that psrun stops relaunching a commit that fails
+the same way every time.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -32,7 +40,9 @@ FORMAT = "psrt-elastic/1"
 LATEST = "latest.json"
 HOSTS = "hosts.json"
 RESET = "reset.json"
+RESTORE_FAILED = "restore-failed.json"
 REPLICATED = "replicated.pt"
+_COMMIT_PREFIX = "commit-"
 
 
 def rank_file(rank: int) -> str:
@@ -51,21 +61,54 @@ class CommitStore:
 
     def directory(self, number: int) -> str:
         assert self.root is not None
-        return os.path.join(self.root, f"commit-{number:06d}")
+        return os.path.join(self.root, f"{_COMMIT_PREFIX}{number:06d}")
+
+    def commits_found(self) -> list[str]:
+        """The names of the commit directories in the directory, oldest first."""
+        if self.root is None or not os.path.isdir(self.root):
+            return []
+        return sorted(name for name in os.listdir(self.root)
+                      if name.startswith(_COMMIT_PREFIX) and os.path.isdir(os.path.join(self.root, name)))
 
     def latest(self) -> dict | None:
-        """The record of the last finished commit, or None when there is none."""
+        """The record of the last finished commit, or None when there is none.  Raises
+        :class:`ElasticError` naming the commit directories found when the pointer is missing
+        beside them, damaged, or not psrt's."""
         if self.root is None:
             return None
         path = os.path.join(self.root, LATEST)
         if not os.path.exists(path):
+            if self.commits_found():
+                raise ElasticError(f"{self.root} holds {self._found()} but no {LATEST}, the pointer that names "
+                                   "the last finished commit and holds the checksums that prove it whole (it was "
+                                   f"removed or never copied): nothing was resumed or removed. To resume, put back "
+                                   f"{LATEST}; to start afresh, move the commit directories away or choose another "
+                                   "--elastic-dir")
             return None
-        record = checkpoint_files.read_json(path, ElasticError)
+        try:
+            record = checkpoint_files.read_json(path, ElasticError)
+        except ElasticError as exc:
+            raise ElasticError(f"{exc} ({self.root} holds {self._found()}; nothing was resumed or removed)") \
+                from None
         if record.get("format") != FORMAT or not isinstance(record.get("commit"), int) \
                 or not isinstance(record.get("files"), dict):
             raise ElasticError(f"{path} is not a psrt elastic commit record (format {record.get('format')!r}): "
-                               "the directory belongs to something else; point --elastic-dir elsewhere")
-        return record
+                               f"the directory belongs to something else ({self._found()}); point --elastic-dir "
+                               "elsewhere")
+        return record if record["commit"] > 0 else None
+
+    def _found(self) -> str:
+        found = self.commits_found()
+        return f"commit directories {', '.join(found)}" if found else "no commit directories"
+
+    def start(self) -> None:
+        """Write the pointer of a job that has committed nothing yet (rank 0, when
+        :meth:`latest` found no pointer and no commits), before any commit directory exists:
+        from then on a directory with commits always has a pointer."""
+        if self.root is None:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        checkpoint_files.write_json({"format": FORMAT, "commit": 0, "files": {}}, os.path.join(self.root, LATEST))
 
     def begin(self, number: int) -> str:
         """The directory for commit ``number``, created.  A directory left by a commit that
@@ -74,14 +117,14 @@ class CommitStore:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def publish(self, record: dict) -> None:
+    def publish(self, record: dict, replaces: int) -> None:
         """Make ``record`` (its ``commit`` number, ``size`` and ``files``) the last commit, then
-        remove the directories of the commits before it."""
+        remove the directory of commit ``replaces`` (the one this job wrote or resumed from
+        last; 0 for none).  No other directory is touched."""
         assert self.root is not None
         checkpoint_files.write_json(dict(record, format=FORMAT), os.path.join(self.root, LATEST))
-        for name in os.listdir(self.root):
-            if name.startswith("commit-") and name != os.path.basename(self.directory(record["commit"])):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        if 0 < replaces != record["commit"]:
+            shutil.rmtree(self.directory(replaces), ignore_errors=True)
 
     def save(self, document: object, number: int, name: str) -> dict[str, dict]:
         """Write ``document`` (tensors and plain data) as ``name`` in commit ``number``; returns
@@ -105,6 +148,14 @@ class CommitStore:
         if not os.path.exists(path):
             return 0
         return int(checkpoint_files.read_json(path, ElasticError).get("version", 0))
+
+    def report_restore_failure(self, reason: str) -> None:
+        """Tell psrun why this launch could not restore its commit (rank 0): a relaunch that
+        fails the same way is not tried again.  Advice only: a directory that cannot take it
+        must not hide the restore's own error."""
+        if self.root is not None:
+            with contextlib.suppress(OSError):
+                checkpoint_files.write_json({"reason": reason}, os.path.join(self.root, RESTORE_FAILED))
 
     def request_reset(self, reason: str) -> None:
         """Tell psrun that this job ended to be relaunched (not because training finished)."""

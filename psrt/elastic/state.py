@@ -52,7 +52,8 @@ class State(abc.ABC):
         self._reset_callbacks: list = []
         self._store = CommitStore.from_env()
         self._launch_hosts_version = int(os.environ.get(ENV_HOSTS_VERSION, "0"))
-        self._commit_number = 0
+        self._commit_number = 0  # the commit this process last wrote or resumed from (0: none)
+        self._last_in_store: int | None = None  # the pointer's commit when the store was opened
         self.restored_from: int | None = None  # the commit this launch resumed from
 
     def register_reset_callbacks(self, callbacks) -> None:
@@ -114,8 +115,29 @@ class State(abc.ABC):
         """Take the committed state: ``replicated`` (rank 0's file) and ``mine`` (this rank's,
         None for a rank the commit's job did not have), then restore it."""
 
+    def _open_store(self) -> dict | None:
+        """The record of the last commit in the directory, or None; collective, once per
+        launch.  Rank 0 reads (and refuses commits without a valid pointer); a directory
+        without one gets its pointer now, before any commit directory exists."""
+        record, failure = None, None
+        if runtime.rank() == 0:
+            try:
+                record = self._store.latest()
+                if record is None:
+                    self._store.start()
+            except (ElasticError, OSError) as exc:
+                failure = str(exc)
+        record, failure = functions.broadcast_object((record, failure), 0, name="psrt.elastic.resume")
+        if failure:
+            raise ElasticError(failure)
+        self._last_in_store = record["commit"] if record is not None else 0
+        return record
+
     def _persist(self) -> None:
-        number = self._commit_number + 1
+        if self._last_in_store is None:  # committing without elastic.run(): the directory is still unread
+            self._open_store()
+        # Numbers only grow in a directory, so a commit never lands in one this job did not write.
+        number = max(self._commit_number, self._last_in_store) + 1
         directory = self._store.begin(number)
         self._write_collective(directory)  # raises on every rank together
         failure, files = None, {}
@@ -132,26 +154,28 @@ class State(abc.ABC):
         if not errors and runtime.rank() == 0:
             try:
                 self._store.publish({"commit": number, "size": runtime.size(), "layout": self._layout(),
-                                     "files": {name: rec for _, written in outcomes for name, rec in written.items()}})
+                                     "files": {name: rec for _, written in outcomes for name, rec in written.items()}},
+                                    replaces=self._commit_number)
             except Exception as exc:
                 errors.append(f"rank 0: {type(exc).__name__}: {exc}")
         errors = functions.broadcast_object(errors, 0, name="psrt.elastic.commit.outcome")
         if errors:
             raise ElasticError(f"commit {number} failed, the previous commit stays: {'; '.join(errors)}")
-        self._commit_number = number
+        self._commit_number = self._last_in_store = number
 
     def _resume(self) -> bool:
         """Restore the last commit of an earlier launch, if there is one; collective.  Returns
-        whether it did (every rank then holds the same committed state)."""
-        record, failure = None, None
-        if runtime.rank() == 0:
-            try:
-                record = self._store.latest()
-            except ElasticError as exc:
-                failure = str(exc)
-        record, failure = functions.broadcast_object((record, failure), 0, name="psrt.elastic.resume")
-        if failure:
-            raise ElasticError(failure)
+        whether it did (every rank then holds the same committed state).  A failure is also
+        reported to psrun (:meth:`CommitStore.report_restore_failure`)."""
+        try:
+            return self._restore_last_commit()
+        except ElasticError as exc:
+            if runtime.rank() == 0:
+                self._store.report_restore_failure(str(exc))
+            raise
+
+    def _restore_last_commit(self) -> bool:
+        record = self._open_store()
         if record is None:
             return False
         failure = None
@@ -290,9 +314,9 @@ class TorchState(ObjectState):
         if self.optimizer is not None and self._kind == "torch":
             functions.broadcast_optimizer_state(self.optimizer, root, model=self.model,
                                                 process_set=self._process_set)
-        for name, sampler in self.samplers.items():
-            marks = functions.allgather_object(sampler.processed, name=f"psrt.elastic.sampler.{name}")
-            sampler.load_state_dict({"epoch": sampler.epoch, "processed": torch.stack(marks).any(dim=0)})
+        for name, sampler in self.samplers.items():  # rank 0's position, as Horovod, and every rank's marks
+            states = functions.allgather_object(sampler.state_dict(), name=f"psrt.elastic.sampler.{name}")
+            sampler.load_state_dict(dict(states[0], processed=torch.stack([s["processed"] for s in states]).any(dim=0)))
         ObjectState.sync(self)
         self.save()
 

@@ -102,7 +102,7 @@ class Engine:
         self._stalls_published = False
         self._timeline: Timeline | None = None
         if config.timeline:
-            self.start_timeline(config.timeline, config.timeline_mark_cycles)
+            self.start_timeline(config.timeline, config.timeline_mark_cycles, asked_by="PSRT_TIMELINE")
         self._thread = threading.Thread(target=self._run, name="psrt-engine", daemon=True)
         self._thread.start()
 
@@ -251,11 +251,11 @@ class Engine:
         waiting = f"rank{'s' if len(missing) > 1 else ''} {rank_ranges(missing)}" if missing else "the other ranks"
         return f"rank {self.rank}'s psrt.shutdown() (at exit, or called; waiting for {waiting} to shut down too)"
 
-    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+    def start_timeline(self, path: str, mark_cycles: bool = False, asked_by: str = "start_timeline()") -> None:
         """Write a timeline to ``path`` (on rank 0; other ranks ignore the call)."""
         if self.rank == 0:
             self.stop_timeline()
-            self._timeline = Timeline(path, self.rank, mark_cycles)
+            self._timeline = Timeline(path, self.rank, mark_cycles, asked_by)
 
     def stop_timeline(self) -> None:
         timeline, self._timeline = self._timeline, None

@@ -16,18 +16,22 @@ import threading
 import time
 from typing import IO
 
+from psrt.errors import InvalidArgumentError
+
 
 class Timeline:
     """Writes trace events to ``path``; safe to call from the engine and user threads."""
 
-    def __init__(self, path: str, rank: int, mark_cycles: bool = False) -> None:
+    def __init__(self, path: str, rank: int, mark_cycles: bool = False, asked_by: str = "start_timeline()") -> None:
+        """``asked_by`` names what gave ``path`` (a variable, a call), for the error when the
+        file cannot be created."""
         self.path = path
         self.mark_cycles = mark_cycles
         self._pid = rank
         self._lock = threading.Lock()
         self._rows: dict[str, int] = {}
         self._origin = time.perf_counter()
-        self._file: IO[str] | None = open(path, "w")
+        self._file: IO[str] | None = _create(path, asked_by)
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._first = True
         self._emit({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
@@ -72,3 +76,12 @@ class Timeline:
                 self._file.write("\n]}\n")
                 self._file.close()
                 self._file = None
+
+
+def _create(path: str, asked_by: str) -> IO[str]:
+    try:
+        return open(path, "w")
+    except OSError as exc:
+        raise InvalidArgumentError(f"{asked_by}: cannot write the timeline to {path!r} ({exc.strerror or exc}); "
+                                   "rank 0 writes it, so its directory must exist on rank 0's host and be "
+                                   "writable") from None

@@ -213,3 +213,21 @@ def test_impossible_elastic_flags_are_refused_before_launching(flags, message):
     done = subprocess.run(psrun_argv(*flags, sys.executable, "-c", "pass"), cwd=REPO, env=job_env(),
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_directory_that_lost_latest_json_is_refused_and_its_commit_kept(tmp_path):
+    """A finished job's directory whose latest.json was deleted: the relaunch must neither train
+    from scratch nor remove the commit, and psrun stops once the same restore failure repeats
+    instead of using every --restarts."""
+    directory = tmp_path / "job"
+    train(tmp_path, "first", ["-np", "2", "--elastic-dir", str(directory)])
+    kept = sorted(path.name for path in directory.glob("commit-*"))
+    assert kept == [f"commit-{STEPS // COMMIT_EVERY:06d}"], kept
+    (directory / "latest.json").unlink()
+    done = run_psrun(["-np", "2", "--elastic-dir", str(directory), "--restarts", "3"],
+                     ["--out", str(tmp_path / "second.pt")])
+    assert done.returncode != 0 and not (tmp_path / "second.pt").exists(), done.stdout[-2000:]
+    assert f"{directory} holds commit directories {kept[0]} but no latest.json" in done.stderr, done.stderr[-3000:]
+    assert "giving up: launches 1 and 2 could not restore the last commit" in done.stderr, done.stderr[-3000:]
+    assert "launch 3:" not in done.stderr
+    assert sorted(path.name for path in directory.glob("commit-*")) == kept

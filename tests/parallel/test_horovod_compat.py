@@ -5,7 +5,7 @@ each test asserts one check: alltoall's return values and splits errors,
 ``sparse_allreduce_async``'s callable handle, ``join(device)`` and integer Average
 rounded toward zero, broadcasts rooted outside rank 0's process set, optimizer state
 broadcast before any step, ``DistributedOptimizer``'s parameter names and sparse
-gradients, and Adasum against a single-process reference.
+gradients, Adasum against a single-process reference, and the ``HOROVOD_*`` variables.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ CHECKS = [
     "adasum/allreduce_matches_reference", "adasum/orthogonal_is_the_sum_and_equal_is_the_vector",
     "adasum/bit_identical_on_every_rank", "adasum/process_set",
     "adasum/unsupported_raises_value_and_runtime_error", "adasum/optimizer_matches_reference",
+    "launcher/horovod_variables_name_each_ranks_place",
 ]
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -20,7 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launcher import elastic
+from launcher import cli, elastic
+from launcher.blacklist import Blacklist, check_cooldown_range
 from launcher.elastic import ElasticSettings, Supervisor, discover, rank_groups
 from launcher.failures import Failure, FailureKind
 from launcher.hostfile import Host, HostfileError, parse_discovery, parse_hostfile, parse_hosts
@@ -72,14 +75,71 @@ def test_the_ranks_shards_cover_the_dataset_in_equal_counts(monkeypatch, length,
     assert sum(map(len, shards)) - length == math.ceil(length / size) * size - length
 
 
-def test_record_batch_marks_what_every_rank_read_in_that_batch(monkeypatch):
+def test_record_batch_counts_what_every_rank_read_in_that_batch(monkeypatch):
     """One rank records a step for all without communication; 20 over 3 ranks in batches of
-    2 ends with a partial, padded batch."""
+    2 ends with a partial, padded batch.  After k batches a reset leaves exactly the samples
+    no rank has read."""
     ranks = samplers(monkeypatch, 20, 3)
+    recorder = samplers(monkeypatch, 20, 3)[1]
+    read: set[int] = set()
     for batch in range(4):
-        recorder = samplers(monkeypatch, 20, 3)[1]
         recorder.record_batch(batch, 2)
-        assert sorted(recorder.processed.nonzero().flatten().tolist()) == sorted(set(step(ranks, batch, 2)))
+        read |= set(step(ranks, batch, 2))
+        recorder.reset()
+        assert recorder.processed_num == 6 * (batch + 1)
+        assert set(recorder.remaining.tolist()) == set(range(20)) - read
+
+
+def horovod_shards(length: int, seed: int, epoch: int, processed_num: int, size: int) -> list[list[int]]:
+    """What each of ``size`` ranks reads under Horovod's ElasticSampler (horovod/torch/elastic/
+    sampler.py), restated from its documented behaviour: ``range(length)`` shuffled by
+    ``random.Random(seed + epoch)``, the first ``processed_num`` dropped, the rest padded with
+    its own first samples to a multiple of ``size``, and rank r taking every size-th from r."""
+    order = list(range(length))
+    random.Random(seed + epoch).shuffle(order)
+    remaining = order[processed_num:]
+    total = math.ceil(len(remaining) / size) * size
+    padded = remaining + remaining[:total - len(remaining)]
+    return [padded[rank:total:size] for rank in range(size)]
+
+
+def test_the_sampler_follows_horovods_processed_num_through_restore_and_resize(monkeypatch):
+    """The issue's case: record_batch adds batch_size x num_replicas whatever the index, so the
+    same calls after a restore leave Horovod's count and a resumed epoch reads what Horovod's
+    would, at the same size and at another."""
+    ranks = samplers(monkeypatch, 50, 3)
+    ranks[0].set_epoch(2)
+    for batch_idx in (0, 1):
+        ranks[0].record_batch(batch_idx, 2)
+    committed = ranks[0].state_dict()
+    ranks[0].record_batch(2, 2)
+    ranks[0].load_state_dict(committed)  # what restore() does
+    for batch_idx in (2, 3):  # a script that keeps counting its batches across the restore
+        ranks[0].record_batch(batch_idx, 2)
+    assert ranks[0].processed_num == 4 * 2 * 3
+    ranks[0].record_batch(0, 1)  # the index is not used
+    assert ranks[0].processed_num == 4 * 2 * 3 + 3
+    for size in (3, 2, 4):
+        relaunched = samplers(monkeypatch, 50, size, state=ranks[0].state_dict())
+        assert [list(sampler) for sampler in relaunched] == horovod_shards(50, 7, 2, 27, size)
+        assert [len(sampler) for sampler in relaunched] == [math.ceil(23 / size)] * size
+
+
+def test_a_horovod_sampler_state_loads(monkeypatch):
+    """Horovod's state_dict has the epoch and processed_num only."""
+    [sampler] = samplers(monkeypatch, 30, 1, state={"epoch": 4, "processed_num": 12})
+    assert list(sampler) == horovod_shards(30, 7, 4, 12, 1)[0] and not sampler.processed.any()
+
+
+def test_record_indices_marks_single_samples_which_every_rank_then_skips(monkeypatch):
+    """psrt keeps Horovod's earlier record_indices: marked samples drop out of what remains,
+    beside those record_batch counted."""
+    [sampler] = samplers(monkeypatch, 20, 1)
+    sampler.record_batch(0, 4)
+    sampler.record_indices([sampler.indices[10], sampler.indices[11]])
+    later = sampler.indices[4:10] + sampler.indices[12:]
+    sampler.reset()
+    assert sampler.indices == later
 
 
 @pytest.mark.parametrize("size", [1, 3])
@@ -109,19 +169,19 @@ def test_set_epoch_clears_processed_and_takes_that_epochs_order():
     a.record_batch(0, 10)
     for sampler in (a, b):
         sampler.set_epoch(1)
-    assert not a.processed.any() and len(a) == 50
-    assert list(a) == list(b) == torch.randperm(50, generator=torch.Generator().manual_seed(6)).tolist()
+    assert a.processed_num == 0 and len(a) == 50
+    assert list(a) == list(b) == horovod_shards(50, 5, 1, 0, 1)[0]
     assert list(a) != epoch0
 
 
-def test_a_state_of_another_dataset_and_a_negative_batch_are_refused():
+def test_a_state_of_another_dataset_and_a_batch_size_below_one_are_refused():
     sampler = ElasticSampler(range(10))
     with pytest.raises(InvalidArgumentError, match="covers 11 samples"):
         sampler.load_state_dict({"epoch": 0, "processed": torch.zeros(11, dtype=torch.bool)})
-    for batch, size in [(-1, 2), (0, 0)]:
-        with pytest.raises(InvalidArgumentError):
-            sampler.record_batch(batch, size)
-    assert not sampler.processed.any()
+    for size in (0, -2):
+        with pytest.raises(InvalidArgumentError, match="batch size must be > 0"):
+            sampler.record_batch(0, size)
+    assert sampler.processed_num == 0
 
 
 # plan_batch
@@ -164,32 +224,32 @@ def write_commit(store: CommitStore, number: int, document: dict) -> dict:
 def test_a_published_commit_loads_and_replaces_the_previous_one(tmp_path):
     store = CommitStore(str(tmp_path))
     assert store.latest() is None and CommitStore(None).latest() is None
-    store.publish(write_commit(store, 1, {"step": 1, "w": torch.arange(4.0)}))
+    store.publish(write_commit(store, 1, {"step": 1, "w": torch.arange(4.0)}), replaces=0)
     record = store.latest()
     assert (record["commit"], record["size"], record["format"]) == (1, 1, commits.FORMAT)
     document = store.load(record, commits.REPLICATED)
     assert document["step"] == 1 and torch.equal(document["w"], torch.arange(4.0))
-    store.publish(write_commit(store, 2, {"step": 2}))
+    store.publish(write_commit(store, 2, {"step": 2}), replaces=1)
     assert not (tmp_path / "commit-000001").exists()
     assert CommitStore(str(tmp_path)).load(store.latest(), commits.REPLICATED) == {"step": 2}
 
 
 def test_a_commit_killed_before_it_was_published_leaves_the_previous_one(tmp_path):
     store = CommitStore(str(tmp_path))
-    store.publish(write_commit(store, 1, {"step": 1}))
-    store.publish(write_commit(store, 2, {"step": 2}))
+    store.publish(write_commit(store, 1, {"step": 1}), replaces=0)
+    store.publish(write_commit(store, 2, {"step": 2}), replaces=1)
     write_commit(store, 3, {"step": 3})  # killed here
     relaunched = CommitStore(str(tmp_path))
     record = relaunched.latest()
     assert record["commit"] == 2 and relaunched.load(record, commits.REPLICATED) == {"step": 2}
-    relaunched.publish(write_commit(relaunched, 3, {"step": 3.5}))  # the relaunch's commit 3 overwrites
+    relaunched.publish(write_commit(relaunched, 3, {"step": 3.5}), replaces=2)  # the relaunch's commit 3 overwrites
     assert relaunched.load(relaunched.latest(), commits.REPLICATED) == {"step": 3.5}
     assert not (tmp_path / "commit-000002").exists()
 
 
 def test_a_file_changed_after_its_commit_is_refused_by_name(tmp_path):
     store = CommitStore(str(tmp_path))
-    store.publish(write_commit(store, 1, {"w": torch.arange(100.0)}))
+    store.publish(write_commit(store, 1, {"w": torch.arange(100.0)}), replaces=0)
     path = tmp_path / "commit-000001" / commits.REPLICATED
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -218,8 +278,8 @@ def test_hosts_version_and_reset_request(tmp_path):
     assert json.loads((tmp_path / commits.RESET).read_text()) == {"reason": "the hosts changed"}
     CommitStore(None).request_reset("nowhere to write: nothing happens")
     # launcher.elastic keeps its own copies of the names, so that psrun needs no torch
-    assert (elastic.ENV_DIR, elastic.ENV_HOSTS_VERSION, elastic.HOSTS, elastic.RESET) == \
-        (commits.ENV_DIR, commits.ENV_HOSTS_VERSION, commits.HOSTS, commits.RESET)
+    assert (elastic.ENV_DIR, elastic.ENV_HOSTS_VERSION, elastic.HOSTS, elastic.RESET, elastic.RESTORE_FAILED) == \
+        (commits.ENV_DIR, commits.ENV_HOSTS_VERSION, commits.HOSTS, commits.RESET, commits.RESTORE_FAILED)
 
 
 # launcher: slot groups and discovery
@@ -283,7 +343,7 @@ def raised(rank: int) -> JobResult:
 
 
 def supervise(tmp_path, results, groups=(A, B, C), *, min_np=1, max_np=3, initial_np=None, restarts=3,
-              timeout_s=1.0, discovery=None, directory=None):
+              timeout_s=1.0, discovery=None, directory=None, cooldown_s=None):
     """Run a Supervisor whose jobs end with ``results`` in turn (a callable gets the launch's
     environment and returns the result); returns its exit code, each launch's (hosts,
     num_proc), each launch's environment and the messages."""
@@ -299,7 +359,7 @@ def supervise(tmp_path, results, groups=(A, B, C), *, min_np=1, max_np=3, initia
         return result(run.envs[-1]) if callable(result) else result
 
     settings = ElasticSettings(min_np, max_np, initial_np, restarts, timeout_s, discovery,
-                               directory or str(tmp_path))
+                               directory or str(tmp_path), cooldown_s)
     supervisor = Supervisor(settings, None if discovery else tuple(groups), launch=launch, run_job=run_job,
                             say=run.messages.append)
     run.code = supervisor.run()
@@ -375,11 +435,110 @@ def test_each_launch_is_told_the_elastic_directory_and_its_number(tmp_path, monk
     assert [env[elastic.ENV_HOSTS_VERSION] for env in run.envs] == ["0"] * 3
 
 
-def test_initial_np_caps_only_the_first_launch_and_max_np_every_one(tmp_path):
+def test_every_launch_takes_every_usable_slot_up_to_max_np_as_horovod(tmp_path):
+    """-np is not the first launch's size (Horovod starts on every available slot up to
+    --max-np): three usable groups give three ranks at once; --max-np caps every launch."""
     run = supervise(tmp_path, [raised(1), SUCCESS], initial_np=2)
-    assert run.code == 0 and run.launches == [((A, B), 2), ((A, B, C), 3)]
+    assert run.code == 0 and run.launches == [((A, B, C), 3)] * 2
     run = supervise(tmp_path, [raised(1), SUCCESS], max_np=2)
     assert run.launches == [((A, B), 2)] * 2
+
+
+def test_np_is_how_many_slots_the_first_launch_waits_for(tmp_path, monkeypatch):
+    """With discovery, the first launch waits for -np slots (Horovod's driver.start(np)), then
+    takes them all; later launches need only --min-np."""
+    monkeypatch.setattr(elastic, "DISCOVERY_INTERVAL_S", 0.05)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\nb:1\n")
+    threading.Timer(0.3, lambda: hosts.write_text("a:1\nb:1\nc:1\n")).start()
+    run = supervise(tmp_path, [killed(2), SUCCESS], initial_np=3, timeout_s=10.0,
+                    discovery=script(tmp_path, f"cat {hosts}\n"))
+    assert run.code == 0 and run.launches == [((A, B, C), 3), ((A, B), 2)], run.messages
+    assert "fewer than -np 3: waiting" in run.messages[0]
+
+
+def test_a_lost_group_is_blacklisted_with_a_cooldown_and_the_job_grows_back_into_it(tmp_path, monkeypatch):
+    """--blacklist-cooldown-range 1 1: the group that lost a rank stays out for 1 s; once it is
+    usable again the running job is told (hosts.json) and relaunched on all three groups."""
+    monkeypatch.setattr(elastic, "DISCOVERY_INTERVAL_S", 0.05)
+
+    def waits_for_the_group_to_return(env: dict) -> JobResult:
+        hosts = Path(env[commits.ENV_DIR]) / commits.HOSTS
+        deadline = time.monotonic() + 30
+        while not hosts.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(hosts.read_text())["hosts"] == ["a:1", "b:1", "c:1"]
+        return request_reset(env)
+
+    run = supervise(tmp_path, [killed(1), waits_for_the_group_to_return, SUCCESS], cooldown_s=(1.0, 1.0))
+    assert run.code == 0 and run.launches == [((A, B, C), 3), ((A, C), 2), ((A, B, C), 3)], run.messages
+    assert "dropped slot group b:1 for 1.0 s (--blacklist-cooldown-range)" in run.messages[1]
+    assert "hosts changed to a:1, b:1, c:1" in run.messages[2]
+
+
+def test_a_static_job_waits_for_a_blacklisted_group_to_come_back(tmp_path, monkeypatch):
+    """Two groups, --min-np 2: after a loss the job cannot run until the cooldown ends; with
+    no cooldown it fails at once, as before."""
+    monkeypatch.setattr(elastic, "DISCOVERY_INTERVAL_S", 0.05)
+    run = supervise(tmp_path, [killed(0), SUCCESS], groups=(A, B), min_np=2, timeout_s=30.0, cooldown_s=(1.0, 1.0))
+    assert run.code == 0 and run.launches == [((A, B), 2)] * 2, run.messages
+    run = supervise(tmp_path, [killed(0), SUCCESS], groups=(A, B), min_np=2, timeout_s=30.0)
+    assert run.code == 1 and len(run.launches) == 1 and "fewer than --min-np 2" in run.messages[-1]
+
+
+@pytest.mark.parametrize("low, high, jitter, expected", [
+    (2.0, 30.0, 0.0, [4.0, 8.0, 16.0, 30.0, 30.0]),  # LOW * 2**n, capped at HIGH
+    (2.0, 30.0, 0.5, [5.0, 9.0, 17.0, 30.0, 30.0]),  # plus a random share of LOW
+    (5.0, 5.0, 0.9, [5.0] * 5),  # never above HIGH, never below LOW
+])
+def test_the_blacklist_cooldown_doubles_with_each_loss_within_its_range(low, high, jitter, expected):
+    now = [100.0]
+    blacklist = Blacklist((low, high), clock=lambda: now[0], jitter=lambda: jitter)
+    for seconds in expected:
+        assert blacklist.add("b") == pytest.approx(seconds)
+        assert blacklist.excludes("b") and blacklist.returns_later() and not blacklist.excludes("a")
+        now[0] += seconds - 0.01
+        assert blacklist.excludes("b")
+        now[0] += 0.02
+        assert not blacklist.excludes("b") and not blacklist.returns_later()
+
+
+def test_without_a_cooldown_range_a_lost_group_stays_out_for_good():
+    now = [0.0]
+    blacklist = Blacklist(None, clock=lambda: now[0])
+    assert blacklist.add("b") == math.inf
+    now[0] = 1e9
+    assert blacklist.excludes("b") and not blacklist.returns_later()
+
+
+@pytest.mark.parametrize("low, high", [(0.5, 10), (5, 4), (1, 3601), (float("nan"), 2), (1, float("inf"))])
+def test_a_cooldown_range_outside_horovods_bounds_is_refused(low, high):
+    assert "--blacklist-cooldown-range" in check_cooldown_range(low, high)
+    assert check_cooldown_range(1, 3600) is None
+
+
+def restore_fails(reason: str):
+    """A launch whose job could not restore its commit (psrt.elastic's State._resume)."""
+    def job(env: dict) -> JobResult:
+        CommitStore(env[commits.ENV_DIR]).report_restore_failure(reason)
+        return raised(0)
+    return job
+
+
+def test_a_commit_that_fails_to_restore_the_same_way_twice_is_not_relaunched_again(tmp_path):
+    damaged = "cannot resume from commit 3: rank 0: .../replicated.pt was modified after it was saved"
+    run = supervise(tmp_path, [restore_fails(damaged)] * 4, restarts=3)
+    assert run.code == 1 and len(run.launches) == 2, run.messages
+    assert "giving up: launches 1 and 2 could not restore the last commit, both for the same reason" \
+        in run.messages[-1] and damaged in run.messages[-1]
+    assert not (tmp_path / commits.RESTORE_FAILED).exists()
+
+
+def test_restore_failures_that_differ_or_are_not_in_a_row_use_the_restarts(tmp_path):
+    run = supervise(tmp_path, [restore_fails("a transient read error"), restore_fails("another"), SUCCESS])
+    assert run.code == 0 and len(run.launches) == 3
+    run = supervise(tmp_path, [restore_fails("x"), raised(0), restore_fails("x"), SUCCESS])
+    assert run.code == 0 and len(run.launches) == 4
 
 
 # Bugs found while writing these tests, fixed since.
@@ -410,3 +569,58 @@ def test_an_exit_before_any_launch_leaves_no_temporary_directory(tmp_path, monke
                             launch=None, run_job=None, say=messages.append)
     assert supervisor.run() == 1 and "fewer than --min-np 2" in messages[-1]
     assert list(tmp_path.iterdir()) == []
+
+
+# psrun's elastic flags (main() in-process, against a fake mpirun that records being run)
+
+def recording_mpirun(tmp_path: Path) -> tuple[str, Path]:
+    """A fake Open MPI mpirun that answers --version and otherwise writes its arguments to a file."""
+    ran = tmp_path / "mpirun-ran"
+    path = tmp_path / "mpirun"
+    path.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 5.0.11'; exit 0; fi\n"
+                    f"echo \"$@\" >> {ran}\n")
+    path.chmod(0o755)
+    return str(path), ran
+
+
+def test_dry_run_with_elastic_flags_prints_the_first_launch_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(elastic.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    mpirun, ran = recording_mpirun(tmp_path)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\nlocalhost:1\nlocalhost:1\n")
+    code = cli.main(["--mpirun", mpirun, "--dry-run", "--hostfile", str(hosts), "--min-np", "2", "--max-np", "2",
+                     "--elastic-dir", str(tmp_path / "job"), "python", "train.py"])
+    out, err = capsys.readouterr()
+    assert code == 0 and not ran.exists(), err
+    command = shlex.split(out)
+    assert command[0] == mpirun and command[command.index("-np") + 1] == "2" and command[-2:] == ["python", "train.py"]
+    assert f"{elastic.ENV_DIR}={tmp_path / 'job'}" in command and f"{elastic.ENV_LAUNCH}=1" in command
+    assert "dry run: launch 1 would run 2 ranks on localhost:1, localhost:1" in err
+    assert not (tmp_path / "job").exists() and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_dry_run_does_not_wait_for_discovery(tmp_path, capsys):
+    """Too few slots now: the dry run says the job would wait, prints no command line and exits 1."""
+    mpirun, ran = recording_mpirun(tmp_path)
+    started = time.monotonic()
+    code = cli.main(["--mpirun", mpirun, "--dry-run", "--host-discovery-script", script(tmp_path, "echo a:1\n"),
+                     "--min-np", "2", "python", "train.py"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and not ran.exists() and time.monotonic() - started < 30
+    assert "1 usable slot(s) now (a:1), fewer than --min-np 2: the job would wait up to 600 s" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1", "soon"])
+def test_elastic_timeout_must_be_a_finite_positive_number_of_seconds(tmp_path, capsys, value):
+    mpirun, ran = recording_mpirun(tmp_path)
+    code = cli.main(["--mpirun", mpirun, "--min-np", "1", f"--elastic-timeout={value}", "python", "train.py"])
+    assert code == 2 and not ran.exists()
+    assert f"argument --elastic-timeout: {value!r}" in capsys.readouterr().err
+
+
+def test_a_bad_blacklist_cooldown_range_is_refused_before_launching(tmp_path, capsys):
+    mpirun, ran = recording_mpirun(tmp_path)
+    code = cli.main(["--mpirun", mpirun, "--blacklist-cooldown-range", "10", "5", "python", "train.py"])
+    assert code == 2 and not ran.exists()
+    assert "psrun: error: --blacklist-cooldown-range 10 5: need 1 <= LOW <= HIGH <= 3600" in capsys.readouterr().err

@@ -3,6 +3,7 @@ it refuses.  The multi-rank behaviour (relaunches, resharding, exact resume) is 
 tests/parallel/test_elastic.py."""
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 
 import psrt.torch as hvd
 from psrt.elastic import commits
+from psrt.elastic.commits import CommitStore
 from psrt.errors import ArgumentTypeError, ElasticError
 
 
@@ -65,7 +67,7 @@ def test_restore_goes_back_to_the_last_commit_in_memory(world_of_one):
     assert state.epoch == 1 and state.history == [0.5]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in kept.items())
     assert torch.equal(optimizer.state_dict()["state"][0]["step"], kept_step)
-    assert int(sampler.processed.sum()) == 2
+    assert sampler.processed_num == 2
 
 
 def test_a_commit_on_disk_restores_bit_identically_in_a_fresh_process_state(world_of_one, elastic_dir):
@@ -84,7 +86,8 @@ def test_a_commit_on_disk_restores_bit_identically_in_a_fresh_process_state(worl
     resumed = hvd.elastic.TorchState(fresh_model, fresh_optimizer, sampler=fresh_sampler, epoch=0)
     assert resumed._resume() and resumed.restored_from == 1 and resumed.epoch == 3
     assert (random.random(), np.random.rand(), torch.rand(1)) == after_commit
-    assert torch.equal(fresh_sampler.processed, sampler.processed)
+    sampler.reset()  # what the committing job's sampler reads once it is reset
+    assert fresh_sampler.processed_num == sampler.processed_num == 3 and list(fresh_sampler) == list(sampler)
     step(fresh_model, fresh_optimizer)
     assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in expected.items())
 
@@ -135,3 +138,93 @@ def test_wrong_types_are_named():
 
     with pytest.raises(ArgumentTypeError, match="first argument of an elastic function"):
         train(42)
+
+
+# A commit directory is never guessed at, nor cleaned of what the job did not write (issue 27).
+
+def commits_in(directory) -> list[str]:
+    return sorted(path.name for path in directory.glob("commit-*"))
+
+
+@hvd.elastic.run
+def two_commits(state):
+    for _ in range(2):
+        state.epoch += 1
+        state.commit()
+    return state.epoch
+
+
+def test_commits_without_latest_json_are_refused_naming_them_and_kept(world_of_one, elastic_dir):
+    """Deleting latest.json must not make the next launch start afresh and then delete the
+    commit: it is an error naming the directory and its commits, and nothing is removed."""
+    assert two_commits(hvd.elastic.ObjectState(epoch=0)) == 2 and commits_in(elastic_dir) == ["commit-000002"]
+    (elastic_dir / commits.LATEST).unlink()
+    expected = f"{elastic_dir} holds commit directories commit-000002 but no latest.json"
+    with pytest.raises(ElasticError, match=expected):
+        two_commits(hvd.elastic.ObjectState(epoch=0))
+    with pytest.raises(ElasticError, match=expected):  # committing without elastic.run() is refused too
+        hvd.elastic.ObjectState(epoch=5).commit()
+    assert commits_in(elastic_dir) == ["commit-000002"] and (elastic_dir / "commit-000002" / commits.REPLICATED).exists()
+    assert not (elastic_dir / commits.LATEST).exists()
+    assert expected in json.loads((elastic_dir / commits.RESTORE_FAILED).read_text())["reason"]  # for psrun
+
+
+@pytest.mark.parametrize("pointer", ["{not json", '{"format": "other/1", "commit": 2, "files": {}}'])
+def test_a_damaged_or_foreign_latest_json_names_the_commits_found(world_of_one, elastic_dir, pointer):
+    two_commits(hvd.elastic.ObjectState(epoch=0))
+    (elastic_dir / commits.LATEST).write_text(pointer)
+    with pytest.raises(ElasticError, match="commit directories commit-000002"):
+        two_commits(hvd.elastic.ObjectState(epoch=0))
+    assert commits_in(elastic_dir) == ["commit-000002"]
+
+
+def test_a_job_removes_only_the_commit_it_replaces(world_of_one, elastic_dir):
+    """A commit directory the job did not write (copied in, or left by another job) stays,
+    whether the job resumes or commits without elastic.run()."""
+    two_commits(hvd.elastic.ObjectState(epoch=0))
+    foreign = elastic_dir / "commit-000009"
+    foreign.mkdir()
+    (foreign / commits.REPLICATED).write_bytes(b"someone else's")
+    resumed = hvd.elastic.ObjectState(epoch=0)
+    assert two_commits(resumed) == 4 and resumed.restored_from == 2
+    assert commits_in(elastic_dir) == ["commit-000004", "commit-000009"]
+    unresumed = hvd.elastic.ObjectState(epoch=100)
+    unresumed.commit()  # numbered after the pointer, so it cannot land in a directory it did not write
+    assert commits_in(elastic_dir) == ["commit-000004", "commit-000005", "commit-000009"]
+    assert CommitStore(str(elastic_dir)).latest()["commit"] == 5
+    assert (foreign / commits.REPLICATED).read_bytes() == b"someone else's"
+
+
+def test_a_job_killed_inside_its_first_commit_starts_afresh(world_of_one, elastic_dir):
+    """The pointer is written before the first commit directory, so the directory an unfinished
+    first commit leaves is not mistaken for a commit whose pointer was lost."""
+    first = hvd.elastic.ObjectState(epoch=0)
+
+    @hvd.elastic.run
+    def killed_in_first_commit(state):
+        state._store.begin(1)
+        state._store.save({"rng": 0}, 1, commits.rank_file(0))  # the process dies here
+
+    killed_in_first_commit(first)
+    relaunched = hvd.elastic.ObjectState(epoch=0)
+    assert two_commits(relaunched) == 2 and relaunched.restored_from is None
+    assert commits_in(elastic_dir) == ["commit-000002"]
+
+
+def test_without_a_commit_directory_run_keeps_commits_in_memory(world_of_one, monkeypatch):
+    monkeypatch.delenv(commits.ENV_DIR, raising=False)
+    state = hvd.elastic.ObjectState(epoch=0)
+    assert two_commits(state) == 2 and state.restored_from is None
+    state.epoch = 7
+    state.restore()
+    assert state.epoch == 2
+
+
+def test_a_restore_failure_is_reported_for_psrun(world_of_one, elastic_dir):
+    two_commits(hvd.elastic.ObjectState(epoch=0))
+    path = elastic_dir / "commit-000002" / commits.REPLICATED
+    path.write_bytes(path.read_bytes()[:-4] + b"oops")
+    with pytest.raises(ElasticError, match="cannot resume from commit 2") as caught:
+        two_commits(hvd.elastic.ObjectState(epoch=0))
+    reason = json.loads((elastic_dir / commits.RESTORE_FAILED).read_text())["reason"]
+    assert reason == str(caught.value) and "sha256" in reason

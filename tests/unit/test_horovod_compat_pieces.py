@@ -3,6 +3,10 @@ integer Average rounding, error classes that are both Horovod's and psrt's, and 
 single-rank forms of join, alltoall and sparse_allreduce_async."""
 from __future__ import annotations
 
+import os
+import socket
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -94,3 +98,42 @@ def test_sparse_allreduce_async_returns_a_callable_handle(world_of_one):
     assert got.is_sparse and not got.is_coalesced() and torch.equal(got.to_dense(), sparse.to_dense())
     integers = torch.sparse_coo_tensor([[1, 1]], torch.tensor([-3, 2]), (3,), check_invariants=True)
     assert hvd.sparse_allreduce_async(integers, name="ints", op=hvd.Average)().to_dense().tolist() == [0, -1, 0]
+
+
+def test_mpi_ops_holds_the_objects_horovod_code_imports_from_it(world_of_one):
+    """``from horovod.torch.mpi_ops import synchronize, allreduce_async, poll`` keeps working
+    with psrt's name: the same objects as hvd's, usable as such."""
+    from psrt.torch import mpi_ops
+    from psrt.torch.mpi_ops import allreduce_async, poll, synchronize
+
+    assert (allreduce_async, poll, synchronize) == (hvd.allreduce_async, hvd.poll, hvd.synchronize)
+    assert all(getattr(mpi_ops, name) is getattr(hvd, name) for name in mpi_ops.__all__)
+    assert len(set(mpi_ops.__all__)) == len(mpi_ops.__all__) and set(mpi_ops.__all__) <= set(hvd.__all__)
+    handle = allreduce_async(torch.arange(3.0), name="mpi_ops.check", op=hvd.Sum)
+    while not poll(handle):
+        pass
+    assert torch.equal(synchronize(handle), torch.arange(3.0))
+
+
+def test_horovod_variables_say_each_ranks_place_as_horovodrun_does():
+    """Rank 3 of 2 hosts x 2 slots: local rank 1 of 2, cross rank 1 of 2 (its host's index)."""
+    from psrt.horovod_env import horovod_variables
+
+    def group(rank: int, size: int) -> SimpleNamespace:
+        return SimpleNamespace(rank=rank, size=size)
+
+    topology = SimpleNamespace(world=group(3, 4), local=group(1, 2), cross=group(1, 2))
+    assert horovod_variables(topology, "node2") == {
+        "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
+        "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2", "HOROVOD_HOSTNAME": "node2"}
+
+
+def test_init_sets_the_horovod_variables(monkeypatch):
+    monkeypatch.setenv("HOROVOD_RANK", "7")  # inherited from psrun's environment: replaced
+    hvd.init()
+    try:
+        assert (os.environ["HOROVOD_RANK"], os.environ["HOROVOD_SIZE"], os.environ["HOROVOD_CROSS_SIZE"]) == \
+            ("0", "1", "1")
+        assert os.environ["HOROVOD_HOSTNAME"] == socket.gethostname()
+    finally:
+        hvd.shutdown()

@@ -54,6 +54,15 @@ def test_num_servers_comes_from_the_environment():
         config_from_env({"PSRT_PS_CHUNK_BYTES": "0"})
 
 
+@pytest.mark.parametrize("value", ["1", "255"])
+def test_a_chunk_size_below_the_floor_is_refused_naming_the_variable_and_the_floor(value):
+    """Each chunk is a message of its own: 1-byte chunks made a 64 KiB push take 32 s."""
+    with pytest.raises(InvalidArgumentError, match=f"PSRT_PS_CHUNK_BYTES='{value}' is out of range: it must be "
+                                                   "between 256 and"):
+        config_from_env({"PSRT_PS_CHUNK_BYTES": value})
+    assert config_from_env({"PSRT_PS_CHUNK_BYTES": "256"}).ps_chunk_bytes == 256
+
+
 # -- placement -----------------------------------------------------------------------------
 def test_large_keys_are_split_into_contiguous_chunks_over_all_servers():
     placement = Placement(num_servers=4, chunk_bytes=1 * MiB)

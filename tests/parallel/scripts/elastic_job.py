@@ -147,6 +147,9 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state):
+        horovods = [os.environ.get(f"HOROVOD_{name}") for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE")]
+        assert horovods == [str(n) for n in (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())], \
+            f"HOROVOD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE are {horovods} on rank {hvd.rank()} of {hvd.size()}"
         if hvd.rank() == 0:
             print(f"launch {os.environ.get('PSRT_ELASTIC_LAUNCH', '-')}: {hvd.size()} ranks from step {state.step} "
                   f"(resumed from commit {state.restored_from})", flush=True)

@@ -6,9 +6,13 @@ alltoall's return values and splits errors, the callable handle of
 ``sparse_allreduce_async``, ``join(device)`` and integer Average under it, broadcasts
 rooted outside rank 0's process set, optimizer state broadcast before any step,
 ``DistributedOptimizer``'s parameter names and sparse gradients, and Adasum (allreduce
-and optimizer) against a single-process reference of the same recursive combination.
+and optimizer) against a single-process reference of the same recursive combination, and
+the ``HOROVOD_*`` variables horovodrun gives each worker.
 """
 from __future__ import annotations
+
+import os
+import socket
 
 import numpy as np
 import torch
@@ -425,6 +429,19 @@ def adasum_optimizer_matches_reference(key: str) -> None:
                                        msg=f"{key}: step {step}, parameter {i}")
 
 
+# -- 7. the launcher's variables --------------------------------------------------------------
+def horovod_variables_name_each_ranks_place(key: str) -> None:
+    """HOROVOD_RANK and the rest, as horovodrun sets them, equal hvd's own answers, and
+    the ranks' (rank, local rank) pairs are all different."""
+    expected = {"RANK": hvd.rank(), "SIZE": hvd.size(), "LOCAL_RANK": hvd.local_rank(),
+                "LOCAL_SIZE": hvd.local_size(), "CROSS_RANK": hvd.cross_rank(), "CROSS_SIZE": hvd.cross_size()}
+    got = {name: os.environ.get(f"HOROVOD_{name}") for name in expected}
+    assert got == {name: str(value) for name, value in expected.items()}, f"{key}: {got} != {expected}"
+    assert os.environ.get("HOROVOD_HOSTNAME") == socket.gethostname(), f"{key}: {os.environ.get('HOROVOD_HOSTNAME')}"
+    places = hvd.allgather_object((got["RANK"], got["LOCAL_RANK"]), name=key)
+    assert len(set(places)) == hvd.size(), f"{key}: ranks share a place: {places}"
+
+
 def main() -> None:
     hvd.init()
     size = hvd.size()
@@ -458,6 +475,7 @@ def main() -> None:
     checks.add("adasum/process_set", adasum_on_a_process_set)
     checks.add("adasum/unsupported_raises_value_and_runtime_error", adasum_unsupported_raises_value_and_runtime_error)
     checks.add("adasum/optimizer_matches_reference", adasum_optimizer_matches_reference)
+    checks.add("launcher/horovod_variables_name_each_ranks_place", horovod_variables_name_each_ranks_place)
     _harness.run(checks)
     hvd.shutdown()
 
