@@ -8,7 +8,11 @@ steps, and timed from the signal (or the link going down) to psrun's exit:
 * frozen rank: SIGSTOP to rank 1 of 2 (data-parallel);
 * frozen server: SIGSTOP to the parameter server of a 1-server, 2-worker job;
 * partitioned link: two "hosts" (network namespaces, see ``tests/multihost/netns.py``), one
-  cut off from the other (skipped where namespaces cannot be made).
+  cut off from the other (skipped where namespaces cannot be made);
+* deadlocks, with the default stall settings, timed from the last rank blocking to psrun's
+  exit (``tests/parallel/scripts/deadlock_job.py``): ``opt.save()`` of ZeRO on rank 0 only
+  (engine collectives), a TP all-reduce against ``hvd.allreduce`` (direct against engine), and
+  rank 0 at exit while the others wait in a TP all-reduce, each at 2 and 4 ranks.
 
 The stall settings are PSRT_STALL_CHECK_TIME / PSRT_STALL_SHUTDOWN_TIME (3 s / 8 s unless
 given): a frozen rank cannot end the job before the shutdown time, so the figure that
@@ -32,12 +36,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "parallel"), str(REPO / "tests" / "multihost")]
 
-from faults import run_with_fault  # noqa: E402
+from faults import run_until_it_ends, run_with_fault  # noqa: E402
 import netns  # noqa: E402
 from psrt.comm.watchdog import Watchdog  # noqa: E402
 
 
-FAULTS = ("killed rank", "frozen rank", "frozen server", "partitioned link")
+FAULTS = ("killed rank", "frozen rank", "frozen server", "partitioned link", "deadlock")
+#: (label, deadlock_job.py mode, ranks)
+DEADLOCKS = [(f"deadlock {what} ({np} ranks)", mode, np) for what, mode in
+             (("engine: save on rank 0", "zero_save"), ("direct vs engine", "tp_vs_engine"),
+              ("exit vs direct", "exit_vs_tp")) for np in (2, 4)]
 
 
 def time_local(kind: str, env: dict[str, str]) -> float:
@@ -51,6 +59,14 @@ def time_local(kind: str, env: dict[str, str]) -> float:
                              rank=2, signum=signal.SIGSTOP)
     if job.returncode in (0, None) or job.left_behind:
         raise RuntimeError(f"{kind}: the job did not end as it should\n{job.diagnosis()}")
+    return job.seconds_after_fault
+
+
+def time_deadlock(mode: str, np: int) -> float:
+    """Seconds from the last rank blocking to the job's end, with the default stall settings."""
+    job = run_until_it_ends("deadlock_job.py", np, (mode,), {})
+    if job.returncode in (0, None) or "psrt: deadlock:" not in job.stderr or job.left_behind:
+        raise RuntimeError(f"deadlock {mode}: the job did not end as it should\n{job.diagnosis()}")
     return job.seconds_after_fault
 
 
@@ -130,14 +146,18 @@ def main() -> None:
             print(f"{kind}: {results[kind]}", flush=True)
     if "partitioned link" in chosen:
         results.update(time_partitions(env, args.repeats))
+    if "deadlock" in chosen:
+        for label, mode, np in DEADLOCKS:
+            results[label] = [time_deadlock(mode, np) for _ in range(args.repeats)]
+            print(f"{label}: {results[label]}", flush=True)
     stalls = {"frozen rank", "frozen server", "partitioned link"}
     print(f"fault -> job end, {args.repeats} runs each (PSRT_STALL_CHECK_TIME={args.check:g} s, "
           f"PSRT_STALL_SHUTDOWN_TIME={args.shutdown:g} s)")
-    print(f"{'fault':<18} {'median s':>9} {'min s':>7} {'max s':>7} {'over shutdown time':>19}")
+    print(f"{'fault':<42} {'median s':>9} {'min s':>7} {'max s':>7} {'over shutdown time':>19}")
     for kind, seconds in results.items():
         median = statistics.median(seconds)
         over = f"{median - args.shutdown:+.1f} s" if kind in stalls else "-"
-        print(f"{kind:<18} {median:>9.1f} {min(seconds):>7.1f} {max(seconds):>7.1f} {over:>19}")
+        print(f"{kind:<42} {median:>9.1f} {min(seconds):>7.1f} {max(seconds):>7.1f} {over:>19}")
     cost = marking_cost_us()
     print(f"marking one wait: {cost['per_call']:.2f} us made per call (each TP or engine collective), "
           f"{cost['reused']:.2f} us reused (each engine negotiation round)")
