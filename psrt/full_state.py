@@ -9,8 +9,9 @@ the dictionary one process training the same model would have (keys and values).
 :func:`load_full_state_dict` is the inverse: each rank takes its own entries and TP blocks
 from such a dictionary (no communication).
 
-Both are collective over the grid.  The merge sends each rank's entries to the others of
-its EP and PP sets, so every rank holds the whole model in host memory for a moment.
+:func:`full_state_dict` is collective over the grid.  The merge sends each rank's entries
+to the others of its EP and PP sets, so every rank holds the whole model in host memory for
+a moment.
 """
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ def full_state_dict(module: nn.Module, grid: ProcessGrid | None = None, optimize
                     ) -> dict[str, torch.Tensor]:
     """The single-process ``state_dict`` of the model ``module`` is this rank's part of, on every
     rank (host tensors).  ``grid`` is the layout (None: one process, or plain data parallelism);
-    ``optimizer`` the ZeroOptimizer wrapping ``module``, if any (stage 3 gathers through it)."""
+    ``optimizer`` the ZeroOptimizer wrapping ``module``, if any (stage 3 gathers through it).
+
+    Collective: every rank of the world calls it, in the same order (without a grid, every rank
+    of the ZeRO optimizer's process set).
+    """
     gathered = optimizer.gathered_parameters() if hasattr(optimizer, "gathered_parameters") else \
         contextlib.nullcontext()
     with gathered:
@@ -68,7 +73,8 @@ def _block_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a single-process ``state_dict`` into this rank's part of the model: its stage's
     entries, its experts, its TP block of every split parameter.  Every entry the rank holds
-    must be there (extra ones belong to other ranks).  With ZeRO, load before wrapping."""
+    must be there (extra ones belong to other ranks).  With ZeRO, load before wrapping.  No
+    communication: each rank may call it on its own."""
     own = module.state_dict(keep_vars=True)
     missing = sorted(set(own) - set(state_dict))
     if missing:

@@ -103,7 +103,7 @@ class GridShape:
 
 
 class ProcessGrid:
-    """The DP × CP × TP × PP layout of the job; collective over the world on construction.
+    """The DP × CP × TP × PP layout of the job.
 
     ``dp_set``, ``tp_set`` and ``pp_set`` are ordinary registered process sets; a
     set's rank order follows the coordinate along its axis, so ``tp_set.rank() ==
@@ -112,12 +112,22 @@ class ProcessGrid:
     same parameters: data-parallel optimizers reduce gradients over it, since each CP rank
     holds the gradient of its own tokens).  With ``cp=1`` ``cp_set`` is None (no context
     parallelism: ring attention is ordinary attention) and ``dp_cp_set`` is ``dp_set``.
-    With ``ep`` > 1 (which must divide ``dp``) experts are sharded over ``ep_set`` (ep
-    consecutive data-parallel ranks) and ``edp_set`` holds the ranks with the same experts,
-    over which their gradients are reduced; with ``ep=1`` ``ep_set`` is None and ``edp_set``
-    is ``dp_cp_set``.  Every rank must build the same grid, in the same order relative to
-    other process-set registrations.  ``runtime`` is the psrt runtime whose world it lays
-    out (default: the current one).
+    With ``ep`` > 1 experts are sharded over ``ep_set`` (ep consecutive data-parallel ranks)
+    and ``edp_set`` holds the ranks with the same experts, over which their gradients are
+    reduced; with ``ep=1`` ``ep_set`` is None and ``edp_set`` is ``dp_cp_set``.  Ranks are
+    placed in host order, TP varying fastest, then CP, DP and PP.
+
+    Collective: every rank of the world constructs the same grid, in the same order relative to
+    other process-set registrations (construction registers its process sets).
+
+    :param dp: data-parallel size, an int >= 1; default 1.
+    :param tp: tensor-parallel size, an int >= 1; default 1.
+    :param pp: pipeline-parallel size (stages), an int >= 1; default 1.
+    :param cp: context-parallel size, an int >= 1; default 1.  The product
+        ``dp × cp × tp × pp`` must equal the number of ranks.
+    :param ep: expert-parallel size, an int >= 1 that divides ``dp``; default 1.
+    :param runtime: the psrt runtime whose world it lays out; default None: the current one.
+        Keyword only.
     """
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *,
@@ -166,7 +176,13 @@ class ProcessGrid:
         return self._sets.get(EXPERT_REPLICAS, self.dp_cp_set)
 
     def world_rank(self, dp: int, tp: int, pp: int, cp: int = 0) -> int:
-        """The world rank at these coordinates."""
+        """The world rank at these coordinates (no communication).
+
+        :param dp: the data-parallel coordinate, in ``[0, dp)``.
+        :param tp: the tensor-parallel coordinate, in ``[0, tp)``.
+        :param pp: the pipeline stage, in ``[0, pp)``.
+        :param cp: the context-parallel coordinate, in ``[0, cp)``; default 0.
+        """
         return self._world_rank_at[self.shape.position(Coordinates(dp=dp, tp=tp, pp=pp, cp=cp))]
 
     @property
@@ -190,7 +206,10 @@ class ProcessGrid:
         return None if self.is_first_stage else self.world_rank(at.dp, at.tp, at.pp - 1, at.cp)
 
     def free(self) -> None:
-        """Unregister this grid's process sets (collective, like their registration)."""
+        """Unregister this grid's process sets; nothing may still be pending on them.
+
+        Collective: every rank of the world calls it, in the same order, like the registration.
+        """
         topology = self.runtime.topology
         for process_set in self._registered:
             topology.remove_process_set(process_set)

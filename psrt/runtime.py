@@ -58,9 +58,8 @@ _parameter_servers_gone = False  # this worker's shutdown let the servers exit
 def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> None:
     """Start the runtime: MPI (or a size-1 singleton), host layout, process sets.
 
-    Idempotent: a second call while initialised does nothing.  Under a
-    launcher every rank must call it.  If it fails on one rank of a job, it ends
-    the job with the reason (the other ranks would wait for that rank forever),
+    Idempotent: a second call while initialised does nothing.  If it fails on one rank of a
+    job, it ends the job with the reason (the other ranks would wait for that rank forever),
     unless ``PSRT_ABORT_ON_EXCEPTION=0``; then it raises (if only registering
     ``process_sets`` failed, psrt is initialised and ``shutdown()`` stops it).
 
@@ -68,6 +67,13 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     inside this call and exits the process once every worker has shut down;
     on worker ranks the world (``rank()``, ``size()``, every collective) is
     the workers only.
+
+    Collective: every rank of the world calls it, in the same order (under a launcher, every
+    rank of the job, before any other psrt call).
+
+    :param process_sets: process sets to register as :func:`add_process_set` does, in order:
+        :class:`ProcessSet` objects or lists of world ranks; default None (none but the global
+        set).  Every rank must pass the same sets.
     """
     global _runtime
     if _runtime is not None:
@@ -164,7 +170,10 @@ def shutdown() -> None:
     called again afterwards.
 
     Other ranks' pending collectives then fail with a message naming this rank,
-    rather than waiting for it forever.
+    rather than waiting for it forever.  psrt calls it at exit when the script has not.
+
+    Collective: every rank of the world calls it (or reaches exit), in the same order, as
+    ``MPI_Finalize`` is: a rank's shutdown returns once every rank has called it.
     """
     global _runtime
     if _runtime is not None:
@@ -235,13 +244,25 @@ def cross_size() -> int:
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a process set; every rank of the world must call it in the same order."""
+    """Register a process set so that collectives can run over it.
+
+    Collective: every rank of the world calls it, in the same order, with the same ranks (a
+    rank outside the set too).
+
+    :param process_set: a :class:`ProcessSet` not registered yet, or a list of distinct world
+        ranks.
+    :returns: the registered set (the one given, or a new one for a list of ranks).
+    """
     return current().topology.add_process_set(process_set)
 
 
 def remove_process_set(process_set: ProcessSet) -> None:
-    """Forget a process set (every rank of the world, same order); none of this rank's
-    operations on it may still be pending."""
+    """Forget a process set; none of this rank's operations on it may still be pending.
+
+    Collective: every rank of the world calls it, in the same order.
+
+    :param process_set: a set registered by :func:`add_process_set` (not the global set).
+    """
     runtime = current()
     set_id = process_set.process_set_id if isinstance(process_set, ProcessSet) else None
     pending = runtime.engine.pending_in(set_id) if set_id is not None else []

@@ -190,7 +190,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, process_se
     """``softmax(q kᵀ · scale + mask) v`` over the whole sequence, each rank of the CP set
     holding its zig-zag part of q, k and v (``[batch, heads, local tokens, head_dim]``) and
     getting its part of the output.  ``process_set=None`` (or a set of one) is ordinary
-    attention on the local tokens.  ``scale`` defaults to 1/√head_dim."""
+    attention on the local tokens.  ``scale`` defaults to 1/√head_dim.
+
+    Collective: every rank of ``process_set`` (the CP set) calls it, in the same order, and runs
+    backward through it (the backward communicates).
+    """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
             raise ArgumentTypeError(f"{name} must be a [batch, heads, tokens, head_dim] tensor, got "

@@ -19,7 +19,13 @@ from psrt.errors import ArgumentTypeError, HostsUpdatedInterrupt
 def run(func):
     """Decorate ``func(state, *args, **kwargs)``; calling it restores the last commit of an
     earlier launch (then runs the state's reset callbacks) or, on a first launch, makes every
-    rank hold rank 0's state (``state.sync()``), and runs ``func``."""
+    rank hold rank 0's state (``state.sync()``), and runs ``func``.
+
+    Collective: every rank of the world calls the decorated function, in the same order.
+
+    :param func: the training function; its first argument is a :class:`State`.
+    :returns: the decorated function, taking the same arguments.
+    """
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):

@@ -67,8 +67,11 @@ class State(abc.ABC):
 
     def commit(self) -> None:
         """Keep the state as it is now: a later ``restore()``, or a relaunch after a failure,
-        comes back here.  Collective; then raises :class:`HostsUpdatedInterrupt` on every
-        rank if the hosts changed."""
+        comes back here.  Then raises :class:`HostsUpdatedInterrupt` on every rank if the hosts
+        changed.
+
+        Collective: every rank of the world calls it, in the same order.
+        """
         self.save()
         if self._store.root is not None:
             self._persist()
@@ -76,7 +79,10 @@ class State(abc.ABC):
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank if psrun reported new hosts
-        since this launch (rank 0 looks, every rank learns the answer)."""
+        since this launch (rank 0 looks, every rank learns the answer).
+
+        Collective: every rank of the world calls it, in the same order.
+        """
         if self._store.root is None:
             return
         changed = runtime.rank() == 0 and self._store.hosts_version() > self._launch_hosts_version
@@ -93,7 +99,10 @@ class State(abc.ABC):
 
     @abc.abstractmethod
     def sync(self) -> None:
-        """Make every rank hold rank 0's state."""
+        """Make every rank hold rank 0's state.
+
+        Collective: every rank of the world calls it, in the same order.
+        """
 
     # --- persistence: subclasses say what goes into a commit ---------------------------------
 
@@ -215,6 +224,10 @@ class ObjectState(State):
             setattr(self, name, copy.deepcopy(value))
 
     def sync(self) -> None:
+        """Make every rank hold rank 0's state.
+
+        Collective: every rank of the world calls it, in the same order.
+        """
         if self._saved_state:
             self._saved_state = functions.broadcast_object(self._saved_state, 0, name="psrt.elastic.objects")
             self.restore()
@@ -294,6 +307,12 @@ class TorchState(ObjectState):
         self._copies = copies
 
     def restore(self) -> None:
+        """Go back to what ``save()`` kept (the last commit's, for a ZeRO or parameter-server
+        optimizer, which is loaded from its checkpoint).
+
+        Collective with a ZeRO or parameter-server optimizer: every rank of that optimizer's set
+        (every worker) calls it, in the same order.  Otherwise local.
+        """
         super().restore()
         copies = self._copies
         _Rng.apply(copies["rng"])
@@ -307,7 +326,11 @@ class TorchState(ObjectState):
             self.optimizer.load(os.path.join(self._store.directory(self._commit_number), self._kind))
 
     def sync(self) -> None:
-        """Make every rank hold rank 0's state (over ``grid.dp_set`` with a grid)."""
+        """Make every rank hold rank 0's state (the model and optimizer over ``grid.dp_set`` with a
+        grid).
+
+        Collective: every rank of the world calls it, in the same order.
+        """
         root = self.grid.runtime.topology.ranks_of(self._process_set)[0] if self.grid is not None else 0
         if self._owns_model():
             functions.broadcast_parameters(self.model.state_dict(), root, process_set=self._process_set)

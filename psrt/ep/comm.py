@@ -57,5 +57,9 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(tensor: torch.Tensor, send_rows: Sequence[int], received: Sequence[int],
                process_set: ProcessSet) -> torch.Tensor:
     """Differentiable :func:`exchange` of rows whose counts (``send_rows`` out, ``received`` in)
-    and row shape the members have agreed on already."""
+    and row shape the members have agreed on already.
+
+    Collective: every rank of ``process_set`` calls it, in the same order, and runs backward
+    through it (the backward communicates).
+    """
     return _AllToAll.apply(tensor, tuple(send_rows), tuple(received), process_set)

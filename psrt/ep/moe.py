@@ -61,7 +61,11 @@ class _AuxLossGradient(torch.autograd.Function):
 
 class MoE(nn.Module):
     """``E = num_experts`` experts of width ``hidden`` behind a top-k router, the experts
-    split over ``process_set`` (the EP set; None: one process holds them all)."""
+    split over ``process_set`` (the EP set; None: one process holds them all).
+
+    Collective: every rank of ``process_set`` (the EP set) runs forward and backward through it,
+    in the same order (tokens travel to their experts' ranks by all-to-all).
+    """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, *, top_k: int = 2,
                  capacity_factor: float | None = None, aux_loss_coef: float = 0.0,

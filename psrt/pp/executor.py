@@ -30,12 +30,24 @@ class Pipeline:
     step's last backward (``backward_passes_per_step=microbatches`` for
     ``DistributedOptimizer``; ZeRO reduces in ``step()``).  An :class:`psrt.ep.MoE` layer's
     aux-loss gradient is shared out over the micro-batches (each carries ``coef / m``), in
-    both reductions.
+    both reductions.  Construction does not communicate.
 
-    The stage's layout decides interleaving: a stage built with ``chunks`` > 1 runs the
-    interleaved schedule, one with a single chunk runs 1F1B, unless ``schedule`` names
-    another that fits ("gpipe"/"afab").  A schedule that does not fit the stage is an error.
-    ``runtime`` is the psrt runtime the stages talk through (default: the current one).
+    Collective: every rank of the stage's pipeline set calls ``step()``, in the same order (see
+    :meth:`step`).
+
+    :param stage: this rank's :class:`PipelineStage`; its layout decides interleaving: a stage
+        built with ``chunks`` > 1 runs the interleaved schedule, one with a single chunk 1F1B
+        unless ``schedule`` names another.
+    :param loss_fn: ``loss_fn(output, target)``, a scalar loss of one micro-batch, run on the
+        last stage.
+    :param microbatches: m, the micro-batches per step: a positive int that divides the batch
+        (for the interleaved schedule, a multiple of the number of stages).  Keyword only, as
+        are all that follow.
+    :param schedule: None (the default: what the stage calls for), or the name of one that fits
+        it: ``"gpipe"``/``"afab"``, ``"1f1b"``, ``"zb-h1"``, or ``"interleaved"`` for a stage with
+        ``chunks`` > 1.  One that does not fit the stage is an error.
+    :param loss_reduction: ``"mean"`` (the default) or ``"sum"`` of the micro-batch losses.
+    :param runtime: the psrt runtime the stages talk through; default None: the current one.
     """
 
     def __init__(self, stage: PipelineStage, loss_fn: LossFn, *, microbatches: int, schedule: str | None = None,
@@ -63,6 +75,19 @@ class Pipeline:
                                                 f"(pipeline world ranks {ranks})", ranks)
 
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step of the schedule: every micro-batch's forward and backward through the
+        stages; gradients accumulate in the stage's parameters.  The stages first check, in one
+        exchange, that all run the same schedule and that the batch splits into equal
+        micro-batches, so a problem raises the same error on every stage.
+
+        Collective: every rank of the stage's pipeline set (``stage.process_set``) calls it, in the
+        same order.
+
+        :param inputs: the batch, on the first stage (None elsewhere): its first dimension is split
+            into the micro-batches.
+        :param targets: the targets, on the last stage (None elsewhere), split the same way.
+        :returns: the step's loss (mean or sum of the micro-batch losses), on every stage.
+        """
         with self._waiting("the agreement at the start of a pipeline step"):
             self._agree(inputs, targets)
         self._share_tied_values()

@@ -44,5 +44,8 @@ def worker_rank() -> int:
 
 def serve() -> None:
     """Start psrt; on a server rank this serves until the workers are done, then exits.
-    Equivalent to ``psrt.init()``, for scripts that want to say so."""
+    Equivalent to ``psrt.init()``, for scripts that want to say so.
+
+    Collective: every rank of the job calls it (or ``psrt.init()``), in the same order.
+    """
     runtime.init()

@@ -66,13 +66,21 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 class KVStore:
     """Keys (parameter names) held by the parameter servers.
 
-    ``mode`` is "sync" (one update per step from all workers' pushes; a pull after
-    a push returns the updated value), "async" (every push applied on arrival) or
-    "bounded" with ``max_staleness`` τ (a worker more than τ steps ahead of the
-    slowest waits in pull).  ``reduce`` "mean" scales each gradient by
-    1/num_workers, "sum" does not.  Every worker creates the same stores in the
-    same order; a store's settings must agree on every worker.  ``runtime`` is the psrt
-    runtime whose servers hold the keys (default: the current one).
+    In ``"sync"`` mode each step makes one update from all workers' pushes, and a pull after a
+    push returns the updated value; ``"async"`` applies every push on arrival; ``"bounded"``
+    lets a worker run at most ``max_staleness`` steps ahead of the slowest (it waits in pull).
+    Only in parameter-server mode (``psrun --num-servers S``), on worker ranks.
+
+    Collective: every worker constructs the same stores, with the same settings, in the same
+    order.
+
+    :param mode: ``"sync"`` (the default), ``"async"`` or ``"bounded"``.
+    :param max_staleness: τ, the steps a worker may run ahead of the slowest: an int >= 0,
+        required with ``mode="bounded"`` and refused otherwise; default None.
+    :param reduce: ``"mean"`` (the default) scales each pushed gradient by 1/num_workers (keys
+        must then be floating point), ``"sum"`` does not.  Keyword only.
+    :param runtime: the psrt runtime whose servers hold the keys; default None: the current one.
+        Keyword only.
     """
 
     def __init__(self, mode: str = "sync", *, max_staleness: int | None = None,
@@ -165,8 +173,16 @@ class KVStore:
 
     # -- the key-value API --------------------------------------------------------------------
     def init(self, key: str, tensor: torch.Tensor) -> None:
-        """Create ``key`` with worker 0's ``tensor`` as its value (every worker calls it,
-        for the same keys in the same order).  Returns once the value is on the servers."""
+        """Create ``key`` with worker 0's ``tensor`` as its value; returns once the value is on the
+        servers.  Initialising a key again with the same shape and dtype does nothing.
+
+        Collective: every worker calls it, for the same keys in the same order.
+
+        :param key: the key's name (a str), e.g. the parameter's name.
+        :param tensor: the initial value (worker 0's is kept): a tensor of a dtype psrt carries,
+            floating point unless the store was made with ``reduce="sum"``; the same shape and dtype
+            on every worker.
+        """
         if not isinstance(key, str):
             raise ArgumentTypeError(f"init: key must be a str, got {type(key).__name__}")
         if not isinstance(tensor, torch.Tensor):
@@ -213,8 +229,19 @@ class KVStore:
         return tuple(pushes)
 
     def push_async(self, key: str, tensor: torch.Tensor) -> Handle:
-        """Send ``tensor`` (a gradient, or a value without optimizer) to the servers of
-        ``key``; do not modify it until the handle is done."""
+        """Send ``tensor`` (a gradient, or a value without optimizer) to the servers of ``key``
+        and return at once; errors a server reports arrive with this worker's next request that
+        has a reply.
+
+        Collective in ``"sync"`` mode: every worker pushes each key once per step, in the same order
+        of steps (a pull waits for every worker's push of its step); in ``"async"`` and
+        ``"bounded"`` modes each worker calls it on its own.
+
+        :param key: a key created by :meth:`init` on this store.
+        :param tensor: the value to push (a gradient, or a value without optimizer): the key's
+            shape and dtype, on any device; do not modify it until the push is done.
+        :returns: a :class:`Handle`; its ``wait()`` returns None once the data has left.
+        """
         info = self._key(key, tensor, "push")
         self._ensure_open()
         data = _host(tensor)
@@ -232,9 +259,18 @@ class KVStore:
         return self._track(Handle(sends, [], link=link, servers=info.servers, what=f"push of key {key!r}"))
 
     def pull_async(self, key: str, out: torch.Tensor | None = None) -> Handle:
-        """Fetch ``key``'s value (into ``out`` if given) once the consistency mode allows:
-        after this worker's earlier pushes of it are applied, and in sync mode after
-        every worker's push of the same step."""
+        """Fetch ``key``'s value once the consistency mode allows: after this worker's earlier
+        pushes of it are applied, and in sync mode after every worker's push of the same step.
+
+        Collective in ``"sync"`` mode: every worker pushes each key once per step, in the same order
+        of steps (a pull waits for every worker's push of its step); in ``"async"`` and
+        ``"bounded"`` modes each worker calls it on its own.
+
+        :param key: a key created by :meth:`init` on this store.
+        :param out: where the value goes: a tensor of the key's shape and dtype; default None: a
+            new CPU tensor.
+        :returns: a :class:`Handle`; its ``wait()`` returns the value.
+        """
         info = self._key(key, out, "pull")
         if out is None:
             out = torch.empty(info.shape, dtype=info.dtype)
@@ -254,33 +290,89 @@ class KVStore:
                                   link=self._link, servers=info.servers, what=f"pull of key {key!r}"))
 
     def push_pull_async(self, key: str, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Handle:
-        """Push ``tensor``, then pull the value that includes it (into ``out``)."""
+        """Push ``tensor``, then pull the value that includes it.
+
+        Collective in ``"sync"`` mode: every worker pushes each key once per step, in the same order
+        of steps (a pull waits for every worker's push of its step); in ``"async"`` and
+        ``"bounded"`` modes each worker calls it on its own.
+
+        :param key: a key created by :meth:`init` on this store.
+        :param tensor: the value to push (a gradient, or a value without optimizer): the key's
+            shape and dtype, on any device; do not modify it until the push is done.
+        :param out: where the value goes: a tensor of the key's shape and dtype; default None: a
+            new CPU tensor.
+        :returns: a :class:`Handle`; its ``wait()`` returns the pulled value.
+        """
         push = self.push_async(key, tensor)
         pull = self.pull_async(key, out)
         return Handle.joined([push, pull], pull._result, what=f"push and pull of key {key!r}")
 
     def push(self, key: str, tensor: torch.Tensor) -> None:
+        """:meth:`push_async`, waited for.
+
+        Collective in ``"sync"`` mode: every worker pushes each key once per step, in the same order
+        of steps (a pull waits for every worker's push of its step); in ``"async"`` and
+        ``"bounded"`` modes each worker calls it on its own.
+
+        :param key: a key created by :meth:`init` on this store.
+        :param tensor: the value to push (a gradient, or a value without optimizer): the key's
+            shape and dtype, on any device; do not modify it until the push is done.
+        """
         self.push_async(key, tensor).wait()
 
     def pull(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`pull_async`, waited for: returns the value.
+
+        Collective in ``"sync"`` mode: every worker pushes each key once per step, in the same order
+        of steps (a pull waits for every worker's push of its step); in ``"async"`` and
+        ``"bounded"`` modes each worker calls it on its own.
+
+        :param key: a key created by :meth:`init` on this store.
+        :param out: where the value goes: a tensor of the key's shape and dtype; default None: a
+            new CPU tensor.
+        :returns: the key's value (``out`` when given).
+        """
         return self.pull_async(key, out).wait()
 
     def push_pull(self, key: str, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`push_pull_async`, waited for: returns the value that includes the push.
+
+        Collective in ``"sync"`` mode: every worker pushes each key once per step, in the same order
+        of steps (a pull waits for every worker's push of its step); in ``"async"`` and
+        ``"bounded"`` modes each worker calls it on its own.
+
+        :param key: a key created by :meth:`init` on this store.
+        :param tensor: the value to push (a gradient, or a value without optimizer): the key's
+            shape and dtype, on any device; do not modify it until the push is done.
+        :param out: where the value goes: a tensor of the key's shape and dtype; default None: a
+            new CPU tensor.
+        :returns: the key's value after the push (``out`` when given).
+        """
         return self.push_pull_async(key, tensor, out).wait()
 
     def keys(self) -> list[str]:
+        """The keys this worker has initialised, in order (no communication)."""
         return list(self._keys)
 
     # -- the servers' optimizer -----------------------------------------------------------------
     def set_optimizer(self, optimizer: str | type, **hyperparameters: object) -> None:
-        """Have the servers apply pushes with ``optimizer`` (a torch.optim class or its name,
-        e.g. "SGD", "Adam") and these hyperparameters, instead of storing pushed values."""
+        """Have the servers apply pushes with ``optimizer`` and these hyperparameters, instead of
+        storing pushed values.  A request to the servers that no other worker has to match.
+
+        :param optimizer: a ``torch.optim`` optimizer class or its name, e.g. ``"SGD"``, ``"Adam"``.
+        :param hyperparameters: its options (numbers, bools, strings, tuples), e.g. ``lr=0.1``;
+            checked here by building the optimizer once.
+        """
         spec = optimizer_spec(optimizer, hyperparameters)
         self._everywhere(Op.SET_OPTIMIZER, document={"name": spec.name,
                                                      "hyperparameters": spec.hyperparameters}).wait()
 
     def set_learning_rate(self, lr: float) -> None:
-        """Change the servers' learning rate, from this worker's next push on."""
+        """Change the servers' learning rate, from this worker's next push on.  A message to the
+        servers that no other worker has to match.
+
+        :param lr: the learning rate, a number >= 0.
+        """
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
             raise InvalidArgumentError(f"learning rate must be a number >= 0, got {lr!r}")
         self._everywhere(Op.SET_LR, document={"lr": float(lr)}, reply=False)
@@ -288,7 +380,14 @@ class KVStore:
     # -- checkpoints and statistics ----------------------------------------------------------------
     def save(self, path: str) -> None:
         """Every server writes its shards, optimizer state and clocks (of every store) under
-        ``path``.  Collective over the workers: each calls it at the same point of its loop."""
+        ``path``, and worker 0 the manifest that makes it a checkpoint; if that fails, every
+        worker raises.
+
+        Collective: every worker calls it, in the same order, at the same point of its loop.
+
+        :param path: the checkpoint's directory, the same on every worker and reachable by every
+            server.
+        """
         path = str(path)
         save_id = hvd.broadcast_object(uuid.uuid4().hex if self._link.worker == 0 else None, root_rank=0,
                                        name=f"psrt.ps.save.{self.store_id}")
@@ -307,10 +406,15 @@ class KVStore:
 
     def load(self, path: str) -> int:
         """Restore what :meth:`save` wrote (every store on the servers; after the same inits and
-        set_optimizer calls); returns the number of steps this store had taken.  Collective
-        over the workers.  Every server's file is checked (against the size and sha256 the
+        set_optimizer calls).  Every server's file is checked (against the size and sha256 the
         manifest records, then unpickled with ``weights_only``) before any is restored; a refused
-        load raises on every worker and leaves the servers as they were."""
+        load raises on every worker and leaves the servers as they were.
+
+        Collective: every worker calls it, in the same order.
+
+        :param path: the checkpoint's directory, as given to :meth:`save`, the same on every worker.
+        :returns: the number of steps this store had taken.
+        """
         path = str(path)
         manifest = hvd.broadcast_object(checkpoint.read_manifest(path) if self._link.worker == 0 else None,
                                         root_rank=0, name=f"psrt.ps.load.{self.store_id}")
@@ -325,7 +429,9 @@ class KVStore:
 
     def stats(self) -> dict:
         """What the servers counted: per key and chunk the pushes applied and updates made,
-        and how often a pull was answered at each staleness (steps ahead of the slowest)."""
+        and how often a pull was answered at each staleness (steps ahead of the slowest).  A
+        request to the servers that no other worker has to match.
+        """
         handle = self._everywhere(Op.STATS)
         handle.wait()
         keys: dict[str, dict] = {}

@@ -29,15 +29,30 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     """Wrap ``optimizer`` so that its updates run on the parameter servers; returns an
     instance of the optimizer's own class (use it from then on).
 
-    ``mode`` (default "sync"), ``max_staleness`` and ``reduce`` (default "mean") are
-    :class:`~psrt.ps.KVStore`'s: a new store is made with them.  ``store=`` trains against a
-    store you made (to share it, or to read its ``stats()`` yourself); the store's settings
-    then rule, and a ``mode``, ``max_staleness`` or ``reduce`` that differs from them is an
-    error rather than silently ignored.  ``named_parameters`` names the keys (default
-    ``param.<i>`` in optimizer order); every worker wraps the same model the same way.
     Each parameter group gets a store of its own (with the first store's settings), whose
-    servers run the optimizer with that group's hyperparameters; the optimizer must be a
-    ``torch.optim`` class, since that is what the servers run.
+    servers run the optimizer with that group's hyperparameters; the keys start from worker
+    0's parameters, and every worker starts from the servers' values.  ``step()`` waits for
+    the updated values of this step's pushes and writes them into the parameters.
+
+    Collective: every worker wraps the same model the same way, in the same order as its other
+    stores, then calls ``step()`` once per backward, and ``save(path)`` and ``load(path)``
+    (checkpoints of the servers, see :meth:`KVStore.save`), in the same order (in ``"sync"``
+    mode a step waits for every worker's gradients).  ``stats()`` merges its stores'
+    :meth:`KVStore.stats`.
+
+    :param optimizer: a ``torch.optim`` optimizer (the servers run its class), not already
+        wrapped.
+    :param named_parameters: ``(name, parameter)`` pairs naming the keys, e.g.
+        ``model.named_parameters()``; default None: ``param.<i>`` in optimizer order.
+    :param mode: the store's mode (see :class:`~psrt.ps.KVStore`); default None: ``"sync"``, or
+        the given ``store``'s.  Keyword only.
+    :param max_staleness: the store's bound with ``mode="bounded"``; default None.  Keyword only.
+    :param reduce: ``"mean"`` or ``"sum"``; default None: ``"mean"``, or the given ``store``'s.
+        Keyword only.
+    :param store: a :class:`~psrt.ps.KVStore` to train against (to share it, or read its
+        ``stats()``); its settings then rule, and a ``mode``, ``max_staleness`` or ``reduce`` that
+        differs from them is an error.  Default None: a new store.  Keyword only.
+    :returns: the wrapper, an instance of ``type(optimizer)``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -173,11 +188,17 @@ class _PsOptimizer:
         return merged
 
     def save(self, path: str) -> None:
-        """Checkpoint the servers, every group's store (every worker calls it after the same step)."""
+        """Checkpoint the servers, every group's store, into ``path`` (see :meth:`KVStore.save`).
+
+        Collective: every worker calls it, in the same order, after the same step.
+        """
         self.store.save(path)
 
     def load(self, path: str) -> int:
-        """Restore a checkpoint into the servers and the model; returns the steps it had taken."""
+        """Restore a checkpoint into the servers and the model; returns the steps it had taken.
+
+        Collective: every worker calls it, in the same order.
+        """
         steps = self.store.load(path)
         self._pull_parameters()
         # the checkpoint brought its own learning rates: send this optimizer's before the next step

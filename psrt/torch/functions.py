@@ -27,9 +27,18 @@ def broadcast_parameters(params, root_rank: int, prefix: str = "Parameter.",
                          process_set: ProcessSet = global_process_set) -> None:
     """Overwrite ``params`` in place with ``root_rank``'s values.
 
-    ``params`` is a ``state_dict()`` (broadcast in sorted key order), or an iterable of
-    ``(name, tensor)`` pairs (``named_parameters()``) or of tensors.  All broadcasts are started
-    before any is waited for.
+    All broadcasts are started before any is waited for.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param params: a ``state_dict()`` (broadcast in sorted key order), or an iterable of
+        ``(name, tensor)`` pairs (``named_parameters()``) or of tensors; names must be unique,
+        and every rank must pass the same names, shapes and dtypes.
+    :param root_rank: the rank whose values everyone gets: a world rank that is a member of
+        ``process_set``, the same on every rank.
+    :param prefix: put before each name to name its broadcast; default ``"Parameter."``.
+    :param process_set: the ranks taking part: a registered process set this rank belongs to;
+        default ``global_process_set`` (every rank).
     """
     named = _named_tensors(params, prefix)
     _broadcast_all(named, root_rank, process_set)
@@ -77,7 +86,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               model: torch.nn.Module | None = None,
                               process_set: ProcessSet = global_process_set) -> None:
     """Make ``optimizer``'s hyper-parameters (``param_groups`` options such as ``lr``) and
-    per-parameter state equal to ``root_rank``'s (a global rank), in place.
+    per-parameter state equal to ``root_rank``'s, in place.
 
     If the root's optimizer has no state yet (torch creates it at the first step), every
     rank whose optimizer has none either creates it as Horovod does, so that scripts find
@@ -87,8 +96,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     moves parameters only through weight decay.  Otherwise no step is taken, so a rank
     resuming from the root's checkpoint keeps its parameters: state the root has but this
     rank lacks is allocated here and filled by the broadcast, and state the root lacks is
-    dropped.  Options keep their Python types.  Every rank's optimizer must have the same
-    parameter groups with the same sizes.
+    dropped.  Options keep their Python types.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param optimizer: a torch optimizer (or ``DistributedOptimizer``); every rank's must have
+        the same parameter groups with the same sizes.
+    :param root_rank: the rank whose values everyone gets: a world rank that is a member of
+        ``process_set``, the same on every rank.
+    :param model: the model the optimizer trains, consulted only to make sparse zero gradients
+        for its sparse embeddings when state is created; default None.
+    :param process_set: the ranks taking part: a registered process set this rank belongs to;
+        default ``global_process_set`` (every rank).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     layout = _root_layout(optimizer, params, root_rank, process_set)
@@ -174,8 +193,23 @@ def _reuse_or_allocate(current: object, spec: _TensorSpec, param_device: torch.d
 # -- Python objects ----------------------------------------------------------------------------
 def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> object:
-    """Return ``root_rank``'s ``obj`` on every rank (pickled; other ranks may pass anything).
-    ``root_rank`` is a global rank, as for every broadcast, and must belong to the set."""
+    """Return ``root_rank``'s ``obj`` on every rank.
+
+    The object travels pickled and is unpickled on every other rank: broadcast only between
+    ranks you trust.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param obj: the object to send, on the root (anything pickle takes); other ranks may pass
+        anything, None included.
+    :param root_rank: the sending rank: a world rank that is a member of ``process_set``, the
+        same on every rank; default 0.
+    :param name: the name its two broadcasts are matched by (``name.length`` and ``name.data``);
+        default None: ``"broadcast_object"``.
+    :param process_set: the ranks taking part: a registered process set this rank belongs to;
+        default ``global_process_set`` (every rank).
+    :returns: the root's object (on the root, ``obj`` itself).
+    """
     name = name or "broadcast_object"
     is_root = hvd.rank() == root_rank
     payload = _to_bytes(obj) if is_root else None
@@ -189,7 +223,19 @@ def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None,
 
 def allgather_object(obj: object, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list:
-    """Every rank's ``obj`` (pickled), as a list indexed by rank within the process set."""
+    """Every rank's ``obj``, as a list indexed by rank within the process set.
+
+    The objects travel pickled and are unpickled on every rank: gather only between ranks you
+    trust.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param obj: this rank's object (anything pickle takes).
+    :param name: the name its allgathers are matched by; default None: ``"allgather_object"``.
+    :param process_set: the ranks taking part: a registered process set this rank belongs to;
+        default ``global_process_set`` (every rank).
+    :returns: a list of every rank's object, in set-rank order.
+    """
     name = name or "allgather_object"
     payload = _to_bytes(obj)
     lengths = hvd.allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.lengths",
@@ -212,9 +258,12 @@ def join(device: int = -1) -> int:
     other ranks' allreduces (Average still divides by the full set size).  Returns the last
     rank to join, the same on every rank, after which every collective works again.
 
-    ``device`` is Horovod's: the device for the zeros (-1 for the CPU, else a CUDA index).
-    psrt makes each allreduce's zeros on the device that allreduce names, so it is only
-    checked.
+    Collective: every rank of the world calls it, in the same order.
+
+    :param device: Horovod's: the device for the zeros (-1, the default, for the CPU, else a
+        CUDA index).  psrt makes each allreduce's zeros on the device that allreduce names, so
+        it is only checked.
+    :returns: the world rank that joined last.
     """
     if isinstance(device, bool) or not isinstance(device, int):
         raise ArgumentTypeError(f"join: device must be an int (-1 for the CPU, else a CUDA device "

@@ -62,25 +62,49 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          process_set: ProcessSet = global_process_set, *,
                          bucketing: Bucketing = Bucketing()) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` first averages (``op=Sum``: sums) gradients over
-    ``process_set``; returns an instance of the optimizer's own class.
+    ``process_set``; returns an instance of the optimizer's own class, with Horovod's
+    arguments and meaning.
 
-    Horovod's arguments and meaning.  ``named_parameters`` (e.g. ``model.named_parameters()``)
-    must name every parameter of the optimizer; ``_parameter_names`` maps each parameter to its
-    name (Horovod's ``allreduce.noname.<group>.<index>`` without ``named_parameters``).
-    ``backward_passes_per_step`` backward passes are accumulated locally before one allreduce.
-    ``groups`` is a number of groups or a list of lists of parameters, each group reduced as one.
     A sparse gradient is allgathered and stays sparse (Average divides its values by the set
     size; entries are not coalesced), or with ``sparse_as_dense`` is reduced densely and given
     back sparse.  ``op=hvd.Adasum`` makes ``step()`` Horovod's Adasum step: a local step of the
-    wrapped optimizer, then the parameters move by the Adasum of the ranks' parameter changes
-    (it needs floating-point parameters and a process set whose size is a power of two).
-    ``bucketing`` (psrt's addition) sets the bucket sizes and whether communication overlaps
-    backward (by default: where it can pay, see ``psrt.torch._buckets.overlap_pays``).
+    wrapped optimizer, then the parameters move by the Adasum of the ranks' parameter changes.
 
     The wrapper shares ``param_groups``, ``state`` and ``defaults`` with ``optimizer``: use the
     returned object from then on.  Parameters must be in the optimizer, and trainable, when it is
     wrapped.  ``zero_grad(set_to_none=True)`` behaves as torch's: gradients become None (the
-    default) or are zeroed in place.
+    default) or are zeroed in place.  ``_parameter_names`` maps each parameter to its name.
+
+    Collective: every rank of ``process_set`` wraps the same model the same way (same
+    parameters, names and order, and in the same order as its other ``DistributedOptimizer``
+    wrappers over that set), then calls ``step()`` (or ``synchronize()``), in the same order.
+    A rank outside ``process_set`` gets a plain local optimizer, as in Horovod.
+
+    :param optimizer: the torch optimizer to wrap (not already a ``DistributedOptimizer``),
+        holding every parameter to train; add no parameter group afterwards.
+    :param named_parameters: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``,
+        naming every parameter of the optimizer with unique names; default None: Horovod's
+        ``allreduce.noname.<group>.<index>``.
+    :param compression: how gradients travel: ``hvd.Compression.none`` (the default) or
+        ``hvd.Compression.fp16``, or any object with ``compress`` and ``decompress``.
+    :param backward_passes_per_step: backward passes accumulated locally before one reduction
+        (an int >= 1; default 1).  More backward passes than this before ``step()`` is an error.
+    :param op: ``hvd.Average`` (the default), ``hvd.Sum`` or ``hvd.Adasum``; Adasum needs
+        floating-point parameters and a process set whose size is a power of two.
+    :param gradient_predivide_factor: with ``op=hvd.Average``, gradients are divided by this
+        before the sum and by ``size / factor`` after it (a number; default 1.0; only with
+        Average).
+    :param groups: how gradients are grouped into reductions: None (the default: buckets by
+        ``bucketing``), a positive number of equal runs of parameters, or a list of lists of
+        parameters, each group reduced as one (parameters not listed are reduced alone).
+    :param sparse_as_dense: reduce sparse gradients as dense tensors (given back sparse);
+        default False: they are allgathered.
+    :param process_set: the ranks to average over: a registered process set; default
+        ``global_process_set`` (every rank).
+    :param bucketing: psrt's addition: a :class:`Bucketing` with the bucket sizes and whether
+        communication overlaps backward (default ``Bucketing()``: overlap where it can pay, see
+        ``psrt.torch._buckets.overlap_pays``).  Keyword only.
+    :returns: the wrapper, an instance of ``type(optimizer)``.
     """
     _check_arguments(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor,
                      sparse_as_dense, bucketing)

@@ -26,6 +26,18 @@ class SyncBatchNorm(_BatchNorm):
     Training-mode statistics, and the running statistics updated from them, are those of all
     ranks' batches together; eval mode never communicates (it uses the running statistics, or
     without them the local batch's, as ``torch.nn.SyncBatchNorm`` does).
+
+    Collective in training mode: every rank of ``process_set`` runs forward and backward through
+    it, in the same order (each rank's batch may have its own size).
+
+    :param num_features: the channels C of an input of shape (N, C, ...).
+    :param eps: added to the variance for numerical stability; default 1e-5.
+    :param momentum: the weight of each batch's statistics in the running ones; default 0.1,
+        None for a cumulative average.
+    :param affine: learn a per-channel weight and bias; default True.
+    :param track_running_stats: keep running statistics (used in eval mode); default True.
+    :param process_set: the ranks whose batches are normalised together: a registered process
+        set; default ``global_process_set`` (every rank).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,

@@ -55,6 +55,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pro
     size: padded columns take no probability.  ``reduction`` is "mean", "sum" or "none",
     as in ``torch.nn.functional.cross_entropy``.  Half-precision logits are handled in
     float32, and the loss stays float32 (as Megatron's does).
+
+    Collective: every rank of ``process_set`` (the TP set) calls it, in the same order, and
+    runs backward through it.
     """
     if logits.shape[:-1] != target.shape:
         raise InvalidArgumentError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "

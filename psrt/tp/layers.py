@@ -52,6 +52,9 @@ class ColumnParallelLinear(nn.Module):
     (q, k, v) that are split part by part.  ``pad_out_features`` pads the outputs up to a
     multiple of the TP size with zero-weight rows (an LM head over a vocabulary the size
     does not divide; pair it with ``vocab_parallel_cross_entropy(vocab_size=...)``).
+
+    Collective: every rank of ``process_set`` (the TP set) runs forward and backward through it,
+    in the same order.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -94,6 +97,9 @@ class RowParallelLinear(nn.Module):
     the sequence with ``sequence_parallel``); the bias is added once, after the sum.
     ``input_is_parallel`` says the input is already split along the hidden dimension
     (the output of a ColumnParallelLinear), otherwise it is split here.
+
+    Collective: every rank of ``process_set`` (the TP set) runs forward and backward through it,
+    in the same order.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -132,7 +138,11 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """An embedding whose vocabulary (rows) is split over the TP set, padded up to a
     multiple of the set size; each rank looks up the ids it owns and the partial
-    results are summed (reduce-scattered along the sequence with ``sequence_parallel``)."""
+    results are summed (reduce-scattered along the sequence with ``sequence_parallel``).
+
+    Collective: every rank of ``process_set`` (the TP set) runs forward and backward through it,
+    in the same order.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, process_set: ProcessSet | None = None,
                  sequence_parallel: bool = False, device=None, dtype=None) -> None:
@@ -163,7 +173,11 @@ class VocabParallelEmbedding(nn.Module):
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` that may run inside a sequence-parallel region, where each rank
     normalises its block of the sequence and the weight and bias gradients are summed
-    over the TP set (the replicas stay equal)."""
+    over the TP set (the replicas stay equal).
+
+    Collective with ``sequence_parallel``: every rank of ``process_set`` (the TP set) runs
+    forward and backward through it, in the same order (backward sums the weight's gradients).
+    """
 
     def __init__(self, normalized_shape, eps: float = 1e-5, *, process_set: ProcessSet | None = None,
                  sequence_parallel: bool = False, device=None, dtype=None) -> None:

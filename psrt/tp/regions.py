@@ -157,17 +157,61 @@ def _region(function: type[torch.autograd.Function]):
 
 
 copy_to_tensor_parallel_region = _region(_CopyToTensorParallelRegion)
+"""``copy_to_tensor_parallel_region(x, process_set)``: identity forward; all-reduce of the gradient
+backward (each rank's partial input grad).  With ``process_set`` None or of one rank, ``x`` itself.
+
+Collective: every rank of ``process_set`` (the TP set) calls it, in the same order, and runs
+backward through it (the backward communicates).
+"""
 reduce_from_tensor_parallel_region = _region(_ReduceFromTensorParallelRegion)
+"""``reduce_from_tensor_parallel_region(x, process_set)``: all-reduce forward (summing partial
+outputs); identity backward.  With ``process_set`` None or of one rank, ``x`` itself.
+
+Collective: every rank of ``process_set`` (the TP set) calls it, in the same order.
+"""
 scatter_to_tensor_parallel_region = _region(_ScatterToTensorParallelRegion)
+"""``scatter_to_tensor_parallel_region(x, process_set)``: keep this rank's block of the hidden
+dimension; all-gather the gradient backward.  With ``process_set`` None or of one rank, ``x`` itself.
+
+Collective: every rank of ``process_set`` (the TP set) calls it, in the same order, and runs
+backward through it (the backward communicates).
+"""
 gather_from_tensor_parallel_region = _region(_GatherFromTensorParallelRegion)
+"""``gather_from_tensor_parallel_region(x, process_set)``: all-gather along the hidden dimension; keep
+this rank's block of the gradient backward.  With ``process_set`` None or of one rank, ``x`` itself.
+
+Collective: every rank of ``process_set`` (the TP set) calls it, in the same order.
+"""
 scatter_to_sequence_parallel_region = _region(_ScatterToSequenceParallelRegion)
+"""``scatter_to_sequence_parallel_region(x, process_set)``: keep this rank's block of the sequence;
+all-gather the gradient backward.  With ``process_set`` None or of one rank, ``x`` itself.
+
+Collective: every rank of ``process_set`` (the TP set) calls it, in the same order, and runs
+backward through it (the backward communicates).
+"""
 gather_from_sequence_parallel_region = _region(_GatherFromSequenceParallelRegion)
+"""``gather_from_sequence_parallel_region(x, process_set)``: all-gather the sequence before a column-
+parallel layer; backward reduce-scatters, since every rank's gradient of the full sequence is
+partial.  With ``process_set`` None or of one rank, ``x`` itself.
+
+Collective: every rank of ``process_set`` (the TP set) calls it, in the same order.
+"""
 reduce_scatter_to_sequence_parallel_region = _region(_ReduceScatterToSequenceParallelRegion)
+"""``reduce_scatter_to_sequence_parallel_region(x, process_set)``: sum partial outputs and keep this
+rank's block of the sequence; all-gather backward.  With ``process_set`` None or of one rank, ``x``
+itself.
+
+Collective: every rank of ``process_set`` (the TP set) calls it, in the same order.
+"""
 
 
 def sequence_parallel_parameters(process_set: ProcessSet | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``params`` as used inside a sequence-parallel region: their gradients come out summed
-    over the TP set, so every rank's replica gets the full-sequence gradient."""
+    over the TP set, so every rank's replica gets the full-sequence gradient.
+
+    Collective: every rank of ``process_set`` (the TP set) calls it, in the same order, and runs
+    backward through it (the backward communicates).
+    """
     if comm.group_size(process_set) == 1 or not torch.is_grad_enabled():
         return params
     return _SequenceParallelParameters.apply(process_set, *params)

@@ -40,8 +40,12 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
 
 
 def full_state_dict(module: nn.Module, process_set: ProcessSet | None) -> dict[str, torch.Tensor]:
-    """The full model's ``state_dict``, every sharded entry gathered over the TP set
-    (collective over the set; every rank gets the whole dictionary)."""
+    """The full model's ``state_dict``, every sharded entry gathered over the TP set (every
+    rank gets the whole dictionary).
+
+    Collective: every rank of ``process_set`` (the TP set the module was built with) calls it,
+    in the same order.
+    """
     entries = module.state_dict(keep_vars=True)
     size, rank = comm.group_size(process_set), comm.group_rank(process_set)
     misplaced = next((f"{name} is block {s.index} of {s.parts}, but rank {rank} of {size} in {process_set!r} holds it"

@@ -27,7 +27,11 @@ from psrt.topology import ProcessSet
 
 class ParallelMLP(nn.Module):
     """``fc2(gelu(fc1(x)))``: fc1 column-parallel, fc2 row-parallel, so the hidden
-    activation never leaves its rank."""
+    activation never leaves its rank.
+
+    Collective: every rank of ``process_set`` (the TP set) runs forward and backward
+    through it, in the same order.
+    """
 
     def __init__(self, dim: int, hidden: int, *, process_set: ProcessSet | None = None,
                  sequence_parallel: bool = False) -> None:
@@ -44,7 +48,12 @@ class ParallelSelfAttention(nn.Module):
     """Causal multi-head self-attention with the heads split over the TP set: a fused
     column-parallel q/k/v projection, attention on the local heads, a row-parallel
     output projection.  ``recompute="selective"`` keeps only q, k and v of the attention
-    core and recomputes its scores, softmax and dropout in backward."""
+    core and recomputes its scores, softmax and dropout in backward.
+
+    Collective: every rank of ``process_set`` (the TP set) (and, with
+    ``context_parallel``, every rank of that CP set) runs forward and backward
+    through it, in the same order.
+    """
 
     def __init__(self, dim: int, heads: int, *, process_set: ProcessSet | None = None,
                  sequence_parallel: bool = False, attention_dropout: float = 0.0,
@@ -79,7 +88,10 @@ class ParallelSelfAttention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``dropout(softmax(q kᵀ / √d + causal mask)) v`` on this rank's heads ([batch, heads,
         sequence, head_dim]); the fused kernel when there is no dropout to draw, ring attention
-        over the context-parallel set (this rank's zig-zag part of the sequence) with one."""
+        over the context-parallel set (this rank's zig-zag part of the sequence) with one.
+
+        Collective with ``context_parallel``: every rank of the CP set calls it, in the same order.
+        """
         if not self.training or self.attention_dropout == 0.0:
             if self.context_parallel is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -101,7 +113,12 @@ class ParallelTransformerBlock(nn.Module):
     ``mlp`` replaces the dense MLP, e.g. with a :class:`psrt.ep.MoE`; not with sequence
     parallelism over TP > 1, where each TP rank would route only its own part of the sequence
     while its TP-split experts and replicated router expect every rank to see the same tokens
-    (refused)."""
+    (refused).
+
+    Collective: every rank of ``process_set`` (the TP set) (and, with
+    ``context_parallel``, every rank of that CP set) runs forward and backward
+    through it, in the same order.
+    """
 
     def __init__(self, dim: int, heads: int, *, mlp_ratio: int = 4, process_set: ProcessSet | None = None,
                  sequence_parallel: bool = False, dropout: float = 0.0, attention_dropout: float = 0.0,

@@ -10,7 +10,15 @@ from psrt.zero.partition import ParamInfo, Partition, Piece, expected_bytes
 
 
 def wrap(model, optimizer_class, *, stage: int = 2, **kwargs) -> ZeroOptimizer:
-    """``ZeroOptimizer(model, optimizer_class, stage=stage, **kwargs)``."""
+    """``ZeroOptimizer(model, optimizer_class, stage=stage, **kwargs)``.
+
+    Collective: every rank of the optimizer's process set calls it, in the same order.
+
+    :param model: as for :class:`ZeroOptimizer`.
+    :param optimizer_class: as for :class:`ZeroOptimizer`.
+    :param stage: 0, 1, 2 (the default) or 3.
+    :param kwargs: :class:`ZeroOptimizer`'s other keyword arguments and the optimizer's options.
+    """
     return ZeroOptimizer(model, optimizer_class, stage=stage, **kwargs)
 
 

@@ -61,11 +61,18 @@ def _save_file(document: dict, path: str) -> dict[str, dict]:
 
 
 def save(zero, directory: str, extra: dict | None = None) -> None:
-    """Write ``zero``'s shards to ``directory``; collective over its process set.
+    """Write ``zero``'s shards to ``directory``.
 
-    ``extra`` (anything JSON can hold, e.g. the step count) is stored in the metadata and
-    returned by :func:`load`.  If any rank fails to write, every rank raises: that rank its own
-    error, the others one naming it.
+    If any rank fails to write, every rank raises: that rank its own error, the others one
+    naming it.
+
+    Collective: every rank of ``zero``'s process set calls it, in the same order.
+
+    :param zero: the :class:`ZeroOptimizer` to save.
+    :param directory: where the shards go, the same on every rank (a shared file system when
+        the ranks are on several hosts).
+    :param extra: anything JSON can hold (e.g. the step count), stored in the metadata and
+        returned by :func:`load`; default None.
     """
     json.dumps(extra)  # fail before any file is written, on the calling rank
     zero.synchronize()
@@ -93,9 +100,16 @@ def save(zero, directory: str, extra: dict | None = None) -> None:
 
 def load(zero, directory: str) -> dict | None:
     """Restore ``zero`` (and its model) from a checkpoint written by any number of ranks with the
-    same model, stage and optimizer class; returns the ``extra`` saved with it.  Collective: if
-    any rank cannot read or accept the checkpoint, every rank raises before anything changes
-    (as :func:`save` does)."""
+    same model, stage and optimizer class; returns the ``extra`` saved with it.  If any rank
+    cannot read or accept the checkpoint, every rank raises before anything changes (as
+    :func:`save` does).
+
+    Collective: every rank of ``zero``'s process set calls it, in the same order.
+
+    :param zero: the :class:`ZeroOptimizer` to restore.
+    :param directory: the checkpoint's directory, the same on every rank.
+    :returns: the ``extra`` saved with it.
+    """
     full, failure = None, None
     try:
         meta = read_meta(directory)

@@ -49,27 +49,47 @@ ALLGATHER_BUCKET_SIZE = 1_000_000
 
 class ZeroOptimizer:
     """Wrap ``model``'s trainable parameters and an optimizer of ``optimizer_class`` built on this
-    rank's shards (``optimizer_kwargs`` go to it: ``lr``, ``momentum``, ``betas``, ...).
+    rank's shards.
 
-    ``stage`` 0 is plain data parallelism through the same code (every rank keeps everything).
-    ``compute_dtype`` (``torch.bfloat16`` or ``torch.float16``) casts the model's parameters
-    for forward and backward, and keeps master weights and optimizer state in the parameters'
-    own dtype on the owning shard; float16 uses dynamic loss scaling (:meth:`scale_loss`)
-    unless ``loss_scale`` fixes it.  ``overlap`` starts each bucket's reduce-scatter during
-    backward (stages 2 and 3): by default where it can pay, as for ``DistributedOptimizer``
-    (see ``psrt.torch._buckets.overlap_pays``).  ``reduce_bucket_size`` and ``allgather_bucket_size`` are in
-    elements (:data:`REDUCE_BUCKET_SIZE`, :data:`ALLGATHER_BUCKET_SIZE`).  Every rank of
-    ``process_set`` must wrap the same model, in the same order relative to other ZeRO
-    optimizers over that set, and run backward through it before each step.
+    Stage 0 is plain data parallelism through the same code (every rank keeps everything);
+    stage 1 shards the optimizer state, stage 2 the gradients too, stage 3 the parameters too
+    (gathered per module as forward and backward reach it).  Gradients are averaged over
+    ``process_set``, as in ``hvd.DistributedOptimizer``.
 
-    ``param_groups`` gives the optimizer's parameter groups as torch takes them (a list of
-    dicts, each with ``"params"`` and its own options, say ``weight_decay=0.0`` for biases and
-    norms); ``optimizer_kwargs`` are every group's defaults.  Every trainable parameter must be
-    in exactly one group.  No flat group mixes two of them, so each shard's optimizer
-    applies each group's options; ``param_groups`` (the property) is then one entry per
-    group, in the order given, for LR schedulers.
+    Collective: every rank of ``process_set`` constructs it with the same model (same
+    parameters, shapes and initial values), in the same order relative to other ZeRO optimizers
+    over that set, then runs forward and backward through the model and calls ``step()``, in
+    the same order (stages 2 and 3 communicate during backward, stage 3 during forward too).
 
-    ``runtime`` is the psrt runtime it works in (default: the current one).
+    :param model: the model whose trainable (floating-point) parameters are trained; it must
+        have at least one.
+    :param optimizer_class: a ``torch.optim.Optimizer`` subclass such as ``torch.optim.AdamW``,
+        built on this rank's shards.
+    :param stage: 0, 1, 2 (the default) or 3.  Keyword only, as are all that follow.
+    :param process_set: the data-parallel ranks the state is sharded and gradients averaged
+        over; default ``global_process_set`` (every rank).
+    :param compute_dtype: None (the default: the parameters' own dtype), ``torch.float32``,
+        ``torch.bfloat16`` or ``torch.float16``: the model's parameters are cast to it for
+        forward and backward, while master weights and optimizer state stay in the parameters'
+        own dtype on the owning shard.
+    :param loss_scale: None (the default: dynamic loss scaling for float16, none otherwise),
+        ``"dynamic"``, or a fixed positive number; see :meth:`scale_loss`.
+    :param reduce_bucket_size: elements per gradient bucket, a positive int (default
+        :data:`REDUCE_BUCKET_SIZE`): one reduce-scatter in stages 1-2, one allreduce in stage 0.
+    :param allgather_bucket_size: stage 3: elements of parameters gathered ahead of the running
+        module, a positive int (default :data:`ALLGATHER_BUCKET_SIZE`).
+    :param overlap: start each bucket's reduce-scatter during backward (stages 2 and 3): True,
+        False, or None (the default: where it can pay, as for ``DistributedOptimizer``, see
+        ``psrt.torch._buckets.overlap_pays``).
+    :param param_groups: the optimizer's parameter groups as torch takes them (a non-empty list
+        of dicts, each with ``"params"`` and its own options, say ``weight_decay=0.0`` for
+        biases and norms); every trainable parameter must be in exactly one group.  No flat
+        group mixes two of them, so each shard's optimizer applies each group's options; the
+        ``param_groups`` property is then one entry per group, in the order given, for LR
+        schedulers.  Default None: one group of every trainable parameter.
+    :param runtime: the psrt runtime it works in; default None: the current one.
+    :param optimizer_kwargs: the options of ``optimizer_class`` (``lr``, ``momentum``,
+        ``betas``, ...): every group's defaults, checked here by the optimizer itself.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer_class: type, *, stage: int = 2,
@@ -127,9 +147,12 @@ class ZeroOptimizer:
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every gradient: the parameters' and the shards'.  ``set_to_none`` is accepted for
-        torch's signature; ZeRO always frees them.  Also clears what a backward that raised left
-        behind, so the next step starts clean."""
+        """Drop every gradient: the parameters' and the shards'.  Also clears what a backward that
+        raised left behind, so the next step starts clean.  It starts no communication (it waits for
+        reductions a backward already started).
+
+        :param set_to_none: accepted for torch's signature; ZeRO always frees the gradients.
+        """
         self._wait_reductions()
         self._ready = dict.fromkeys(self._ready, 0)
         self._end_of_backward_queued = False
@@ -146,6 +169,12 @@ class ZeroOptimizer:
 
         With dynamic loss scaling, a step whose gradients overflowed on any rank is skipped
         everywhere (the scale is lowered) and returns None.
+
+        Collective: every rank of ``process_set`` calls it, in the same order.
+
+        :param closure: called first, if given, to recompute the loss (as torch's ``step``);
+            default None.
+        :returns: the closure's loss; None without a closure or when the step was skipped.
         """
         loss = closure() if closure is not None else None
         taken = self._prepare_master_gradients()
@@ -165,6 +194,8 @@ class ZeroOptimizer:
 
         Stages 0 and 1 reduce here, once per step, every group on every rank (parameters
         without a gradient count as zeros); stages 2 and 3 already did during backward.
+
+        Collective: every rank of ``process_set`` calls it, in the same order.
         """
         if self.stage <= 1 and not self._reduced:
             self._reduced = True
@@ -174,7 +205,10 @@ class ZeroOptimizer:
         self._wait_reductions()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the current loss scale (1 without float16): call backward on this."""
+        """``loss`` times the current loss scale (1 without float16): call backward on this.
+
+        :param loss: the loss of this rank's batch.
+        """
         return self.loss_scaler.scale(loss)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -184,6 +218,13 @@ class ZeroOptimizer:
         Each rank's partial statistic is combined over the set before any scaling, so every
         shard is scaled by the same coefficient.  Call it after backward, before ``step()``.
         Gradients that overflowed (float16) are left alone: ``step()`` will skip them.
+
+        Collective: every rank of ``process_set`` calls it, in the same order.
+
+        :param max_norm: the largest norm the gradients keep.
+        :param norm_type: the p of the p-norm: positive, or ``inf`` for the largest magnitude;
+            default 2.0.
+        :returns: the total norm before clipping (inf when the gradients overflowed).
         """
         norm_type = float(norm_type)
         if not norm_type > 0:
@@ -203,23 +244,41 @@ class ZeroOptimizer:
         return total
 
     def save(self, directory: str, extra: dict | None = None) -> None:
-        """Save a sharded checkpoint (collective over the set); see :mod:`psrt.zero.checkpoint`."""
+        """Save a sharded checkpoint; see :func:`psrt.zero.save`.
+
+        Collective: every rank of ``process_set`` calls it, in the same order.
+
+        :param directory: where the shards go, the same on every rank (a shared file system when
+            the ranks are on several hosts).
+        :param extra: anything JSON can hold (e.g. the step count), returned by :meth:`load`;
+            default None.
+        """
         from psrt.zero.checkpoint import save
         save(self, directory, extra)
 
     def load(self, directory: str) -> dict | None:
-        """Load a sharded checkpoint written by any number of ranks; returns its ``extra``."""
+        """Load a sharded checkpoint written by any number of ranks; returns its ``extra``.
+        See :func:`psrt.zero.load`.
+
+        Collective: every rank of ``process_set`` calls it, in the same order.
+
+        :param directory: the checkpoint's directory, the same on every rank.
+        :returns: the ``extra`` saved with it.
+        """
         from psrt.zero.checkpoint import load
         return load(self, directory)
 
     @contextmanager
     def gathered_parameters(self) -> Iterator[None]:
         """Within the block, every parameter of the model holds its full value in the compute
-        dtype, for reading: stage 3 gathers them all (collective; do not run forward inside the
-        block, which frees them again) and frees them on exit; other stages always hold them.
+        dtype, for reading: stage 3 gathers them all (do not run forward inside the block, which
+        frees them again) and frees them on exit; other stages always hold them.
         ``model.state_dict()`` works inside the block and returns copies, which stay readable
         after it; a parameter read outside the block raises ``ParameterReleasedError``.  For
-        fp32 masters use :meth:`save` and :func:`psrt.zero.consolidate`."""
+        fp32 masters use :meth:`save` and :func:`psrt.zero.consolidate`.
+
+        Collective in stage 3: every rank of ``process_set`` enters the block, in the same order.
+        """
         if self.gatherer is None:
             yield
             return

@@ -198,3 +198,29 @@ def test_a_plot_not_drawn_yet_is_a_note_not_a_broken_link():
 
     note = hook._plot("dp_scaling.png", "Throughput", "", NoFiles())
     assert "has not been drawn" in note and "](" not in note
+
+
+def _signatures(page: str) -> dict[str, str]:
+    """Each documented object's signature on an API page, as a reader sees it, by anchor."""
+    found = {}
+    for anchor, code in re.findall(r'<h\d id="(psrt[\w.]*)" class="doc doc-heading">(?:(?!</h\d>).)*</h\d>\s*'
+                                   r'<div class="doc-signature highlight"><pre><span></span><code>(.*?)</code></pre>',
+                                   page, re.DOTALL):
+        found[anchor] = html.unescape(re.sub(r"<[^>]+>", "", code)).rstrip("\n")
+    return found
+
+
+def test_api_page_wraps_long_signatures(site):
+    """mkdocstrings formats signatures with ruff (requirements-dev.txt): a long one is wrapped one
+    parameter a line, and none is wider than the configured line_length."""
+    configured = re.search(r"^\s*line_length: (\d+)", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE)
+    width = int(configured.group(1)) if configured else 60  # mkdocstrings' default
+    signatures = _signatures(_page(site, "reference/api"))
+    for anchor in ("psrt.torch.allreduce", "psrt.torch.DistributedOptimizer", "psrt.zero.ZeroOptimizer",
+                   "psrt.pp.Pipeline"):
+        assert anchor in signatures, f"{anchor} shows no signature (a class shows its __init__'s)"
+        lines = signatures[anchor].splitlines()
+        assert len(lines) > 3 and lines[-1].startswith(")"), f"{anchor}'s signature is not wrapped:\n{signatures[anchor]}"
+    wide = [f"{anchor}: {line}" for anchor, text in signatures.items() for line in text.splitlines()
+            if len(line) > width]
+    assert not wide, f"signature lines wider than {width} columns on the API page:\n" + "\n".join(wide[:10])

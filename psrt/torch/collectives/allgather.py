@@ -46,6 +46,20 @@ def _allgather(tensor, name, process_set, blocking):
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
+    """Start :func:`allgather` and return at once; ``hvd.synchronize(handle)`` returns the
+    gathered tensor.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensor: this rank's rows: a dense tensor whose first dimension may differ by rank;
+        the other dimensions, dtype and device must agree.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to gather over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     return _allgather(tensor, name, process_set, False)
 
 
@@ -53,9 +67,20 @@ def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str |
                          process_set: ProcessSet = global_process_set) -> int:
     """Start gathering every rank's equally sized ``tensor`` into ``output``, in rank order,
     without allocating (``torch.distributed.all_gather_into_tensor``; psrt's addition).
+    ``synchronize`` returns ``output``.
 
-    ``output`` must be contiguous, of ``tensor``'s dtype and device, with set-size times its
-    elements, and must not overlap ``tensor``.  ``synchronize`` returns ``output``.
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensor: this rank's part: a dense tensor of the same number of elements, dtype and
+        device on every rank.
+    :param output: where the parts go, in set-rank order: contiguous, of ``tensor``'s dtype and
+        device, with set-size times its elements, not overlapping ``tensor``.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to gather over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
     """
     tensor, ranks = _common.prepare(tensor, name, process_set)
     output = check_tensor(output, "output")
@@ -107,7 +132,19 @@ class HorovodAllgather(torch.autograd.Function):
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's tensor along the first dimension (which may differ by rank),
-    differentiably."""
+    differentiably: the gradient is this rank's rows of the Average over ranks of the output's
+    gradient.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensor: this rank's rows: a dense tensor whose first dimension may differ by rank;
+        the other dimensions, dtype and device must agree.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to gather over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: a new tensor: every rank's rows, in set-rank order.
+    """
     if not tracked((tensor,)):
         return _allgather(tensor, name, process_set, True)
     return HorovodAllgather.apply(tensor, name, process_set)
@@ -116,7 +153,20 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather of each tensor (named ``name.0``, ``name.1``, ...); ``synchronize``
-    returns the list of gathered tensors."""
+    returns the list of gathered tensors.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensors: a list of dense tensors, gathered each as ``tensor`` is in
+        :func:`allgather`; the list's length and each position's trailing dimensions and
+        dtype must agree over the ranks.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to gather over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     tensors = tensor_group(tensors, "grouped_allgather")
     check_name(name)
     return issue_each(lambda i, t: allgather_async(t, name=derived(name, str(i)), process_set=process_set),
@@ -143,7 +193,19 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allgather each tensor of a list, differentiably; returns the gathered tensors."""
+    """Allgather each tensor of a list, differentiably; returns the gathered tensors.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensors: a list of dense tensors, gathered each as ``tensor`` is in
+        :func:`allgather`; the list's length and each position's trailing dimensions and
+        dtype must agree over the ranks.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to gather over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: one gathered tensor per input, in order.
+    """
     tensors = tensor_group(tensors, "grouped_allgather")
     if not tracked(tensors):
         return synchronize(grouped_allgather_async(tensors, name, process_set))

@@ -205,10 +205,34 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over the process set and return the result in a new tensor,
-    differentiably.
+    differentiably: the gradient is the same allreduce (op and scale factors) of the output's
+    gradient, for ops Sum and Average.
 
-    Default op is Average.  ``compression`` (e.g. ``hvd.Compression.fp16``)
-    changes what travels, not the dtype returned.
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensor: the tensor to reduce: dense, on the CPU (or a CUDA device where NCCL is
+        available), of a dtype psrt carries (floating point, integer or bool); its shape and
+        dtype must be the same on every rank.
+    :param average: Horovod's deprecated flag: ``True`` means ``op=Average``, ``False`` means
+        ``op=Sum``; default None (``op`` decides).  Passing both ``average`` and ``op`` is an
+        error.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter (``allreduce.noname.<n>``), so every rank must make its unnamed calls in the same
+        order.  A name must not be pending on this rank already.
+    :param compression: how the tensor travels: ``hvd.Compression.none`` (None, the default,
+        means it), ``hvd.Compression.fp16`` (floating-point tensors travel as float16), or any
+        object with ``compress`` and ``decompress``; the result keeps the input's dtype.
+    :param op: the reduction: ``hvd.Average`` (None, the default, means it), ``Sum``, ``Min``,
+        ``Max``, ``Product`` or ``Adasum``.  Bool tensors take only ``Min`` (logical and) and
+        ``Max`` (logical or); an integer Average divides rounding toward zero; ``Adasum`` needs
+        floating-point CPU tensors and a process set whose size is a power of two.
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0 (not allowed with bool tensors).
+    :param postscale_factor: a real number the result is multiplied by after the reduction
+        (and after Average's division); default 1.0 (not allowed with bool tensors).
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: a new tensor of ``tensor``'s shape and dtype holding the reduction.
     """
     compression = compressor(compression)
     compressed, state = compression.compress(check_tensor(tensor))
@@ -225,7 +249,32 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: ReduceOp | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """In-place :func:`allreduce`; returns ``tensor``."""
+    """In-place :func:`allreduce`: reduce ``tensor`` over the process set into its own memory
+    (no copy for a contiguous tensor); returns ``tensor``.  Not differentiable.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensor: the tensor to reduce: dense, on the CPU (or a CUDA device where NCCL is
+        available), of a dtype psrt carries (floating point, integer or bool); its shape and
+        dtype must be the same on every rank.
+    :param average: Horovod's deprecated flag: ``True`` means ``op=Average``, ``False`` means
+        ``op=Sum``; default None (``op`` decides).  Passing both ``average`` and ``op`` is an
+        error.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter (``allreduce.noname.<n>``), so every rank must make its unnamed calls in the same
+        order.  A name must not be pending on this rank already.
+    :param op: the reduction: ``hvd.Average`` (None, the default, means it), ``Sum``, ``Min``,
+        ``Max``, ``Product`` or ``Adasum``.  Bool tensors take only ``Min`` (logical and) and
+        ``Max`` (logical or); an integer Average divides rounding toward zero; ``Adasum`` needs
+        floating-point CPU tensors and a process set whose size is a power of two.
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0 (not allowed with bool tensors).
+    :param postscale_factor: a real number the result is multiplied by after the reduction
+        (and after Average's division); default 1.0 (not allowed with bool tensors).
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: ``tensor``, holding the reduction.
+    """
     return _allreduce(tensor, True, True, name, op, average, prescale_factor, postscale_factor,
                       process_set)
 
@@ -234,7 +283,33 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
-    """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
+    """Start :func:`allreduce` and return at once; ``hvd.synchronize(handle)`` waits and
+    returns the new tensor, ``hvd.poll(handle)`` says whether it is done.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensor: the tensor to reduce: dense, on the CPU (or a CUDA device where NCCL is
+        available), of a dtype psrt carries (floating point, integer or bool); its shape and
+        dtype must be the same on every rank.
+    :param average: Horovod's deprecated flag: ``True`` means ``op=Average``, ``False`` means
+        ``op=Sum``; default None (``op`` decides).  Passing both ``average`` and ``op`` is an
+        error.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter (``allreduce.noname.<n>``), so every rank must make its unnamed calls in the same
+        order.  A name must not be pending on this rank already.
+    :param op: the reduction: ``hvd.Average`` (None, the default, means it), ``Sum``, ``Min``,
+        ``Max``, ``Product`` or ``Adasum``.  Bool tensors take only ``Min`` (logical and) and
+        ``Max`` (logical or); an integer Average divides rounding toward zero; ``Adasum`` needs
+        floating-point CPU tensors and a process set whose size is a power of two.
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0 (not allowed with bool tensors).
+    :param postscale_factor: a real number the result is multiplied by after the reduction
+        (and after Average's division); default 1.0 (not allowed with bool tensors).
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     return _allreduce(tensor, False, False, name, op, average, prescale_factor,
                       postscale_factor, process_set)
 
@@ -243,7 +318,33 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
-    """Start an in-place allreduce; ``synchronize(handle)`` returns ``tensor``."""
+    """Start an in-place allreduce and return at once; ``hvd.synchronize(handle)`` waits and
+    returns ``tensor``, which must not be touched until then.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensor: the tensor to reduce: dense, on the CPU (or a CUDA device where NCCL is
+        available), of a dtype psrt carries (floating point, integer or bool); its shape and
+        dtype must be the same on every rank.
+    :param average: Horovod's deprecated flag: ``True`` means ``op=Average``, ``False`` means
+        ``op=Sum``; default None (``op`` decides).  Passing both ``average`` and ``op`` is an
+        error.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter (``allreduce.noname.<n>``), so every rank must make its unnamed calls in the same
+        order.  A name must not be pending on this rank already.
+    :param op: the reduction: ``hvd.Average`` (None, the default, means it), ``Sum``, ``Min``,
+        ``Max``, ``Product`` or ``Adasum``.  Bool tensors take only ``Min`` (logical and) and
+        ``Max`` (logical or); an integer Average divides rounding toward zero; ``Adasum`` needs
+        floating-point CPU tensors and a process set whose size is a power of two.
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0 (not allowed with bool tensors).
+    :param postscale_factor: a real number the result is multiplied by after the reduction
+        (and after Average's division); default 1.0 (not allowed with bool tensors).
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     return _allreduce(tensor, True, False, name, op, average, prescale_factor, postscale_factor,
                       process_set)
 
@@ -284,7 +385,36 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       op: ReduceOp | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Reduce a list of tensors as one fused operation, differentiably; returns new tensors."""
+    """Reduce a list of tensors as one fused operation, differentiably; returns new tensors.
+
+    The list is negotiated as a unit: it runs when every rank has submitted the whole list.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensors: a non-empty list or tuple of dense tensors, all on one device (the CPU, or a
+        CUDA device where NCCL is available); each tensor's shape and dtype must be the same on
+        every rank, in the same list position.
+    :param average: Horovod's deprecated flag: ``True`` means ``op=Average``, ``False`` means
+        ``op=Sum``; default None (``op`` decides).  Passing both ``average`` and ``op`` is an
+        error.
+    :param name: what the ranks match the call by (the list is one unit under this name);
+        default None: named from a per-process counter, so every rank must make its unnamed
+        calls in the same order.  A name must not be pending on this rank already.
+    :param compression: how the tensor travels: ``hvd.Compression.none`` (None, the default,
+        means it), ``hvd.Compression.fp16`` (floating-point tensors travel as float16), or any
+        object with ``compress`` and ``decompress``; the result keeps the input's dtype.
+    :param op: the reduction: ``hvd.Average`` (None, the default, means it), ``Sum``, ``Min``,
+        ``Max``, ``Product`` or ``Adasum``.  Bool tensors take only ``Min`` (logical and) and
+        ``Max`` (logical or); an integer Average divides rounding toward zero; ``Adasum`` needs
+        floating-point CPU tensors and a process set whose size is a power of two.
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0 (not allowed with bool tensors).
+    :param postscale_factor: a real number the result is multiplied by after the reduction
+        (and after Average's division); default 1.0 (not allowed with bool tensors).
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: one new tensor per input, in order, each holding its reduction.
+    """
     tensors = check_tensor_list(tensors)
     compression = compressor(compression)
     packed = [compression.compress(t) for t in tensors]
@@ -302,7 +432,32 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        name: str | None = None, op: ReduceOp | None = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """In-place :func:`grouped_allreduce`; returns the input tensors."""
+    """In-place :func:`grouped_allreduce`: each tensor is reduced into its own memory; returns
+    the input tensors.  Not differentiable.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensors: a non-empty list or tuple of dense tensors, all on one device (the CPU, or a
+        CUDA device where NCCL is available); each tensor's shape and dtype must be the same on
+        every rank, in the same list position.
+    :param average: Horovod's deprecated flag: ``True`` means ``op=Average``, ``False`` means
+        ``op=Sum``; default None (``op`` decides).  Passing both ``average`` and ``op`` is an
+        error.
+    :param name: what the ranks match the call by (the list is one unit under this name);
+        default None: named from a per-process counter, so every rank must make its unnamed
+        calls in the same order.  A name must not be pending on this rank already.
+    :param op: the reduction: ``hvd.Average`` (None, the default, means it), ``Sum``, ``Min``,
+        ``Max``, ``Product`` or ``Adasum``.  Bool tensors take only ``Min`` (logical and) and
+        ``Max`` (logical or); an integer Average divides rounding toward zero; ``Adasum`` needs
+        floating-point CPU tensors and a process set whose size is a power of two.
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0 (not allowed with bool tensors).
+    :param postscale_factor: a real number the result is multiplied by after the reduction
+        (and after Average's division); default 1.0 (not allowed with bool tensors).
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the input tensors, as a list, holding their reductions.
+    """
     return _grouped(tensors, True, True, name, op, average, prescale_factor, postscale_factor,
                     process_set)
 
@@ -311,6 +466,33 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             name: str | None = None, op: ReduceOp | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
+    """Start :func:`grouped_allreduce` and return at once; ``hvd.synchronize(handle)`` waits and
+    returns the list of new tensors.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensors: a non-empty list or tuple of dense tensors, all on one device (the CPU, or a
+        CUDA device where NCCL is available); each tensor's shape and dtype must be the same on
+        every rank, in the same list position.
+    :param average: Horovod's deprecated flag: ``True`` means ``op=Average``, ``False`` means
+        ``op=Sum``; default None (``op`` decides).  Passing both ``average`` and ``op`` is an
+        error.
+    :param name: what the ranks match the call by (the list is one unit under this name);
+        default None: named from a per-process counter, so every rank must make its unnamed
+        calls in the same order.  A name must not be pending on this rank already.
+    :param op: the reduction: ``hvd.Average`` (None, the default, means it), ``Sum``, ``Min``,
+        ``Max``, ``Product`` or ``Adasum``.  Bool tensors take only ``Min`` (logical and) and
+        ``Max`` (logical or); an integer Average divides rounding toward zero; ``Adasum`` needs
+        floating-point CPU tensors and a process set whose size is a power of two.
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0 (not allowed with bool tensors).
+    :param postscale_factor: a real number the result is multiplied by after the reduction
+        (and after Average's division); default 1.0 (not allowed with bool tensors).
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     return _grouped(tensors, False, False, name, op, average, prescale_factor, postscale_factor,
                     process_set)
 
@@ -319,6 +501,33 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              name: str | None = None, op: ReduceOp | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
+    """Start an in-place :func:`grouped_allreduce` and return at once; ``hvd.synchronize(handle)``
+    waits and returns the input tensors, which must not be touched until then.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensors: a non-empty list or tuple of dense tensors, all on one device (the CPU, or a
+        CUDA device where NCCL is available); each tensor's shape and dtype must be the same on
+        every rank, in the same list position.
+    :param average: Horovod's deprecated flag: ``True`` means ``op=Average``, ``False`` means
+        ``op=Sum``; default None (``op`` decides).  Passing both ``average`` and ``op`` is an
+        error.
+    :param name: what the ranks match the call by (the list is one unit under this name);
+        default None: named from a per-process counter, so every rank must make its unnamed
+        calls in the same order.  A name must not be pending on this rank already.
+    :param op: the reduction: ``hvd.Average`` (None, the default, means it), ``Sum``, ``Min``,
+        ``Max``, ``Product`` or ``Adasum``.  Bool tensors take only ``Min`` (logical and) and
+        ``Max`` (logical or); an integer Average divides rounding toward zero; ``Adasum`` needs
+        floating-point CPU tensors and a process set whose size is a power of two.
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0 (not allowed with bool tensors).
+    :param postscale_factor: a real number the result is multiplied by after the reduction
+        (and after Average's division); default 1.0 (not allowed with bool tensors).
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     return _grouped(tensors, True, False, name, op, average, prescale_factor, postscale_factor,
                     process_set)
 
@@ -332,8 +541,20 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
     Returns a function that waits and returns the result (``handle()``, as in Horovod):
     every rank's entries side by side, not coalesced, the values divided by the set size
     for Average.  An integer Average is coalesced first, so that each sum is rounded toward
-    zero once, as a dense integer Average is.  Every rank must pass a tensor of the same
-    size and dtype, with any number of entries.
+    zero once, as a dense integer Average is.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensor: a sparse COO tensor; its size and dtype must be the same on every rank, its
+        number of entries may differ.
+    :param name: what the ranks match the call by (its two allgathers are ``name.indices`` and
+        ``name.values``); None names them from a per-process counter, so every rank must then
+        make its unnamed calls in the same order.
+    :param op: ``hvd.Sum`` or ``hvd.Average`` (None means Average); other ops are refused.
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: a function that waits and returns the reduced sparse tensor.
     """
     if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo:
         kind = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__

@@ -43,7 +43,23 @@ def _alltoall(tensor, splits, name, process_set, blocking):
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> int:
     """Start :func:`alltoall`; ``synchronize(handle)`` returns (received rows, received
-    splits) whether or not splits were given, as Horovod's does."""
+    splits) whether or not splits were given, as Horovod's does.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensor: the rows to send: a dense tensor with at least one dimension; the other
+        dimensions, dtype and device must agree over the ranks.
+    :param splits: how many rows go to each rank of the set, in set-rank order: a list of
+        non-negative ints or a 1-D integer tensor, one entry per rank, summing to the first
+        dimension; default None: the first dimension is divided evenly (the set size must
+        divide it).
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to exchange with: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     return _alltoall(tensor, splits, name, process_set, False)
 
 
@@ -70,8 +86,22 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None,
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Send ``splits[r]`` rows to rank r, differentiably; returns the received rows and, when
     ``splits`` is given, the received splits (an int32 tensor), as Horovod's ``alltoall`` does.
+    The gradient sends each gradient block back where its rows came from.
 
-    Without ``splits`` the first dimension is divided evenly.
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensor: the rows to send: a dense tensor with at least one dimension; the other
+        dimensions, dtype and device must agree over the ranks.
+    :param splits: how many rows go to each rank of the set, in set-rank order: a list of
+        non-negative ints or a 1-D integer tensor, one entry per rank, summing to the first
+        dimension; default None: the first dimension is divided evenly (the set size must
+        divide it).
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to exchange with: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the rows received, in set-rank order of their senders (and the received splits
+        when ``splits`` is given).
     """
     if not tracked((tensor,)):
         output, received = _alltoall(tensor, splits, name, process_set, True)

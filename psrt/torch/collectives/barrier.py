@@ -14,6 +14,11 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
     It runs through the engine like any collective, so outstanding async
     operations keep progressing around it.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param process_set: the ranks that wait for each other: a registered process set this rank
+        belongs to; default ``global_process_set`` (every rank).
     """
     ranks = _common.set_ranks(process_set)
 

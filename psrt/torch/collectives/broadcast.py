@@ -40,17 +40,62 @@ def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."""
+    """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensor: a dense tensor; its shape, dtype and device must be the same on every rank
+        (its values matter on the root only).
+    :param root_rank: the rank whose values everyone gets: a world rank (as in Horovod) that
+        is a member of ``process_set``, the same on every rank.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to broadcast to: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: ``tensor``, holding the root's values.
+    """
     return _broadcast(tensor, root_rank, name, process_set, True, True)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
+    """Start :func:`broadcast`; ``synchronize(handle)`` returns a new tensor holding
+    ``root_rank``'s values.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensor: a dense tensor; its shape, dtype and device must be the same on every rank
+        (its values matter on the root only).
+    :param root_rank: the rank whose values everyone gets: a world rank (as in Horovod) that
+        is a member of ``process_set``, the same on every rank.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to broadcast to: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     return _broadcast(tensor, root_rank, name, process_set, False, False)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> int:
+    """Start :func:`broadcast_`; ``synchronize(handle)`` returns ``tensor``, overwritten with
+    ``root_rank``'s values (do not touch it until then).
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensor: a dense tensor; its shape, dtype and device must be the same on every rank
+        (its values matter on the root only).
+    :param root_rank: the rank whose values everyone gets: a world rank (as in Horovod) that
+        is a member of ``process_set``, the same on every rank.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to broadcast to: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     return _broadcast(tensor, root_rank, name, process_set, True, False)
 
 
@@ -72,7 +117,21 @@ class HorovodBroadcast(torch.autograd.Function):
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Return a copy of ``root_rank``'s tensor (a world rank in the set), differentiably."""
+    """Return a copy of ``root_rank``'s tensor (a world rank in the set), differentiably: the
+    gradient is the Average over ranks of the output's gradient on the root, zeros elsewhere.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensor: a dense tensor; its shape, dtype and device must be the same on every rank
+        (its values matter on the root only).
+    :param root_rank: the rank whose values everyone gets: a world rank (as in Horovod) that
+        is a member of ``process_set``, the same on every rank.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param process_set: the ranks to broadcast to: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :returns: a new tensor holding the root's values.
+    """
     if not tracked((tensor,)):
         return _broadcast(tensor, root_rank, name, process_set, False, True)
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)

@@ -75,6 +75,26 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
                         op: ReduceOp | None = None,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start :func:`reducescatter`; ``synchronize(handle)`` returns this rank's block.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensor: a dense, non-bool tensor with at least one dimension; its shape and dtype
+        must be the same on every rank.  Its first dimension is split as Horovod splits it: the
+        first ``rows % size`` ranks keep one row more.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param op: ``hvd.Average`` (None, the default, means it) or ``hvd.Sum``; other ops are
+        refused.
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0.
+    :param postscale_factor: a real number the result is multiplied by after the reduction;
+        default 1.0.
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     return _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_factor,
                           False)
 
@@ -105,7 +125,27 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: ob
                   op: ReduceOp | None = None, process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over the set and keep this rank's block of rows (default op Average),
-    differentiably.  Horovod's signature: ``compression`` comes third."""
+    differentiably.  Horovod's signature: ``compression`` comes third.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensor: a dense, non-bool tensor with at least one dimension; its shape and dtype
+        must be the same on every rank.  Its first dimension is split as Horovod splits it: the
+        first ``rows % size`` ranks keep one row more.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param compression: how the tensor travels: ``hvd.Compression.none`` (None, the default),
+        ``hvd.Compression.fp16`` or any object with ``compress`` and ``decompress``.
+    :param op: ``hvd.Average`` (None, the default, means it) or ``hvd.Sum``; other ops are
+        refused.
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0.
+    :param postscale_factor: a real number the result is multiplied by after the reduction;
+        default 1.0.
+    :returns: this rank's block of the reduction, a new tensor.
+    """
     compression = compressor(compression)
     compressed, state = compression.compress(check_tensor(tensor))
     if tracked((tensor,)):
@@ -122,7 +162,25 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of each tensor (named ``name.0``, ``name.1``, ...);
-    ``synchronize`` returns the list of this rank's blocks."""
+    ``synchronize`` returns the list of this rank's blocks.
+
+    Collective: every rank of ``process_set`` calls it, in the same order (named calls may start
+    in any order, so long as no rank waits for one before starting the others).
+
+    :param tensors: a list of tensors, each reduce-scattered as ``tensor`` is in
+        :func:`reducescatter`; each position's shape and dtype must agree over the ranks.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param op: ``hvd.Average`` (None, the default, means it) or ``hvd.Sum``; other ops are
+        refused.
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0.
+    :param postscale_factor: a real number the result is multiplied by after the reduction;
+        default 1.0.
+    :returns: the handle (an int) for ``poll`` and ``synchronize``.
+    """
     tensors = tensor_group(tensors, "grouped_reducescatter")
     check_name(name)
     return issue_each(lambda i, t: reducescatter_async(
@@ -153,7 +211,26 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    """Reducescatter each tensor of a list, differentiably; returns this rank's blocks."""
+    """Reducescatter each tensor of a list, differentiably; returns this rank's blocks.
+
+    Collective: every rank of ``process_set`` calls it, in the same order.
+
+    :param tensors: a list of tensors, each reduce-scattered as ``tensor`` is in
+        :func:`reducescatter`; each position's shape and dtype must agree over the ranks.
+    :param name: what the ranks match the call by; default None: named from a per-process
+        counter, so every rank must make its unnamed calls in the same order.
+    :param compression: how the tensor travels: ``hvd.Compression.none`` (None, the default),
+        ``hvd.Compression.fp16`` or any object with ``compress`` and ``decompress``.
+    :param op: ``hvd.Average`` (None, the default, means it) or ``hvd.Sum``; other ops are
+        refused.
+    :param process_set: the ranks to reduce over: a registered process set this rank belongs
+        to; default ``global_process_set`` (every rank).
+    :param prescale_factor: a real number each rank's tensor is multiplied by before the
+        reduction; default 1.0.
+    :param postscale_factor: a real number the result is multiplied by after the reduction;
+        default 1.0.
+    :returns: this rank's block of each reduction, in order.
+    """
     tensors = tensor_group(tensors, "grouped_reducescatter")
     compression = compressor(compression)
     packed = [compression.compress(t) for t in tensors]
