@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.failures import FailureScanner
+from launcher.failures import FailureKind, FailureScanner
 from launcher.monitor import leftover_processes
 
 
@@ -68,3 +68,45 @@ def test_after_a_failed_job_its_ranks_launcher_and_stopped_processes_are_killed_
     fake_process(tmp_path, 108, 999, "T", rank=0)                   # another job's rank
     assert leftover_processes(session, str(tmp_path)) == [101, 102, 105, 106, 107]
     assert leftover_processes(session, str(tmp_path / "absent")) == []
+
+
+# --- blame lines: the culprit headlines the job, not the rank that noticed -------------------
+
+BLAME = "psrt: rank 0 blames rank 1 (worker 1): no answer to 3 requests for 5 s"
+
+
+def test_a_blame_line_headlines_the_culprit_with_its_role_and_the_reporter():
+    failure = failure_of(BLAME)
+    assert failure.summary() == ("rank 1 (worker 1) stopped answering: no answer to 3 requests for 5 s "
+                                 "(reported by rank 0)")
+    assert (failure.rank, failure.reporter, failure.kind) == (1, 0, FailureKind.BLAME)
+
+
+def test_a_blame_line_without_a_role():
+    assert failure_of("psrt: rank 2 blames rank 0: waits in allreduce 'g'").summary() == (
+        "rank 0 stopped answering: waits in allreduce 'g' (reported by rank 2)")
+
+
+def test_a_blame_line_wins_over_the_reporters_marker_and_the_aborts_notices():
+    marker = "psrt: rank 0 failed: stall: rank 1 does not respond"
+    abort = ["MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD", "  Proc: [[55606,1],0]",
+             "  Errorcode: 1"]
+    killed = ["prterun noticed that process rank 1 with PID 7 on node vm exited on", "signal 9 (Killed)."]
+    for lines in ([BLAME, marker, *abort], [marker, BLAME], [*abort, BLAME, marker], [*killed, BLAME]):
+        assert failure_of(*lines).summary().startswith("rank 1 (worker 1) stopped answering"), lines
+
+
+def test_the_first_blame_line_wins_and_an_earlier_marker_of_another_rank_stands():
+    later = "psrt: rank 2 blames rank 3 (server 0): no answer"
+    assert failure_of(BLAME, later).rank == 1
+    other = "psrt: rank 2 failed: raised ValueError: boom"
+    assert failure_of(other, BLAME).summary() == "rank 2 failed first: raised ValueError: boom"
+
+
+def test_a_blame_line_is_found_behind_a_tag_a_nul_byte_and_a_progress_bar():
+    for line in (f"[1,0]<stderr>: {BLAME}", f"\x00{BLAME}", f" 50%|#####     |\r{BLAME}"):
+        assert failure_of(line).rank == 1, line
+
+
+def test_a_blame_line_quoted_in_other_output_is_not_this_jobs_failure():
+    assert failure_of(f"trial 3 said: {BLAME}") is None
