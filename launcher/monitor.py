@@ -6,7 +6,8 @@ redraw with ``\\r`` still move; stderr is also split into lines for the
 that a Ctrl-C reaches it once, through psrun, rather than twice (a second
 SIGINT makes Open MPI kill the job without cleaning up), and so that once a
 failed job is over, any process of it still on this host (a rank that was
-stopped, which ignores the SIGTERM Open MPI sends it) is found and killed.
+stopped, which ignores the SIGTERM Open MPI sends it) is found and killed. A watcher
+process (:mod:`launcher.lifeline`) ends the job should psrun itself be killed.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import BinaryIO, TextIO
 
 from launcher.failures import Failure, FailureScanner
+from launcher.lifeline import Lifeline
+from launcher.processes import leftover_processes
 
 __all__ = ["JobResult", "run_job"]
 
@@ -121,53 +124,6 @@ def _wait(proc: subprocess.Popen[bytes], scanner: FailureScanner) -> int:
                 pass
 
 
-# Variables every MPI launcher psrun drives sets in its ranks (and in nothing else).
-_RANK_VARIABLES = (b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=", b"PMI_RANK=")
-
-
-def _session_processes(session: int, proc_root: str) -> dict[int, tuple[bytes, int, bool]]:
-    """Live processes of this host in ``session``: pid -> (state, parent, is an MPI rank)."""
-    found = {}
-    try:
-        entries = os.listdir(proc_root)
-    except OSError:
-        return {}
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == session:
-            continue
-        try:
-            with open(os.path.join(proc_root, entry, "stat"), "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            # after the command name: state, parent, process group, session
-            if len(fields) < 4 or int(fields[3]) != session or fields[0] == b"Z":
-                continue
-            with open(os.path.join(proc_root, entry, "environ"), "rb") as f:
-                is_rank = any(v.startswith(_RANK_VARIABLES) for v in f.read().split(b"\0"))
-        except (OSError, IndexError, ValueError):
-            continue
-        found[int(entry)] = (fields[0], int(fields[1]), is_rank)
-    return found
-
-
-def leftover_processes(session: int, proc_root: str = "/proc") -> list[int]:
-    """What a failed job left on this host in ``session``: its ranks, the launcher's own
-    processes (a launch agent and the daemons it started, which keep mpirun's output open)
-    and anything stopped; not zombies (already dead), nor helpers a rank started on
-    purpose, such as a log uploader, unless stopped (Linux; elsewhere none are found)."""
-    processes = _session_processes(session, proc_root)
-
-    def started_by_a_rank(pid: int) -> bool:
-        parent = processes[pid][1]
-        while parent in processes:
-            if processes[parent][2]:
-                return True
-            parent = processes[parent][1]
-        return False
-
-    return sorted(pid for pid, (state, _, _) in processes.items()
-                  if state in (b"T", b"t") or not started_by_a_rank(pid))
-
-
 def _end_leftovers(session: int) -> None:
     """Kill what a failed job left running on this host, saying so."""
     leftovers = leftover_processes(session)
@@ -190,10 +146,16 @@ def run_job(command: Sequence[str], env: Mapping[str, str]) -> JobResult:
     a failure reported before the stop signal counts.
     """
     scanner = FailureScanner()
-    proc = subprocess.Popen(
-        list(command), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    lifeline = Lifeline()
+    try:
+        proc = subprocess.Popen(
+            list(command), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError:
+        lifeline.release()
+        raise
+    lifeline.watch(proc.pid)
     assert proc.stdout is not None and proc.stderr is not None
     pumps = [
         threading.Thread(target=_pump, args=(proc.stdout, _writer(sys.stdout), None), daemon=True),
@@ -218,6 +180,7 @@ def run_job(command: Sequence[str], env: Mapping[str, str]) -> JobResult:
     # A rank orphaned by a crashed mpirun may hold the pipes open; do not wait for it forever.
     for pump in pumps:
         pump.join(timeout=5.0)
+    lifeline.release()
     returncode = 128 - returncode if returncode < 0 else returncode
     if stops:
         signum, failure_before_stop = stops[0]

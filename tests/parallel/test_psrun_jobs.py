@@ -7,6 +7,7 @@ the failure itself, not from a start-up that a busy machine can make slow.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import psrun_argv, start_job
 
 pytestmark = pytest.mark.parallel
 
@@ -189,3 +191,54 @@ def _alive(pid: int, wait_s: float = 3.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_sigkilled_psrun_leaves_no_mpirun_or_rank_running(tmp_path: Path) -> None:
+    """mpirun has a session of its own; once, a psrun killed outright left it and every rank
+    running with parent 1."""
+    script = tmp_path / "sleepy.py"
+    script.write_text(f"import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep({JOB_TIMEOUT_S})\n")
+    job = start_job(psrun_argv("-np", "2", sys.executable, str(script)), "sleepy ranks")
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while len(re.findall(r"^pid \d+$", job.out, re.MULTILINE)) < 2 and time.monotonic() < deadline:
+            assert job.proc.poll() is None, job.diagnosis()
+            time.sleep(0.1)
+        ranks = [int(pid) for pid in re.findall(r"^pid (\d+)$", job.out, re.MULTILINE)]
+        assert len(ranks) == 2, job.diagnosis()
+        started = [*_children(job.proc.pid), *ranks]  # mpirun, psrun's watcher, the ranks
+        os.kill(job.proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.proc.wait()
+        while any(_running(pid) for pid in started) and time.monotonic() - killed_at < 30:
+            time.sleep(0.1)
+        took = time.monotonic() - killed_at
+        print(f"mpirun and the ranks ended {took:.1f} s after psrun was killed")
+        assert not [pid for pid in started if _running(pid)], f"still running {took:.0f} s after psrun was killed"
+        assert took < 10, f"the job ended {took:.1f} s after psrun was killed"
+    finally:
+        for pid in started:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        job.finish(5)
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return children
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -2,12 +2,19 @@
 processes of a failed job it kills afterwards."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from launcher.failures import FailureKind, FailureScanner
-from launcher.monitor import leftover_processes
+from launcher.processes import leftover_processes, process_start_time
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def failure_of(*lines: str):
@@ -110,3 +117,52 @@ def test_a_blame_line_is_found_behind_a_tag_a_nul_byte_and_a_progress_bar():
 
 def test_a_blame_line_quoted_in_other_output_is_not_this_jobs_failure():
     assert failure_of(f"trial 3 said: {BLAME}") is None
+
+
+# --- psrun killed: its watcher ends the job -------------------------------------------------
+
+def _session_with_a_child() -> subprocess.Popen[bytes]:
+    """A stand-in for mpirun: a session leader with a child of its own that ignores SIGTERM."""
+    return subprocess.Popen(["sh", "-c", "sh -c 'trap \"\" TERM; sleep 60' & sleep 60"], start_new_session=True)
+
+
+def _gone(pid: int) -> bool:
+    return process_start_time(pid) is None
+
+
+def test_the_watcher_ends_the_job_when_psrun_goes_without_saying_done():
+    mpirun = _session_with_a_child()
+    watcher = subprocess.Popen([sys.executable, "-m", "launcher.lifeline"], stdin=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 10
+        while not leftover_processes(mpirun.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = leftover_processes(mpirun.pid)
+        assert child, "the stand-in's child did not start"
+        watcher.stdin.write(f"{mpirun.pid} {process_start_time(mpirun.pid)}\n".encode())
+        watcher.stdin.close()  # what psrun's death does to the pipe
+        watcher.wait(timeout=30)
+        err = watcher.stderr.read()
+        mpirun.wait(timeout=5)
+        assert all(_gone(pid) for pid in child)
+        assert f"psrun: killed while its job ran; its watcher stopped the job (mpirun pid {mpirun.pid}; killed pid " \
+            in err.decode(), err
+        assert str(child[0]) in err.decode().rsplit("killed pid", 1)[1]
+    finally:
+        for pid in leftover_processes(mpirun.pid):
+            os.kill(pid, signal.SIGKILL)
+        mpirun.kill()
+        mpirun.wait()
+
+
+def test_the_watcher_leaves_the_job_alone_once_told_done():
+    mpirun = _session_with_a_child()
+    try:
+        done = subprocess.run([sys.executable, "-m", "launcher.lifeline"], input=f"{mpirun.pid} 0\ndone\n".encode(),
+                              capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              timeout=30, check=False)
+        assert done.returncode == 0 and done.stderr == b"" and mpirun.poll() is None
+    finally:
+        os.killpg(mpirun.pid, signal.SIGKILL)
+        mpirun.wait()
