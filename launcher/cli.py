@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from launcher.command import (
+    IMPLICIT_OVERSUBSCRIBE,
     LaunchError,
     build_command,
     detect_mpi,
@@ -25,6 +26,7 @@ from launcher.hostfile import (
     Host,
     HostfileError,
     hosts_from_slurm,
+    parse_count,
     parse_hostfile,
     parse_hosts,
 )
@@ -33,6 +35,16 @@ from launcher.monitor import run_job
 __all__ = ["main", "make_parser"]
 
 USAGE_ERROR = 2
+# More ranks than any job psrun could start: a typo.
+_MAX_RANKS = 1_000_000
+
+
+def _rank_count(text: str) -> int:
+    """-np's value: plain decimal digits, at least 1 (``int()`` would take ``1_0`` too)."""
+    try:
+        return parse_count(text, "rank count", _MAX_RANKS)
+    except HostfileError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -45,7 +57,7 @@ def make_parser() -> argparse.ArgumentParser:
                "Open MPI's ranks on shared memory (--mca btl self,sm) unless you choose the btl yourself.",
         allow_abbrev=False,
     )
-    parser.add_argument("-np", "-n", "--num-proc", dest="num_proc", type=int, metavar="N",
+    parser.add_argument("-np", "-n", "--num-proc", dest="num_proc", type=_rank_count, metavar="N",
                         help="number of ranks (default: all slots; this machine's CPU count without hosts)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", metavar="HOST:N,...",
@@ -53,7 +65,8 @@ def make_parser() -> argparse.ArgumentParser:
     where.add_argument("--hostfile", metavar="FILE",
                        help="hostfile in Open MPI (host slots=4) or MPICH (host:4) format")
     parser.add_argument("--oversubscribe", action="store_true",
-                        help="allow more ranks than slots")
+                        help="allow more ranks than slots (on this machine alone psrun adds it by itself, "
+                             f"with a warning, up to {IMPLICIT_OVERSUBSCRIBE} ranks per CPU or slot)")
     remote = parser.add_argument_group(
         "remote hosts", "How mpirun reaches hosts other than this one; a job on this machine alone ignores these.")
     remote.add_argument("--launch-agent", metavar="CMD",
@@ -187,7 +200,12 @@ def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
     """The supervisor of an elastic job; raises on bad flags before anything runs."""
     static = None if args.host_discovery_script else _hosts(args, env, merge=False)
     if static is None and not args.host_discovery_script:  # this machine: as many slots as ranks asked for
-        static = (Host("localhost", max(os.cpu_count() or 1, args.num_proc or 1, args.min_np or 1)),)
+        wanted, cpus = max(args.num_proc or 1, args.min_np or 1), os.cpu_count() or 1
+        if wanted > IMPLICIT_OVERSUBSCRIBE * cpus and not args.oversubscribe:
+            raise LaunchError(f"-np/--min-np {wanted} is more than {IMPLICIT_OVERSUBSCRIBE} ranks for each of the "
+                              f"{cpus} local CPUs; ask for fewer, or add --oversubscribe to start that many "
+                              "processes on this machine anyway")
+        static = (Host("localhost", max(cpus, wanted)),)
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise LaunchError("--host-discovery-script replaces -H and --hostfile: give one source of hosts")
     min_np = args.min_np if args.min_np is not None else (args.num_proc or 1)

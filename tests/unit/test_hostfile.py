@@ -11,11 +11,13 @@ from launcher.hostfile import (
     HostfileError,
     expand_counts,
     expand_nodelist,
+    host_addresses,
     hosts_from_slurm,
     is_local_host,
     parse_hostfile,
     parse_hosts,
     total_slots,
+    unknown_hosts,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -166,3 +168,36 @@ def test_slurm_count_mismatch_is_an_error() -> None:
 def test_slurm_without_counts_is_an_error() -> None:
     with pytest.raises(HostfileError, match="neither SLURM_TASKS_PER_NODE"):
         hosts_from_slurm({"SLURM_JOB_NODELIST": "c1"})
+
+
+@pytest.mark.parametrize(("count", "fragment"), [
+    ("1_0", "'1_0' is not an integer in plain decimal digits"),
+    ("\u0661\u0660", "is not an integer in plain decimal digits"),  # Arabic-Indic 10
+    ("+3", "'+3' is not an integer in plain decimal digits"),
+    ("99999999999999999999", "99999999999999999999 is more than 65536"),
+])
+def test_slot_counts_are_plain_decimal_within_range(tmp_path: Path, count: str, fragment: str) -> None:
+    """int() takes all of these; mpirun would read them differently, or overflow."""
+    for text in (f"a:2\nb:{count}\n", f"a:2\nb slots={count}\n"):
+        with pytest.raises(HostfileError) as info:
+            parse_hostfile(write(tmp_path, text))
+        assert f"{tmp_path / 'hosts'}:2: " in str(info.value) and fragment in str(info.value)
+    with pytest.raises(HostfileError) as info:
+        parse_hosts(f"a:2,b:{count}")
+    assert str(info.value).startswith(f"-H 'a:2,b:{count}': slot count ") and fragment in str(info.value)
+
+
+def test_slurm_counts_are_plain_decimal_within_range() -> None:
+    with pytest.raises(HostfileError, match="SLURM count list '2\\(x99999999999\\)': repeat 99999999999 is more"):
+        expand_counts("2(x99999999999)")
+    with pytest.raises(HostfileError, match="bad entry"):
+        expand_counts("\u0662")
+
+
+def test_a_name_that_resolves_to_this_machine_is_local() -> None:
+    addresses = host_addresses(socket.gethostname())
+    assert addresses and all(is_local_host(address) for address in addresses)
+    assert is_local_host("127.0.0.2")  # all of 127/8 is this machine
+    assert host_addresses("surely-not-this-machine.invalid") == ()
+    assert unknown_hosts([Host("localhost", 1), Host("surely-not-this-machine.invalid", 1)]) == [
+        "surely-not-this-machine.invalid"]

@@ -40,14 +40,27 @@ def fake_mpirun(directory: Path, version: str, body: str = "exit 0", name: str =
     return str(path)
 
 
+# Host names the tests treat as unknown to the name service; every other name is a remote host.
+UNKNOWN_HOSTS = {"locahost", "nohost"}
+
+
+def fake_addresses(name: str) -> tuple[str, ...]:
+    return () if name in UNKNOWN_HOSTS else ("192.0.2.7",)  # TEST-NET-1: never this machine
+
+
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No stray PSRT_/SLURM_/OMPI_MCA_ variables; 2 CPUs; root, as on the CI box."""
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No stray PSRT_/SLURM_/OMPI_MCA_ variables; 2 CPUs; root, as on the CI box; a `python`
+    on PATH; host names resolved without a name service."""
     for name in list(os.environ):
         if name.startswith(("PSRT_", "HOROVOD_", "SLURM_", "OMPI_MCA_")):
             monkeypatch.delenv(name)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
+    bin_dir = tmp_path_factory.mktemp("bin")
+    fake_mpirun(bin_dir, "Python 3", name="python")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setattr("launcher.hostfile.host_addresses", fake_addresses)
 
 
 @pytest.fixture
@@ -555,3 +568,77 @@ def test_job_stuck_after_a_failure_marker_is_terminated(capsys, tmp_path, monkey
     err = capsys.readouterr().err.splitlines()
     assert "after a rank failed; terminating it" in err[-2]
     assert err[-1] == "psrun: rank 1 failed first: raised KeyError: 3"
+
+
+# --- guards: what cannot work is refused before anything starts --------------------------------
+
+def test_far_more_ranks_than_this_machines_cpus_needs_oversubscribe(capsys, openmpi) -> None:
+    """-np 100000 on one host once forked hundreds of processes SIGTERM could not stop."""
+    assert main(["--mpirun", openmpi, "-np", "100000", "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("psrun: error: -np 100000 is more than 4 ranks for each of the 2 local CPUs; ask for fewer, "
+                   "or add --oversubscribe to start that many processes on this machine anyway\n")
+    assert main(["--mpirun", openmpi, "-np", "9", "-H", "localhost:2", "python", "x.py"]) == 2
+    assert "-np 9 is more than 4 ranks for each of the 2 slots on localhost:2" in capsys.readouterr().err
+    cmd, err = dry_run(capsys, "--mpirun", openmpi, "-np", "100000", "--oversubscribe", "python", "x.py")
+    assert cmd[1:3] == ["-np", "100000"] and "--oversubscribe" in cmd and err == ""
+    cmd, err = dry_run(capsys, "--mpirun", openmpi, "-np", "8", "python", "x.py")  # 4 per CPU: a warning
+    assert "--oversubscribe" in cmd and err.startswith("psrun: warning: 8 ranks on 2 local CPUs")
+
+
+def test_far_more_elastic_ranks_than_this_machines_cpus_needs_oversubscribe(capsys, openmpi) -> None:
+    assert main(["--mpirun", openmpi, "--min-np", "100000", "python", "x.py"]) == 2
+    assert "-np/--min-np 100000 is more than 4 ranks for each of the 2 local CPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count", ["1_0", "\u0661\u0660", "+2", "99999999999999999999", "0"])
+def test_rank_count_is_plain_decimal_within_range(capsys, openmpi, count) -> None:
+    assert main(["--mpirun", openmpi, "-np", count, "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "psrun: error: argument -np/-n/--num-proc: rank count " in err, err
+
+
+def test_an_unknown_host_is_named_before_launching(capsys, openmpi, tmp_path) -> None:
+    """-H locahost:2 once said only "mpirun exited with code 255"."""
+    assert main(["--mpirun", openmpi, "-H", "locahost:2", "python", "x.py"]) == 2
+    assert capsys.readouterr().err == (
+        "psrun: error: unknown host 'locahost': no address found for it; check the spelling (hosts that "
+        "are this machine can be written localhost)\n")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1:2\nnohost:2\nlocahost:1\n")
+    assert main(["--mpirun", openmpi, "--hostfile", str(hostfile), "python", "x.py"]) == 2
+    assert "unknown hosts 'nohost', 'locahost':" in capsys.readouterr().err
+
+
+def test_a_host_whose_address_is_this_machines_is_local(capsys, openmpi, monkeypatch) -> None:
+    monkeypatch.setattr("launcher.hostfile.host_addresses", lambda name: ("127.0.1.1",))
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-H", "myalias:2", "python", "x.py")
+    assert "self,sm" in cmd  # a local job: shared memory
+
+
+def test_a_python_script_as_the_program_suggests_python(capsys, openmpi, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    for argv in (["-np", "2", "train.py"], ["-H", "n1:1,n2:1", "train.py", "--lr", "1"]):
+        assert main(["--mpirun", openmpi, *argv]) == 2
+        assert capsys.readouterr().err == ("psrun: error: 'train.py' is a Python script, not a program: run it "
+                                           "with Python, e.g. psrun ... python train.py\n")
+
+
+def test_a_program_not_on_this_machine_is_named_before_launching(capsys, openmpi, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["--mpirun", openmpi, "-np", "2", "nosuchprogram", "--flag"]) == 2
+    assert capsys.readouterr().err == (f"psrun: error: program 'nosuchprogram' not found: not on PATH, "
+                                       f"nor in {tmp_path}\n")
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-H", "n1:1,n2:1", "nosuchprogram")  # theirs to find
+    assert cmd[-1] == "nosuchprogram"
+
+
+def test_a_program_in_the_working_directory_runs_as_open_mpi_would_find_it(capsys, openmpi, tmp_path,
+                                                                           monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    fake_mpirun(tmp_path, "", name="train.sh")
+    fake_mpirun(tmp_path, "", name="train2.py")  # executable, with a #! line: a program
+    for program in ("train.sh", "train2.py"):
+        cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-np", "2", program, "--lr", "1")
+        assert cmd[-3:] == [str(tmp_path / program), "--lr", "1"]
