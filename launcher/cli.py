@@ -12,6 +12,7 @@ import shlex
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from launcher.command import (
     IMPLICIT_OVERSUBSCRIBE,
@@ -30,13 +31,17 @@ from launcher.hostfile import (
     parse_hostfile,
     parse_hosts,
 )
-from launcher.monitor import run_job
+from launcher.monitor import JobResult, run_job
 
 __all__ = ["main", "make_parser"]
 
 USAGE_ERROR = 2
 # More ranks than any job psrun could start: a typo.
 _MAX_RANKS = 1_000_000
+
+if TYPE_CHECKING:
+    Launch = Callable[[tuple[Host, ...] | None, int | None, Sequence[tuple[str, str]]], list[str]]
+    RunJob = Callable[[Sequence[str]], JobResult]
 
 
 def _rank_count(text: str) -> int:
@@ -112,7 +117,9 @@ def make_parser() -> argparse.ArgumentParser:
                               "(default: a temporary directory, removed when the job succeeds; jobs on "
                               "other hosts must name one)")
     parser.add_argument("--verbose", action="store_true",
-                        help="print the mpirun command line to stderr before running it")
+                        help="print the mpirun command line to stderr before running it, and show all of "
+                             "the job's output once it fails (without it psrun shows the failing rank's "
+                             "traceback once and puts the rest in a log file it names)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpirun command line to stdout and exit without running it")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
@@ -151,11 +158,10 @@ def _comma_list(values: Sequence[str]) -> list[str]:
     return [item.strip() for value in values for item in value.split(",")]
 
 
-def _launcher(args: argparse.Namespace, env: Mapping[str, str]
-              ) -> Callable[[tuple[Host, ...] | None, int | None, Sequence[tuple[str, str]]], list[str]]:
+def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch, RunJob]:
     """Validate what does not depend on the hosts; returns the function that writes the
     mpirun command line for given hosts, rank count and extra rank variables (raises on
-    bad input)."""
+    bad input), and the function that runs such a command line."""
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -168,6 +174,7 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]
     rank_env = _rank_env(args)
     mpirun = find_mpirun(args.mpirun, python=sys.executable, path=env.get("PATH", os.defpath))
     flavour, version = detect_mpi(mpirun)
+    ranks_on_pipes: dict[tuple[str, ...], int] = {}  # command line -> ranks whose stderr psrun reads
 
     def launch(hosts: tuple[Host, ...] | None, num_proc: int | None, extra_env: Sequence[tuple[str, str]]) -> list[str]:
         plan, warnings = plan_launch(
@@ -180,15 +187,21 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]
         )
         for warning in warnings:
             print(warning, file=sys.stderr, flush=True)
-        return build_command(plan, env)
+        built = build_command(plan, env)
+        ranks_on_pipes[tuple(built)] = plan.num_proc if plan.rank_stderr else 0
+        return built
 
-    return launch
+    def run(built: Sequence[str]) -> JobResult:
+        return run_job(built, env, verbose=args.verbose, rank_stderr=ranks_on_pipes.get(tuple(built), 0))
+
+    return launch, run
 
 
-def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
-    """Validate everything and return the mpirun command line; raises on bad input."""
+def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[list[str], RunJob]:
+    """Validate everything; the mpirun command line and what runs it. Raises on bad input."""
     hosts = _hosts(args, env)
-    return _launcher(args, env)(hosts, args.num_proc, ())
+    launch, run = _launcher(args, env)
+    return launch(hosts, args.num_proc, ()), run
 
 
 def _is_elastic(args: argparse.Namespace) -> bool:
@@ -219,10 +232,10 @@ def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
         raise LaunchError(f"-np {args.num_proc} lies outside --min-np {min_np} .. --max-np {max_np}")
     if args.num_servers is not None and args.num_servers >= min_np:
         raise LaunchError(f"--num-servers {args.num_servers} leaves no worker at --min-np {min_np}")
-    launch = _launcher(args, env)
+    launch, run = _launcher(args, env)
     settings = ElasticSettings(min_np, max_np, args.num_proc, restarts, args.elastic_timeout,
                                args.host_discovery_script, args.elastic_dir)
-    return Supervisor(settings, static, launch, lambda command: run_job(command, env))
+    return Supervisor(settings, static, launch, run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -240,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return USAGE_ERROR
         return supervisor.run()
     try:
-        cmd = _prepare(args, env)
+        cmd, run = _prepare(args, env)
     except (LaunchError, HostfileError) as e:
         print(f"psrun: error: {e}", file=sys.stderr, flush=True)
         return USAGE_ERROR
@@ -250,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:
         print(shlex.join(cmd), file=sys.stderr, flush=True)
     try:
-        result = run_job(cmd, env)
+        result = run(cmd)
     except OSError as e:
         print(f"psrun: error: cannot start {cmd[0]}: {e.strerror or e}", file=sys.stderr, flush=True)
         return USAGE_ERROR

@@ -10,10 +10,11 @@ for reaching other hosts are checked in :mod:`launcher.remote`.
 
 Two policies matter beyond one machine. A job on this machine only needs no
 network between ranks, so Open MPI is held to shared memory (no rank opens a
-TCP listener). A job across hosts may need to be told how to reach them: a
-launch agent (what Open MPI calls ``plm_rsh_agent``, Hydra ``-launcher-exec``)
-and the networks to use, by interface name or, where names differ between
-hosts, by CIDR.
+TCP listener), and each rank's stderr goes to psrun on a pipe of its own
+(:mod:`launcher.rank_stderr`). A job across hosts may need to be told how to
+reach them: a launch agent (what Open MPI calls ``plm_rsh_agent``, Hydra
+``-launcher-exec``) and the networks to use, by interface name or, where names
+differ between hosts, by CIDR.
 
 Requests that cannot work stop here, before anything starts: a host name that
 resolves to no address, a program that is not there (on this machine), a Python
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from launcher.hostfile import Host, is_local_host, total_slots, unknown_hosts
 from launcher.mpi import (LaunchError, MpiFlavour, detect_flavour, detect_mpi, find_mpirun,
                           flavour_from_version, user_sets_mca, version_from_text)
+from launcher.rank_stderr import wrap_command
 from launcher.remote import checked_launch_agent, checked_networks
 
 __all__ = [
@@ -68,6 +70,13 @@ _REMOTE_ABORT_DELAY = ("mpi_abort_delay", "1")
 # Ranks per slot of this machine that psrun oversubscribes to by itself (with a warning);
 # beyond it only --oversubscribe does. Tests run 4 ranks on 2 cores.
 IMPLICIT_OVERSUBSCRIBE = 4
+# mpirun arguments that choose how ranks' output is shown or where it goes; psrun then
+# leaves the ranks' stderr to mpirun rather than reading it on pipes of its own.
+_OUTPUT_FLAGS = frozenset({
+    "--output", "-output", "--tag-output", "-tag-output", "--timestamp-output", "-timestamp-output",
+    "--xml", "-xml", "--output-filename", "-output-filename", "--merge-stderr-to-stdout",
+    "-merge-stderr-to-stdout", "-prepend-rank", "-l", "-prepend-pattern", "-outfile-pattern", "-errfile-pattern",
+})
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,10 @@ class LaunchPlan:
     """Everything needed to write the mpirun command line, already validated.
 
     ``hosts`` is empty when the MPI's own default (this machine) is wanted.
-    ``rank_env`` holds the variables psrun's own flags set on every rank; they
-    win over the same names in psrun's environment. ``launch_agent`` is the
+    ``rank_stderr``: each rank's stderr goes to psrun on a pipe of its own
+    (``command`` is wrapped for it when written out). ``rank_env`` holds the
+    variables psrun's own flags set on every rank; they win over the same names
+    in psrun's environment. ``launch_agent`` is the
     command that starts the MPI's daemon on a remote host (``AGENT host
     command...``, as ssh is called); ``networks`` are interface names and
     normalised IPv4 CIDRs, in the order given. ``version`` is the MPI's own
@@ -96,6 +107,7 @@ class LaunchPlan:
     launch_agent: str | None = None
     networks: tuple[str, ...] = ()
     version: tuple[int, ...] = ()
+    rank_stderr: bool = False
 
 
 def plan_launch(
@@ -174,6 +186,7 @@ def plan_launch(
         local_only=local_only, oversubscribe=oversubscribe, as_root=as_root,
         command=tuple(command), mpi_args=tuple(mpi_args), rank_env=tuple(rank_env),
         launch_agent=launch_agent, networks=networks, version=tuple(version),
+        rank_stderr=local_only and not any(arg.split("=", 1)[0] in _OUTPUT_FLAGS for arg in mpi_args),
     )
     return plan, warnings
 
@@ -279,4 +292,5 @@ def build_command(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
         options = _openmpi_options(plan, env)
     else:
         options = _mpich_options(plan, env)
-    return [plan.mpirun, *options, *plan.mpi_args, *plan.command]
+    command = wrap_command(plan.command) if plan.rank_stderr else list(plan.command)
+    return [plan.mpirun, *options, *plan.mpi_args, *command]

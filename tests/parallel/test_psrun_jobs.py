@@ -193,6 +193,48 @@ def _alive(pid: int, wait_s: float = 3.0) -> bool:
     return True
 
 
+def test_two_ranks_failing_at_once_show_one_traceback_and_name_a_log_of_the_rest(tmp_path: Path) -> None:
+    """A shape mismatch raises on both ranks at once: psrun once printed both tracebacks line
+    by line interleaved, with Open MPI's banners and a NUL byte, about 60 lines."""
+    script = """\
+        import torch
+        import psrt.torch as hvd
+        hvd.init()
+        hvd.allreduce(torch.ones(2 + hvd.rank()), name="x")
+    """
+    done, _ = psrun("-np", "2", script=script, tmp_path=tmp_path)
+    lines = done.stderr.splitlines()
+    assert done.returncode != 0, done.stderr
+    assert lines[-1].startswith("psrun: rank ") and "raised CollectiveMismatchError: allreduce of tensor 'x'" \
+        in lines[-1], done.stderr
+    assert done.stderr.count("Traceback (most recent call last):") == 1, done.stderr
+    assert "\x00" not in done.stderr and "MPI_ABORT" not in done.stderr and len(lines) < 30, done.stderr
+    log = re.fullmatch(r"psrun: \d+ more lines of the job's stderr, not shown here, are in (\S+) "
+                       r"\(--verbose shows them all\)", lines[-2])
+    assert log is not None, done.stderr
+    text = Path(log.group(1)).read_text()
+    Path(log.group(1)).unlink()
+    assert text.count("Traceback (most recent call last):") == 2 and "MPI_ABORT" in text, text
+
+
+def test_a_multiline_exception_message_reaches_the_summary_whole(tmp_path: Path) -> None:
+    """The message of an optimizer's repr spans lines; the summary once ended at 'got AdamW ('."""
+    script = """\
+        import torch
+        import psrt
+        psrt.init()
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 1:
+            raise ValueError(f"got {torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.5)!r}")
+        MPI.COMM_WORLD.barrier()
+    """
+    done, _ = psrun("-np", "2", script=script, tmp_path=tmp_path)
+    summary = done.stderr.splitlines()[-1]
+    assert summary.startswith("psrun: rank 1 failed first: raised ValueError: got AdamW ( Parameter Group 0 "), \
+        done.stderr
+    assert " lr: 0.5 " in summary and summary.endswith(")"), done.stderr
+
+
 def test_sigkilled_psrun_leaves_no_mpirun_or_rank_running(tmp_path: Path) -> None:
     """mpirun has a session of its own; once, a psrun killed outright left it and every rank
     running with parent 1."""

@@ -25,6 +25,7 @@ from launcher.command import (
 )
 from launcher.failures import FailureKind, FailureScanner
 from launcher.hostfile import Host
+from launcher.rank_stderr import wrap_command
 
 OPENMPI_VERSION = "mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/"
 MPICH_VERSION = "HYDRA build details:\n    Version:                                 4.1.2"
@@ -96,7 +97,8 @@ def test_local_openmpi_job_command(capsys, openmpi, monkeypatch) -> None:
     cmd, err = dry_run(capsys, "--mpirun", openmpi, "-np", "2", "python", "train.py", "--lr", "1")
     assert cmd == [openmpi, "-np", "2", "-H", "localhost:2", "--bind-to", "none",
                    "--allow-run-as-root", "--mca", "btl", "self,sm", "--mca", "mtl", "^ofi",
-                   "-x", "HOROVOD_CYCLE_TIME", "-x", "PSRT_FUSION_MB", "python", "train.py", "--lr", "1"]
+                   "-x", "HOROVOD_CYCLE_TIME", "-x", "PSRT_FUSION_MB",
+                   *wrap_command(["python", "train.py", "--lr", "1"])]
     assert err == ""
 
 
@@ -137,7 +139,8 @@ def test_ofi_defaults_respect_mpi_args(capsys, openmpi, mpi_args) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--mpi-args", mpi_args, "-np", "2", "python", "x.py")
     joined = " ".join(cmd)
     assert "--mca mtl ^ofi" not in joined and "--mca btl self,sm" in joined
-    assert joined.endswith(f"{mpi_args} python x.py")
+    assert cmd[-len(wrap_command([])) - 2 - len(mpi_args.split()):] == [
+        *mpi_args.split(), *wrap_command(["python", "x.py"])]
 
 
 def test_remote_hosts_get_no_ofi_defaults_and_forward_paths(capsys, openmpi, monkeypatch) -> None:
@@ -165,7 +168,7 @@ def test_mpich_command(capsys, mpich, monkeypatch) -> None:
 
 def test_mpich_local_job_passes_no_hosts(capsys, mpich) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", mpich, "-np", "2", "python", "x.py")
-    assert cmd == [mpich, "-n", "2", "python", "x.py"]
+    assert cmd == [mpich, "-n", "2", *wrap_command(["python", "x.py"])]
 
 
 def test_slurm_allocation_supplies_hosts_and_rank_count(capsys, openmpi, monkeypatch) -> None:
@@ -199,15 +202,15 @@ def test_timeline_flags_set_the_ranks_environment_openmpi(capsys, openmpi, monke
     monkeypatch.setenv("PSRT_TIMELINE", "/tmp/from_env.json")  # the flag wins
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--timeline-filename", "/tmp/t l.json",
                      "--timeline-mark-cycles", "-np", "2", "python", "x.py")
-    assert cmd[-6:] == ["-x", "PSRT_TIMELINE=/tmp/t l.json", "-x", "PSRT_TIMELINE_MARK_CYCLES=1",
-                        "python", "x.py"]
+    assert cmd[-10:] == ["-x", "PSRT_TIMELINE=/tmp/t l.json", "-x", "PSRT_TIMELINE_MARK_CYCLES=1",
+                        *wrap_command(["python", "x.py"])]
     assert "PSRT_TIMELINE" not in cmd
 
 
 def test_timeline_flags_set_the_ranks_environment_mpich(capsys, mpich) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", mpich, "--timeline-filename", "tl.json", "-np", "2",
                      "python", "x.py")
-    assert cmd == [mpich, "-n", "2", "-genv", "PSRT_TIMELINE", "tl.json", "python", "x.py"]
+    assert cmd == [mpich, "-n", "2", "-genv", "PSRT_TIMELINE", "tl.json", *wrap_command(["python", "x.py"])]
 
 
 def test_no_timeline_flags_no_timeline_settings(capsys, openmpi) -> None:
@@ -219,7 +222,7 @@ def test_build_command_is_pure_and_needs_no_mpi() -> None:
     built, _ = plan(num_proc=3, local_cpus=4, as_root=False)
     assert build_command(built, {"PSRT_A": "1", "OTHER": "x"}) == [
         "mpirun", "-np", "3", "-H", "localhost:4", "--bind-to", "none",
-        "--mca", "btl", "self,sm", "--mca", "mtl", "^ofi", "-x", "PSRT_A", "python", "t.py"]
+        "--mca", "btl", "self,sm", "--mca", "mtl", "^ofi", "-x", "PSRT_A", *wrap_command(["python", "t.py"])]
 
 
 # --- single-host transport, launch agent and networks ----------------------------------------
@@ -425,7 +428,7 @@ def test_malformed_hostfile_error_names_file_and_line(capsys, openmpi, tmp_path)
 
 def test_num_servers_sets_the_ranks_environment(capsys, openmpi) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--num-servers", "2", "-np", "5", "python", "x.py")
-    assert cmd[-4:] == ["-x", "PSRT_NUM_SERVERS=2", "python", "x.py"]
+    assert cmd[-8:] == ["-x", "PSRT_NUM_SERVERS=2", *wrap_command(["python", "x.py"])]
 
 
 @pytest.mark.parametrize("servers, message", [("0", "--num-servers must be at least 1"),
@@ -613,7 +616,7 @@ def test_an_unknown_host_is_named_before_launching(capsys, openmpi, tmp_path) ->
 def test_a_host_whose_address_is_this_machines_is_local(capsys, openmpi, monkeypatch) -> None:
     monkeypatch.setattr("launcher.hostfile.host_addresses", lambda name: ("127.0.1.1",))
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-H", "myalias:2", "python", "x.py")
-    assert "self,sm" in cmd  # a local job: shared memory
+    assert "self,sm" in cmd and "psrun-rank" in cmd  # a local job: shared memory, stderr on pipes
 
 
 def test_a_python_script_as_the_program_suggests_python(capsys, openmpi, tmp_path, monkeypatch) -> None:
