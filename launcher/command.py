@@ -29,7 +29,8 @@ import shutil
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from launcher.hostfile import Host, is_local_host, total_slots, unknown_hosts
+from launcher.addresses import is_local_host, unknown_hosts
+from launcher.hostfile import Host, total_slots
 from launcher.mpi import (LaunchError, MpiFlavour, detect_flavour, detect_mpi, find_mpirun,
                           flavour_from_version, user_sets_mca, version_from_text)
 from launcher.rank_stderr import wrap_command
@@ -142,7 +143,7 @@ def plan_launch(
         raise LaunchError("no command given; usage: psrun -np N [options] command ...")
     launch_agent = checked_launch_agent(launch_agent, flavour, mpi_args)
     networks = checked_networks(network_interfaces, network_cidrs, flavour, mpi_args)
-    unknown = unknown_hosts(hosts or ())
+    unknown = unknown_hosts(h.name for h in hosts or ())
     if unknown:
         raise LaunchError(f"unknown host{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
                           "no address found for it; check the spelling (hosts that are this machine can be "

@@ -8,19 +8,17 @@ wrong machines.
 """
 from __future__ import annotations
 
-import functools
-import ipaddress
 import re
-import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from launcher.addresses import is_local_host  # here too for launcher.elastic, which reads hosts from here
 
 __all__ = [
     "Host",
     "HostfileError",
     "expand_counts",
     "expand_nodelist",
-    "host_addresses",
     "hosts_from_slurm",
     "is_local_host",
     "merge_hosts",
@@ -29,10 +27,8 @@ __all__ = [
     "parse_hostfile",
     "parse_hosts",
     "total_slots",
-    "unknown_hosts",
 ]
 
-_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 # The most slots one host may have: far above any machine's cores or GPUs, far below what
 # would overflow a C int in the MPI launcher.
 MAX_SLOTS = 65536
@@ -68,52 +64,6 @@ class Host:
 def total_slots(hosts: Iterable[Host]) -> int:
     """Number of ranks the hosts can run without oversubscribing."""
     return sum(h.slots for h in hosts)
-
-
-def is_local_host(name: str) -> bool:
-    """True when ``name`` is this machine, so a job on it needs no network: one of its
-    names, or a name whose every address is this machine's (a loopback address, or one
-    this machine can bind to)."""
-    if name in _LOCAL_NAMES:
-        return True
-    me = socket.gethostname()
-    if name in (me, me.split(".")[0]):
-        return True
-    addresses = host_addresses(name)
-    return bool(addresses) and all(_is_this_machine(address) for address in addresses)
-
-
-@functools.cache
-def host_addresses(name: str) -> tuple[str, ...]:
-    """The addresses ``name`` resolves to; () if it does not resolve (an unknown host)."""
-    try:
-        found = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
-        return ()
-    return tuple(sorted({str(info[4][0]) for info in found}))
-
-
-def _is_this_machine(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    if ip.is_loopback:
-        return True
-    if ip.is_unspecified:
-        return False
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.bind((address, 0))  # only an address of one of this machine's interfaces binds
-    except OSError:
-        return False
-    return True
-
-
-def unknown_hosts(hosts: Iterable[Host]) -> list[str]:
-    """The names among ``hosts`` that resolve to no address, in order."""
-    return [h.name for h in hosts if h.name not in _LOCAL_NAMES and not host_addresses(h.name)]
 
 
 def parse_count(text: str, what: str, maximum: int) -> int:

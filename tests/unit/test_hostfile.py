@@ -6,18 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from launcher.addresses import host_addresses, interface_addresses, unknown_hosts
 from launcher.hostfile import (
     Host,
     HostfileError,
     expand_counts,
     expand_nodelist,
-    host_addresses,
     hosts_from_slurm,
     is_local_host,
     parse_hostfile,
     parse_hosts,
     total_slots,
-    unknown_hosts,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,10 +193,40 @@ def test_slurm_counts_are_plain_decimal_within_range() -> None:
         expand_counts("\u0662")
 
 
-def test_a_name_that_resolves_to_this_machine_is_local() -> None:
-    addresses = host_addresses(socket.gethostname())
-    assert addresses and all(is_local_host(address) for address in addresses)
-    assert is_local_host("127.0.0.2")  # all of 127/8 is this machine
+FIB_TRIE = """\
+Local:
+  +-- 0.0.0.0/0 3 0 5
+     +-- 127.0.0.0/8 2 0 2
+        +-- 127.0.0.0/31 1 0 0
+           |-- 127.0.0.0
+              /8 host LOCAL
+           |-- 127.0.0.1
+              /32 host LOCAL
+        |-- 127.255.255.255
+           /32 link BROADCAST
+     +-- 10.1.0.0/24 2 0 2
+           |-- 10.1.0.7
+              /32 host LOCAL
+"""
+
+
+def test_this_machines_addresses_are_its_interfaces_not_all_of_loopbacks_range(tmp_path: Path) -> None:
+    """All of 127/8 binds here, but tests/multihost's namespaces hold 127.200.0.x addresses."""
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "fib_trie").write_text(FIB_TRIE)
+    (tmp_path / "net" / "if_inet6").write_text("fd000000000000000000000000000002 04 40 00 82     eth0\n")
+    assert interface_addresses(str(tmp_path)) == {"127.0.0.1", "::1", "10.1.0.7", "fd00::2"}
+
+
+def test_a_name_whose_every_address_is_this_machines_is_local(monkeypatch: pytest.MonkeyPatch) -> None:
+    mine = sorted(interface_addresses())
+    assert mine and all(is_local_host(address) for address in mine)
+    monkeypatch.setattr("launcher.addresses.host_addresses", {"alias": (mine[0],), "half": (mine[0], "198.51.100.7"),
+                                                              "ns": ("127.200.0.2",)}.get)
+    assert is_local_host("alias") and not is_local_host("half") and not is_local_host("ns")
+
+
+def test_unknown_hosts_are_those_with_no_address() -> None:
     assert host_addresses("surely-not-this-machine.invalid") == ()
-    assert unknown_hosts([Host("localhost", 1), Host("surely-not-this-machine.invalid", 1)]) == [
+    assert unknown_hosts(["localhost", "surely-not-this-machine.invalid", "127.0.0.1"]) == [
         "surely-not-this-machine.invalid"]

@@ -46,7 +46,7 @@ UNKNOWN_HOSTS = {"locahost", "nohost"}
 
 
 def fake_addresses(name: str) -> tuple[str, ...]:
-    return () if name in UNKNOWN_HOSTS else ("192.0.2.7",)  # TEST-NET-1: never this machine
+    return () if name in UNKNOWN_HOSTS else ("198.51.100.7",)  # TEST-NET-2: no machine's address
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPath
     bin_dir = tmp_path_factory.mktemp("bin")
     fake_mpirun(bin_dir, "Python 3", name="python")
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setattr("launcher.hostfile.host_addresses", fake_addresses)
+    monkeypatch.setattr("launcher.addresses.host_addresses", fake_addresses)
 
 
 @pytest.fixture
@@ -614,7 +614,7 @@ def test_an_unknown_host_is_named_before_launching(capsys, openmpi, tmp_path) ->
 
 
 def test_a_host_whose_address_is_this_machines_is_local(capsys, openmpi, monkeypatch) -> None:
-    monkeypatch.setattr("launcher.hostfile.host_addresses", lambda name: ("127.0.1.1",))
+    monkeypatch.setattr("launcher.addresses.host_addresses", lambda name: ("127.0.0.1",))
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-H", "myalias:2", "python", "x.py")
     assert "self,sm" in cmd and "psrun-rank" in cmd  # a local job: shared memory, stderr on pipes
 
