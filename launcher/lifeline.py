@@ -5,7 +5,7 @@ also means nothing ends it when psrun is killed outright: it and every rank woul
 parent 1. So psrun starts a small watcher process beside mpirun, in a session of its own too
 (a signal to psrun's process group does not reach it), and keeps the write end of a pipe
 whose read end is the watcher's stdin. psrun writes mpirun's process id into the pipe once
-mpirun runs, and ``done`` once mpirun has ended. A pipe reaches end-of-file when its last
+mpirun runs (and what psrun would remove after it), and ``done`` once mpirun has ended. A pipe reaches end-of-file when its last
 writer goes, however that writer died: a watcher that reads end-of-file without ``done``
 asks mpirun to terminate the job (SIGTERM, as a Ctrl-C would, so that ranks on other hosts
 end too), and after a grace period kills whatever of the job is left on this host.
@@ -15,10 +15,12 @@ Run as ``python -m launcher.lifeline``; :class:`Lifeline` is psrun's end of it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 from launcher.processes import leftover_processes, process_start_time
 
@@ -54,9 +56,10 @@ class Lifeline:
         finally:
             os.close(read_end)
 
-    def watch(self, pid: int) -> None:
-        """Tell the watcher which mpirun to end should psrun die."""
-        self._send(f"{pid} {process_start_time(pid)}\n")
+    def watch(self, pid: int, leftover_paths: Sequence[str] = ()) -> None:
+        """Tell the watcher which mpirun to end should psrun die, and what psrun would have
+        removed after it (directories with no newline in their names)."""
+        self._send(f"{pid} {process_start_time(pid)}\n" + "".join(f"{path}\n" for path in leftover_paths))
 
     def release(self) -> None:
         """mpirun has ended: the watcher has nothing left to do."""
@@ -92,6 +95,11 @@ def _alive(pid: int, start_time: int | None) -> bool:
     return started is not None and (start_time is None or started == start_time)
 
 
+def _remove(paths: Sequence[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def end_orphaned_job(pid: int, start_time: int | None, grace_s: float = TERMINATE_GRACE_S) -> list[int]:
     """psrun is gone: terminate mpirun ``pid`` (a session leader), then kill what is left of its
     session on this host after ``grace_s``; returns the process ids that had to be killed."""
@@ -119,21 +127,22 @@ def end_orphaned_job(pid: int, start_time: int | None, grace_s: float = TERMINAT
 
 
 def _main() -> int:
-    """The watcher: read mpirun's process id, then wait for ``done`` or end-of-file."""
-    received = sys.stdin.buffer.read().decode(errors="replace").split()
+    """The watcher: read mpirun's process id and the paths to remove after it, then wait for
+    ``done`` or end-of-file."""
+    received = sys.stdin.buffer.read().decode(errors="replace").splitlines()
     if _DONE in received or not received:
         return 0
     try:
-        pid = int(received[0])
-        start_time = int(received[1]) if len(received) > 1 and received[1] != "None" else None
+        pid_text, start_text = received[0].split()
+        pid, start_time = int(pid_text), None if start_text == "None" else int(start_text)
     except ValueError:
         return 2
-    if not _alive(pid, start_time) and not leftover_processes(pid):
-        return 0
-    killed = end_orphaned_job(pid, start_time)
-    print(f"psrun: killed while its job ran; its watcher stopped the job (mpirun pid {pid}"
-          + (f"; killed pid {', '.join(map(str, killed))}" if killed else "") + ")",
-          file=sys.stderr, flush=True)
+    killed = end_orphaned_job(pid, start_time) if _alive(pid, start_time) or leftover_processes(pid) else None
+    _remove(received[1:])
+    if killed is not None:
+        print(f"psrun: killed while its job ran; its watcher stopped the job (mpirun pid {pid}"
+              + (f"; killed pid {', '.join(map(str, killed))}" if killed else "") + ")",
+              file=sys.stderr, flush=True)
     return 0
 
 

@@ -235,7 +235,7 @@ def _start(command: Sequence[str], env: Mapping[str, str], ranks: RankStderr | N
         if ranks is not None:
             ranks.close()
         raise
-    lifeline.watch(proc.pid)
+    lifeline.watch(proc.pid, leftover_paths=[ranks.directory] if ranks is not None else [])
     return proc
 
 
@@ -246,8 +246,10 @@ def _finish_reading(readers: Sequence[threading.Thread], stop: threading.Event, 
         reader.join(timeout=5.0)
     stop.set()
     readers[-1].join(timeout=1.0)
-    if ranks is not None and not readers[-1].is_alive():
-        ranks.close()
+    if ranks is not None:
+        ranks.remove()
+        if not readers[-1].is_alive():
+            ranks.close()
 
 
 def _point_to_log(report: FailureReport) -> None:

@@ -59,9 +59,13 @@ class RankStderr:
             os.close(fd)
         self._writers = []
 
+    def remove(self) -> None:
+        """Remove the pipes' names (what is open stays open)."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+
     def close(self) -> None:
         self.stop_waiting()
         for fd in self.readers.values():
             os.close(fd)
         self.readers = {}
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self.remove()

@@ -130,7 +130,9 @@ def _gone(pid: int) -> bool:
     return process_start_time(pid) is None
 
 
-def test_the_watcher_ends_the_job_when_psrun_goes_without_saying_done():
+def test_the_watcher_ends_the_job_when_psrun_goes_without_saying_done(tmp_path):
+    pipes = tmp_path / "psrun-stderr-x"  # what psrun would have removed after the job
+    pipes.mkdir()
     mpirun = _session_with_a_child()
     watcher = subprocess.Popen([sys.executable, "-m", "launcher.lifeline"], stdin=subprocess.PIPE,
                                stderr=subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -140,12 +142,12 @@ def test_the_watcher_ends_the_job_when_psrun_goes_without_saying_done():
             time.sleep(0.05)
         child = leftover_processes(mpirun.pid)
         assert child, "the stand-in's child did not start"
-        watcher.stdin.write(f"{mpirun.pid} {process_start_time(mpirun.pid)}\n".encode())
+        watcher.stdin.write(f"{mpirun.pid} {process_start_time(mpirun.pid)}\n{pipes}\n".encode())
         watcher.stdin.close()  # what psrun's death does to the pipe
         watcher.wait(timeout=30)
         err = watcher.stderr.read()
         mpirun.wait(timeout=5)
-        assert all(_gone(pid) for pid in child)
+        assert all(_gone(pid) for pid in child) and not pipes.exists()
         assert f"psrun: killed while its job ran; its watcher stopped the job (mpirun pid {mpirun.pid}; killed pid " \
             in err.decode(), err
         assert str(child[0]) in err.decode().rsplit("killed pid", 1)[1]
