@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import psrun_argv, start_job
+from jobs import psrun_argv, start_job, take_log
 
 pytestmark = pytest.mark.parallel
 
@@ -38,8 +38,9 @@ world.barrier()  # rank 0 stays here: only the launcher can end it
 
 
 def psrun(*args: str, script: str | None = None, tmp_path: Path | None = None,
-          env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run ``psrun args [python script]``; returns the result and the time it ended."""
+          env: dict[str, str] | None = None, keep_log: bool = False) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``psrun args [python script]``; returns the result and the time it ended. The log
+    psrun writes of a failed job is removed unless ``keep_log``."""
     argv = [sys.executable, "-m", "launcher.cli", *args]
     if script is not None:
         assert tmp_path is not None
@@ -49,7 +50,10 @@ def psrun(*args: str, script: str | None = None, tmp_path: Path | None = None,
     run_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     done = subprocess.run(argv, cwd=REPO, env=run_env, capture_output=True, text=True,
                           timeout=JOB_TIMEOUT_S, check=False)
-    return done, time.time()
+    ended = time.time()
+    if not keep_log:
+        take_log(done.stderr)
+    return done, ended
 
 
 def failed_at(stdout: str) -> float:
@@ -202,19 +206,17 @@ def test_two_ranks_failing_at_once_show_one_traceback_and_name_a_log_of_the_rest
         hvd.init()
         hvd.allreduce(torch.ones(2 + hvd.rank()), name="x")
     """
-    done, _ = psrun("-np", "2", script=script, tmp_path=tmp_path)
+    done, _ = psrun("-np", "2", script=script, tmp_path=tmp_path, keep_log=True)
     lines = done.stderr.splitlines()
     assert done.returncode != 0, done.stderr
     assert lines[-1].startswith("psrun: rank ") and "raised CollectiveMismatchError: allreduce of tensor 'x'" \
         in lines[-1], done.stderr
     assert done.stderr.count("Traceback (most recent call last):") == 1, done.stderr
     assert "\x00" not in done.stderr and "MPI_ABORT" not in done.stderr and len(lines) < 30, done.stderr
-    log = re.fullmatch(r"psrun: \d+ more lines of the job's stderr, not shown here, are in (\S+) "
-                       r"\(--verbose shows them all\)", lines[-2])
-    assert log is not None, done.stderr
-    text = Path(log.group(1)).read_text()
-    Path(log.group(1)).unlink()
-    assert text.count("Traceback (most recent call last):") == 2 and "MPI_ABORT" in text, text
+    assert re.fullmatch(r"psrun: \d+ more lines of the job's stderr, not shown here, are in \S+\.log "
+                        r"\(--verbose shows them all\)", lines[-2]), done.stderr
+    log = take_log(done.stderr)
+    assert log.count("Traceback (most recent call last):") == 2 and "MPI_ABORT" in log, log
 
 
 def test_a_multiline_exception_message_reaches_the_summary_whole(tmp_path: Path) -> None:
