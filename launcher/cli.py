@@ -13,9 +13,11 @@ import shlex
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from launcher.blacklist import MAX_COOLDOWN_S, MIN_COOLDOWN_S, check_cooldown_range
 from launcher.command import (
+    IMPLICIT_OVERSUBSCRIBE,
     LaunchError,
     build_command,
     detect_mpi,
@@ -27,14 +29,29 @@ from launcher.hostfile import (
     Host,
     HostfileError,
     hosts_from_slurm,
+    parse_count,
     parse_hostfile,
     parse_hosts,
 )
-from launcher.monitor import run_job
+from launcher.monitor import JobResult, run_job
 
 __all__ = ["main", "make_parser"]
 
 USAGE_ERROR = 2
+# More ranks than any job psrun could start: a typo.
+_MAX_RANKS = 1_000_000
+
+if TYPE_CHECKING:
+    Launch = Callable[[tuple[Host, ...] | None, int | None, Sequence[tuple[str, str]]], list[str]]
+    RunJob = Callable[[Sequence[str]], JobResult]
+
+
+def _rank_count(text: str) -> int:
+    """-np's value: plain decimal digits, at least 1 (``int()`` would take ``1_0`` too)."""
+    try:
+        return parse_count(text, "rank count", _MAX_RANKS)
+    except HostfileError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -47,7 +64,7 @@ def make_parser() -> argparse.ArgumentParser:
                "Open MPI's ranks on shared memory (--mca btl self,sm) unless you choose the btl yourself.",
         allow_abbrev=False,
     )
-    parser.add_argument("-np", "-n", "--num-proc", dest="num_proc", type=int, metavar="N",
+    parser.add_argument("-np", "-n", "--num-proc", dest="num_proc", type=_rank_count, metavar="N",
                         help="number of ranks (default: all slots; this machine's CPU count without hosts)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", metavar="HOST:N,...",
@@ -55,7 +72,8 @@ def make_parser() -> argparse.ArgumentParser:
     where.add_argument("--hostfile", metavar="FILE",
                        help="hostfile in Open MPI (host slots=4) or MPICH (host:4) format")
     parser.add_argument("--oversubscribe", action="store_true",
-                        help="allow more ranks than slots")
+                        help="allow more ranks than slots (on this machine alone psrun adds it by itself, "
+                             f"with a warning, up to {IMPLICIT_OVERSUBSCRIBE} ranks per CPU or slot)")
     remote = parser.add_argument_group(
         "remote hosts", "How mpirun reaches hosts other than this one; a job on this machine alone ignores these.")
     remote.add_argument("--launch-agent", metavar="CMD",
@@ -106,7 +124,9 @@ def make_parser() -> argparse.ArgumentParser:
                               "(default: a temporary directory, removed when the job succeeds; jobs on "
                               "other hosts must name one)")
     parser.add_argument("--verbose", action="store_true",
-                        help="print the mpirun command line to stderr before running it")
+                        help="print the mpirun command line to stderr before running it, and show all of "
+                             "the job's output once it fails (without it psrun shows the failing rank's "
+                             "traceback once and puts the rest in a log file it names)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpirun command line to stdout and exit without running it (elastic: "
                              "the first launch's, with the hosts usable now)")
@@ -157,11 +177,10 @@ def _comma_list(values: Sequence[str]) -> list[str]:
     return [item.strip() for value in values for item in value.split(",")]
 
 
-def _launcher(args: argparse.Namespace, env: Mapping[str, str]
-              ) -> Callable[[tuple[Host, ...] | None, int | None, Sequence[tuple[str, str]]], list[str]]:
+def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch, RunJob]:
     """Validate what does not depend on the hosts; returns the function that writes the
     mpirun command line for given hosts, rank count and extra rank variables (raises on
-    bad input)."""
+    bad input), and the function that runs such a command line."""
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -174,6 +193,7 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]
     rank_env = _rank_env(args)
     mpirun = find_mpirun(args.mpirun, python=sys.executable, path=env.get("PATH", os.defpath))
     flavour, version = detect_mpi(mpirun)
+    ranks_on_pipes: dict[tuple[str, ...], int] = {}  # command line -> ranks whose stderr psrun reads
 
     def launch(hosts: tuple[Host, ...] | None, num_proc: int | None, extra_env: Sequence[tuple[str, str]]) -> list[str]:
         plan, warnings = plan_launch(
@@ -186,15 +206,21 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]
         )
         for warning in warnings:
             print(warning, file=sys.stderr, flush=True)
-        return build_command(plan, env)
+        built = build_command(plan, env)
+        ranks_on_pipes[tuple(built)] = plan.num_proc if plan.rank_stderr else 0
+        return built
 
-    return launch
+    def run(built: Sequence[str]) -> JobResult:
+        return run_job(built, env, verbose=args.verbose, rank_stderr=ranks_on_pipes.get(tuple(built), 0))
+
+    return launch, run
 
 
-def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
-    """Validate everything and return the mpirun command line; raises on bad input."""
+def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[list[str], RunJob]:
+    """Validate everything; the mpirun command line and what runs it. Raises on bad input."""
     hosts = _hosts(args, env)
-    return _launcher(args, env)(hosts, args.num_proc, ())
+    launch, run = _launcher(args, env)
+    return launch(hosts, args.num_proc, ()), run
 
 
 def _is_elastic(args: argparse.Namespace) -> bool:
@@ -206,7 +232,12 @@ def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
     """The supervisor of an elastic job; raises on bad flags before anything runs."""
     static = None if args.host_discovery_script else _hosts(args, env, merge=False)
     if static is None and not args.host_discovery_script:  # this machine: -np slots, else its CPUs
-        static = (Host("localhost", args.num_proc or max(os.cpu_count() or 1, args.min_np or 1)),)
+        wanted, cpus = max(args.num_proc or 1, args.min_np or 1), os.cpu_count() or 1
+        if wanted > IMPLICIT_OVERSUBSCRIBE * cpus and not args.oversubscribe:
+            raise LaunchError(f"-np/--min-np {wanted} is more than {IMPLICIT_OVERSUBSCRIBE} ranks for each of the "
+                              f"{cpus} local CPUs; ask for fewer, or add --oversubscribe to start that many "
+                              "processes on this machine anyway")
+        static = (Host("localhost", args.num_proc or max(cpus, wanted)),)
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise LaunchError("--host-discovery-script replaces -H and --hostfile: give one source of hosts")
     min_np = args.min_np if args.min_np is not None else (args.num_proc or 1)
@@ -223,10 +254,10 @@ def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
         raise LaunchError(f"-np {args.num_proc} lies outside --min-np {min_np} .. --max-np {max_np}")
     if args.num_servers is not None and args.num_servers >= min_np:
         raise LaunchError(f"--num-servers {args.num_servers} leaves no worker at --min-np {min_np}")
-    launch = _launcher(args, env)
+    launch, run = _launcher(args, env)
     settings = ElasticSettings(min_np, max_np, args.num_proc, restarts, args.elastic_timeout,
                                args.host_discovery_script, args.elastic_dir, cooldown)
-    return Supervisor(settings, static, launch, lambda command: run_job(command, env))
+    return Supervisor(settings, static, launch, run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -246,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return supervisor.dry_run(lambda line: print(line, flush=True))
         return supervisor.run()
     try:
-        cmd = _prepare(args, env)
+        cmd, run = _prepare(args, env)
     except (LaunchError, HostfileError) as e:
         print(f"psrun: error: {e}", file=sys.stderr, flush=True)
         return USAGE_ERROR
@@ -256,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:
         print(shlex.join(cmd), file=sys.stderr, flush=True)
     try:
-        result = run_job(cmd, env)
+        result = run(cmd)
     except OSError as e:
         print(f"psrun: error: cannot start {cmd[0]}: {e.strerror or e}", file=sys.stderr, flush=True)
         return USAGE_ERROR

@@ -10,23 +10,35 @@ for reaching other hosts are checked in :mod:`launcher.remote`.
 
 Two policies matter beyond one machine. A job on this machine only needs no
 network between ranks, so Open MPI is held to shared memory (no rank opens a
-TCP listener). A job across hosts may need to be told how to reach them: a
-launch agent (what Open MPI calls ``plm_rsh_agent``, Hydra ``-launcher-exec``)
-and the networks to use, by interface name or, where names differ between
-hosts, by CIDR.
+TCP listener), and each rank's stderr goes to psrun on a pipe of its own
+(:mod:`launcher.rank_stderr`). A job across hosts may need to be told how to
+reach them: a launch agent (what Open MPI calls ``plm_rsh_agent``, Hydra
+``-launcher-exec``) and the networks to use, by interface name or, where names
+differ between hosts, by CIDR.
+
+Requests that cannot work stop here, before anything starts: a host name that
+resolves to no address, a program that is not there (on this machine), a Python
+script given as the program, and more ranks than a few per slot on this machine
+(``-np 100000`` would fork that many processes) unless ``--oversubscribe`` asks
+for it.
 """
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from launcher.hostfile import Host, is_local_host, total_slots
+from launcher.addresses import is_local_host, unknown_hosts
+from launcher.hostfile import Host, total_slots
 from launcher.mpi import (LaunchError, MpiFlavour, detect_flavour, detect_mpi, find_mpirun,
                           flavour_from_version, user_sets_mca, version_from_text)
+from launcher.rank_stderr import wrap_command
 from launcher.remote import checked_launch_agent, checked_networks
 
 __all__ = [
     "FORWARDED_PREFIXES",
+    "IMPLICIT_OVERSUBSCRIBE",
     "LaunchError",
     "LaunchPlan",
     "MpiFlavour",
@@ -56,6 +68,16 @@ _LOCAL_BTL_OMPI4 = "self,vader"
 # aborts ("Socket closed"), often before the dead rank's own daemon reports it: the job
 # would be blamed on the peer. A short delay before an abort lets the real cause arrive.
 _REMOTE_ABORT_DELAY = ("mpi_abort_delay", "1")
+# Ranks per slot of this machine that psrun oversubscribes to by itself (with a warning);
+# beyond it only --oversubscribe does. Tests run 4 ranks on 2 cores.
+IMPLICIT_OVERSUBSCRIBE = 4
+# mpirun arguments that choose how ranks' output is shown or where it goes; psrun then
+# leaves the ranks' stderr to mpirun rather than reading it on pipes of its own.
+_OUTPUT_FLAGS = frozenset({
+    "--output", "-output", "--tag-output", "-tag-output", "--timestamp-output", "-timestamp-output",
+    "--xml", "-xml", "--output-filename", "-output-filename", "--merge-stderr-to-stdout",
+    "-merge-stderr-to-stdout", "-prepend-rank", "-l", "-prepend-pattern", "-outfile-pattern", "-errfile-pattern",
+})
 
 
 @dataclass(frozen=True)
@@ -63,8 +85,10 @@ class LaunchPlan:
     """Everything needed to write the mpirun command line, already validated.
 
     ``hosts`` is empty when the MPI's own default (this machine) is wanted.
-    ``rank_env`` holds the variables psrun's own flags set on every rank; they
-    win over the same names in psrun's environment. ``launch_agent`` is the
+    ``rank_stderr``: each rank's stderr goes to psrun on a pipe of its own
+    (``command`` is wrapped for it when written out). ``rank_env`` holds the
+    variables psrun's own flags set on every rank; they win over the same names
+    in psrun's environment. ``launch_agent`` is the
     command that starts the MPI's daemon on a remote host (``AGENT host
     command...``, as ssh is called); ``networks`` are interface names and
     normalised IPv4 CIDRs, in the order given. ``version`` is the MPI's own
@@ -84,6 +108,7 @@ class LaunchPlan:
     launch_agent: str | None = None
     networks: tuple[str, ...] = ()
     version: tuple[int, ...] = ()
+    rank_stderr: bool = False
 
 
 def plan_launch(
@@ -108,7 +133,8 @@ def plan_launch(
     ``hosts`` is None when the user gave none (a job on this machine with
     ``local_cpus`` slots). Without ``oversubscribe``, asking for more ranks
     than slots is an error when remote hosts are involved, and a warning
-    (plus ``--oversubscribe``) when the job stays on this machine.
+    (plus ``--oversubscribe``) when the job stays on this machine, up to
+    :data:`IMPLICIT_OVERSUBSCRIBE` ranks per slot (an error beyond).
     ``launch_agent`` and the networks only concern remote hosts: a job on this
     machine alone ignores them, with a warning, so that one command line can
     serve both kinds of job.
@@ -117,7 +143,13 @@ def plan_launch(
         raise LaunchError("no command given; usage: psrun -np N [options] command ...")
     launch_agent = checked_launch_agent(launch_agent, flavour, mpi_args)
     networks = checked_networks(network_interfaces, network_cidrs, flavour, mpi_args)
+    unknown = unknown_hosts(h.name for h in hosts or ())
+    if unknown:
+        raise LaunchError(f"unknown host{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+                          "no address found for it; check the spelling (hosts that are this machine can be "
+                          "written localhost)")
     local_only = hosts is None or all(is_local_host(h.name) for h in hosts)
+    command = _checked_program(command, local_only)
     slots = local_cpus if hosts is None else total_slots(hosts)
     where = f"{local_cpus} local CPUs" if hosts is None else f"{slots} slots on {_host_list(hosts)}"
     if num_proc is None:
@@ -130,6 +162,11 @@ def plan_launch(
             raise LaunchError(
                 f"-np {num_proc} asks for more ranks than the {where}; "
                 "ask for fewer or add --oversubscribe"
+            )
+        if num_proc > IMPLICIT_OVERSUBSCRIBE * slots:
+            raise LaunchError(
+                f"-np {num_proc} is more than {IMPLICIT_OVERSUBSCRIBE} ranks for each of the {where}; "
+                "ask for fewer, or add --oversubscribe to start that many processes on this machine anyway"
             )
         warnings.append(f"psrun: warning: {num_proc} ranks on {where}; adding --oversubscribe "
                         "(ranks share CPUs and run slower)")
@@ -150,8 +187,37 @@ def plan_launch(
         local_only=local_only, oversubscribe=oversubscribe, as_root=as_root,
         command=tuple(command), mpi_args=tuple(mpi_args), rank_env=tuple(rank_env),
         launch_agent=launch_agent, networks=networks, version=tuple(version),
+        rank_stderr=local_only and not any(arg.split("=", 1)[0] in _OUTPUT_FLAGS for arg in mpi_args),
     )
     return plan, warnings
+
+
+def _checked_program(command: Sequence[str], local_only: bool) -> Sequence[str]:
+    """``command``, once its program is known to be runnable, the way mpirun looks for it.
+
+    A Python script given as the program is refused with the fix (it runs only if executable
+    with a ``#!`` line, which ``psrun -np 2 train.py`` seldom means). On this machine a
+    program is looked for on PATH, then in the working directory (as Open MPI does): one not
+    found is refused, and one found only in the working directory is named by its path.
+    Programs on other hosts are theirs to find.
+    """
+    program = command[0]
+    runnable = _is_executable_file(program) if os.sep in program else (
+        shutil.which(program) is not None or _is_executable_file(program))
+    if program.endswith(".py") and not runnable:
+        raise LaunchError(f"{program!r} is a Python script, not a program: run it with Python, "
+                          f"e.g. psrun ... python {program}")
+    if not local_only:
+        return command
+    if not runnable:
+        raise LaunchError(f"program {program!r} not found: not on PATH, nor in {os.getcwd()}")
+    if os.sep not in program and shutil.which(program) is None:
+        return [os.path.abspath(program), *command[1:]]
+    return command
+
+
+def _is_executable_file(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
 def _host_list(hosts: Sequence[Host]) -> str:
@@ -227,4 +293,5 @@ def build_command(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
         options = _openmpi_options(plan, env)
     else:
         options = _mpich_options(plan, env)
-    return [plan.mpirun, *options, *plan.mpi_args, *plan.command]
+    command = wrap_command(plan.command) if plan.rank_stderr else list(plan.command)
+    return [plan.mpirun, *options, *plan.mpi_args, *command]

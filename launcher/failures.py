@@ -8,7 +8,15 @@ exits, dies from a signal or aborts; they cover ranks that never reached the
 psrt hook (``os._exit``, the OOM killer, a segfault). Their text wraps over
 several lines, so notices are matched against the last few lines joined.
 
-The scanner is pure: feed it lines, read :attr:`FailureScanner.failure`.
+A third kind of line names the culprit rather than the reporter. When a rank's stall or
+deadlock report finds that another rank stopped answering, the psrt runtime prints, before
+its own marker, ``psrt: rank R blames rank Q (ROLE): WHY`` (the role, such as ``worker 1``,
+is optional; R and Q are job ranks). The job is then headlined by Q, the rank to look at,
+not by R, which only noticed.
+
+The scanner is pure: feed it lines, read :attr:`FailureScanner.failure`. Lines may come
+from several sources (each rank's own stderr, and mpirun's); launcher notices are matched
+within one source's recent lines, so that interleaved sources cannot split a notice.
 """
 from __future__ import annotations
 
@@ -16,14 +24,18 @@ import enum
 import re
 import signal
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-__all__ = ["Failure", "FailureKind", "FailureScanner", "describe_signal"]
+__all__ = ["BLAME", "MARKER", "Failure", "FailureKind", "FailureScanner", "describe_signal"]
 
 # At the start of a line (after mpirun's optional "[1,0]<stderr>:" tag); mpirun interleaves
 # its own notices with the ranks' output, so a marker may follow stray whitespace and be
 # followed by a notice's dashes.  Not further in: a rank may print another job's output.
-MARKER = re.compile(r"^\s*(?:\[[^\]]*\]<std\w+>:\s*)?psrt: rank (\d+) failed: (.+?)(?:-{10,}.*)?$")
+_LINE_START = r"^\s*(?:\[[^\]]*\]<std\w+>:\s*)?"
+_NOTICE_DASHES = r"(?:-{10,}.*)?$"
+MARKER = re.compile(_LINE_START + r"psrt: rank (\d+) failed: (.+?)" + _NOTICE_DASHES)
+BLAME = re.compile(_LINE_START + r"psrt: rank (\d+) blames rank (\d+)(?: \(([^()]+)\))?: (.+?)" + _NOTICE_DASHES)
 
 _WINDOW_LINES = 8
 # Launcher notices, matched against the window of recent lines joined by spaces.
@@ -50,6 +62,7 @@ _HYDRA_ABORT = re.compile(r"application called MPI_Abort\(\S+, (-?\d+)\) - proce
 class FailureKind(enum.Enum):
     """Where a failure report came from; decides which report wins."""
 
+    BLAME = "blame"  # psrt's stall or deadlock report on one rank named another as the cause
     MARKER = "marker"  # psrt's own line: the rank raised an exception
     EXIT = "exit"  # the launcher saw a rank exit non-zero or die from a signal
     ABORT = "abort"  # the launcher saw a rank call MPI_Abort
@@ -57,13 +70,22 @@ class FailureKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Failure:
-    """The first failed rank of a job and how it failed, e.g. ``exited with code 1``."""
+    """The rank a failed job is headlined by and how it failed, e.g. ``exited with code 1``.
+
+    For a :attr:`FailureKind.BLAME` report, ``rank`` is the culprit, ``role`` its role if the
+    report gave one (``worker 1``) and ``reporter`` the rank whose report named it.
+    """
 
     rank: int
     how: str
     kind: FailureKind
+    reporter: int | None = None
+    role: str | None = None
 
     def summary(self) -> str:
+        if self.kind is FailureKind.BLAME:
+            role = f" ({self.role})" if self.role else ""
+            return f"rank {self.rank}{role} stopped answering: {self.how} (reported by rank {self.reporter})"
         return f"rank {self.rank} failed first: {self.how}"
 
 
@@ -107,26 +129,35 @@ def _notice(window: str) -> Failure | None:
 
 
 class FailureScanner:
-    """Reads a job's stderr line by line and keeps the first failure it names.
+    """Reads a job's stderr line by line and keeps the failure that headlines the job.
 
-    The first report wins, with one exception: a psrt marker replaces an
-    earlier MPI_Abort notice for the same rank, because psrt prints its
-    marker just before aborting and the launcher's notice can overtake it.
+    The first report wins, with two exceptions. A psrt marker replaces an earlier
+    MPI_Abort notice for the same rank, because psrt prints its marker just before
+    aborting and the launcher's notice can overtake it. A blame line (the first one, if
+    several) replaces its reporter's own marker and any launcher notice: the reporter
+    aborts the job just after blaming, and what the launcher then sees is the abort, not
+    its cause. A marker of another rank that came first stands: that rank failed on its own.
     """
 
     def __init__(self) -> None:
-        self._window: deque[str] = deque(maxlen=_WINDOW_LINES)
+        self._windows: dict[Hashable, deque[str]] = {}
         self._failure: Failure | None = None
 
     @property
     def failure(self) -> Failure | None:
         return self._failure
 
-    def feed(self, line: str) -> None:
-        """Take one line of stderr (with or without its newline).  NUL bytes are dropped: Open
-        MPI's output forwarding sometimes puts one where the line starts, which would hide a
-        marker from the pattern (and turn the report into the launcher's bare abort notice)."""
-        line = line.rstrip("\r\n").replace("\x00", "")
+    def feed(self, line: str, source: Hashable = None) -> None:
+        """Take one line of stderr (with or without its newline) from ``source`` (a rank's own
+        stream, or None for mpirun's).  NUL bytes are dropped: Open MPI's output forwarding
+        sometimes puts one where the line starts, which would hide a marker from the pattern
+        (and turn the report into the launcher's bare abort notice).  Of a line redrawn with
+        carriage returns (a progress bar, then a marker) only the last part counts."""
+        line = line.rstrip("\r\n").replace("\x00", "").rsplit("\r", 1)[-1]
+        if m := BLAME.search(line):
+            self._offer(Failure(int(m.group(2)), m.group(4).strip(), FailureKind.BLAME,
+                                reporter=int(m.group(1)), role=m.group(3)))
+            return
         if m := MARKER.search(line):
             self._offer(Failure(int(m.group(1)), m.group(2).strip(), FailureKind.MARKER))
             return
@@ -134,18 +165,24 @@ class FailureScanner:
         text = " ".join(line.strip().lstrip("=").split())
         if not text or set(text) <= set("-="):
             return
-        self._window.append(text)
+        window = self._windows.setdefault(source, deque(maxlen=_WINDOW_LINES))
+        window.append(text)
         if self._failure is None:  # a later notice never replaces an earlier one
-            found = _notice(" ".join(self._window))
+            found = _notice(" ".join(window))
             if found is not None:
-                self._window.clear()
+                window.clear()
                 self._offer(found)
 
     def _offer(self, found: Failure) -> None:
         current = self._failure
-        if current is None or (
-            current.kind is FailureKind.ABORT
-            and found.kind is FailureKind.MARKER
-            and found.rank == current.rank
-        ):
+        if current is None or _overrides(found, current):
             self._failure = found
+
+
+def _overrides(found: Failure, current: Failure) -> bool:
+    """Whether a later report ``found`` says more about the job's failure than ``current``."""
+    if found.kind is FailureKind.BLAME:
+        return current.kind in (FailureKind.EXIT, FailureKind.ABORT) or (
+            current.kind is FailureKind.MARKER and current.rank == found.reporter)
+    return (current.kind is FailureKind.ABORT and found.kind is FailureKind.MARKER
+            and found.rank == current.rank)

@@ -9,9 +9,10 @@ wrong machines.
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from launcher.addresses import is_local_host  # here too for launcher.elastic, which reads hosts from here
 
 __all__ = [
     "Host",
@@ -21,13 +22,17 @@ __all__ = [
     "hosts_from_slurm",
     "is_local_host",
     "merge_hosts",
+    "parse_count",
     "parse_discovery",
     "parse_hostfile",
     "parse_hosts",
     "total_slots",
 ]
 
-_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+# The most slots one host may have: far above any machine's cores or GPUs, far below what
+# would overflow a C int in the MPI launcher.
+MAX_SLOTS = 65536
+_DECIMAL = re.compile(r"[0-9]+")
 # Open MPI keys that describe capacity limits psrun does not use.
 _IGNORED_KEYS = frozenset({"max_slots", "max-slots", "max_count"})
 _SLOT_KEYS = frozenset({"slots", "count", "cpu"})
@@ -61,23 +66,25 @@ def total_slots(hosts: Iterable[Host]) -> int:
     return sum(h.slots for h in hosts)
 
 
-def is_local_host(name: str) -> bool:
-    """True when ``name`` is this machine, so a job on it needs no network."""
-    if name in _LOCAL_NAMES:
-        return True
-    me = socket.gethostname()
-    return name in (me, me.split(".")[0])
+def parse_count(text: str, what: str, maximum: int) -> int:
+    """A count written in plain ASCII decimal digits, from 1 to ``maximum``; ``what`` names
+    it in the error (Python's ``int()`` would also take ``1_0``, ``+3``, spaces and other
+    scripts' digits, which no MPI reads the same way)."""
+    if not _DECIMAL.fullmatch(text):
+        if re.fullmatch(r"-[0-9]+", text):
+            raise HostfileError(f"{what} {text} must be a positive integer")
+        raise HostfileError(f"{what} {text!r} is not an integer in plain decimal digits (0-9)")
+    value = int(text)
+    if value < 1:
+        raise HostfileError(f"{what} {value} must be a positive integer")
+    if value > maximum:
+        raise HostfileError(f"{what} {value} is more than {maximum}, the most psrun accepts")
+    return value
 
 
 def _slots(text: str, where: str) -> int:
     """A slot count, or an error that names where the bad value was."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise HostfileError(f"{where}: slot count {text!r} is not an integer") from None
-    if value <= 0:
-        raise HostfileError(f"{where}: slot count {value} must be a positive integer")
-    return value
+    return parse_count(text, f"{where}: slot count", MAX_SLOTS)
 
 
 def merge_hosts(hosts: Iterable[Host]) -> tuple[Host, ...]:
@@ -191,7 +198,7 @@ def _split_top_level(text: str) -> list[str]:
 def _expand_range(item: str, nodelist: str) -> list[str]:
     """``07`` -> [``07``]; ``01-03`` -> [``01``, ``02``, ``03``], padded to the width of the start."""
     low, sep, high = item.partition("-")
-    if not low.isdigit() or (sep and not high.isdigit()):
+    if not _DECIMAL.fullmatch(low) or (sep and not _DECIMAL.fullmatch(high)):
         raise HostfileError(f"SLURM node list {nodelist!r}: bad range {item!r}")
     if not sep:
         return [low]
@@ -229,10 +236,12 @@ def expand_counts(counts: str) -> list[int]:
     """Expand a SLURM count list: ``2(x3),1`` -> [2, 2, 2, 1]."""
     values = []
     for item in counts.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", item)
+        match = re.fullmatch(r"\s*([0-9]+)\s*(?:\(x([0-9]+)\))?\s*", item)
         if match is None:
             raise HostfileError(f"SLURM count list {counts!r}: bad entry {item!r}")
-        values.extend([int(match.group(1))] * int(match.group(2) or 1))
+        repeat = parse_count(match.group(2), f"SLURM count list {counts!r}: repeat", MAX_SLOTS) \
+            if match.group(2) else 1
+        values.extend([parse_count(match.group(1), f"SLURM count list {counts!r}: count", MAX_SLOTS)] * repeat)
     return values
 
 

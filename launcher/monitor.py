@@ -1,16 +1,22 @@
 """Run the mpirun command, pass its output through live, and watch for failures.
 
-Output is copied chunk by chunk, not line by line, so progress bars that
-redraw with ``\\r`` still move; stderr is also split into lines for the
-:class:`~launcher.failures.FailureScanner`. mpirun runs in its own session so
-that a Ctrl-C reaches it once, through psrun, rather than twice (a second
-SIGINT makes Open MPI kill the job without cleaning up), and so that once a
-failed job is over, any process of it still on this host (a rank that was
-stopped, which ignores the SIGTERM Open MPI sends it) is found and killed.
+stdout is copied chunk by chunk, untouched. stderr, where failures show, goes through a
+:class:`~launcher.stderr_filter.StderrFilter`, which feeds every line to the
+:class:`~launcher.failures.FailureScanner` and, once the job fails, shows the failing rank's
+traceback once and writes the rest to a log. For a job on this machine alone each rank's
+stderr comes on a pipe of its own (:mod:`launcher.rank_stderr`), else from mpirun merged;
+one thread reads every stderr source.
+
+mpirun runs in its own session so that a Ctrl-C reaches it once, through psrun, rather than
+twice (a second SIGINT makes Open MPI kill the job without cleaning up), and so that once a
+failed job is over, any process of it still on this host (a rank that was stopped, which
+ignores the SIGTERM Open MPI sends it) is found and killed. A watcher process
+(:mod:`launcher.lifeline`) ends the job should psrun itself be killed.
 """
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -21,6 +27,10 @@ from dataclasses import dataclass
 from typing import BinaryIO, TextIO
 
 from launcher.failures import Failure, FailureScanner
+from launcher.lifeline import Lifeline
+from launcher.processes import leftover_processes
+from launcher.rank_stderr import DIRECTORY_VARIABLE, RankStderr
+from launcher.stderr_filter import FailureReport, StderrFilter
 
 __all__ = ["JobResult", "run_job"]
 
@@ -61,25 +71,39 @@ def _writer(stream: TextIO) -> Callable[[bytes], None]:
     return write
 
 
-def _pump(source: BinaryIO, write: Callable[[bytes], None], scanner: FailureScanner | None) -> None:
-    """Copy ``source`` to ``write`` until EOF, feeding complete lines to ``scanner``.
-
-    With a scanner (stderr, where psrun writes its own summary) an unfinished
-    last line is ended, so that the summary starts a line of its own.
-    """
-    partial = b""
+def _pump(source: BinaryIO, write: Callable[[bytes], None]) -> None:
+    """Copy ``source`` to ``write`` until EOF."""
     fd = source.fileno()
     while chunk := os.read(fd, 65536):
         write(chunk)
-        if scanner is None:
-            continue
-        *lines, partial = (partial + chunk).split(b"\n")
-        for line in lines:
-            scanner.feed(line.decode("utf-8", errors="replace"))
-    if scanner is not None and partial:
-        scanner.feed(partial.decode("utf-8", errors="replace"))
-        write(b"\n")
     source.close()
+
+
+def _read_stderr(mpirun_stderr: BinaryIO, ranks: RankStderr | None, view: StderrFilter,
+                 stop: threading.Event) -> None:
+    """Feed every stderr source to ``view`` until each has ended (or ``stop`` is set)."""
+    selector = selectors.DefaultSelector()
+    os.set_blocking(mpirun_stderr.fileno(), False)
+    selector.register(mpirun_stderr.fileno(), selectors.EVENT_READ, None)
+    for rank, fd in (ranks.readers.items() if ranks is not None else ()):
+        selector.register(fd, selectors.EVENT_READ, rank)
+    while selector.get_map() and not stop.is_set():
+        # The ranks' own output first: it was written before mpirun could report their end.
+        for key, _ in sorted(selector.select(timeout=0.1), key=lambda ready: ready[0].data is None):
+            try:
+                chunk = os.read(key.fd, 65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            if chunk:
+                view.feed(key.data, chunk, time.monotonic())
+            else:
+                selector.unregister(key.fd)
+                view.end_of(key.data, time.monotonic())
+        view.tick(time.monotonic())
+    selector.close()
+    mpirun_stderr.close()
 
 
 def _install_forwarding(proc: subprocess.Popen[bytes],
@@ -121,53 +145,6 @@ def _wait(proc: subprocess.Popen[bytes], scanner: FailureScanner) -> int:
                 pass
 
 
-# Variables every MPI launcher psrun drives sets in its ranks (and in nothing else).
-_RANK_VARIABLES = (b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=", b"PMI_RANK=")
-
-
-def _session_processes(session: int, proc_root: str) -> dict[int, tuple[bytes, int, bool]]:
-    """Live processes of this host in ``session``: pid -> (state, parent, is an MPI rank)."""
-    found = {}
-    try:
-        entries = os.listdir(proc_root)
-    except OSError:
-        return {}
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == session:
-            continue
-        try:
-            with open(os.path.join(proc_root, entry, "stat"), "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            # after the command name: state, parent, process group, session
-            if len(fields) < 4 or int(fields[3]) != session or fields[0] == b"Z":
-                continue
-            with open(os.path.join(proc_root, entry, "environ"), "rb") as f:
-                is_rank = any(v.startswith(_RANK_VARIABLES) for v in f.read().split(b"\0"))
-        except (OSError, IndexError, ValueError):
-            continue
-        found[int(entry)] = (fields[0], int(fields[1]), is_rank)
-    return found
-
-
-def leftover_processes(session: int, proc_root: str = "/proc") -> list[int]:
-    """What a failed job left on this host in ``session``: its ranks, the launcher's own
-    processes (a launch agent and the daemons it started, which keep mpirun's output open)
-    and anything stopped; not zombies (already dead), nor helpers a rank started on
-    purpose, such as a log uploader, unless stopped (Linux; elsewhere none are found)."""
-    processes = _session_processes(session, proc_root)
-
-    def started_by_a_rank(pid: int) -> bool:
-        parent = processes[pid][1]
-        while parent in processes:
-            if processes[parent][2]:
-                return True
-            parent = processes[parent][1]
-        return False
-
-    return sorted(pid for pid, (state, _, _) in processes.items()
-                  if state in (b"T", b"t") or not started_by_a_rank(pid))
-
-
 def _end_leftovers(session: int) -> None:
     """Kill what a failed job left running on this host, saying so."""
     leftovers = leftover_processes(session)
@@ -181,23 +158,28 @@ def _end_leftovers(session: int) -> None:
               f"behind on this host (pid {', '.join(map(str, leftovers))})", file=sys.stderr, flush=True)
 
 
-def run_job(command: Sequence[str], env: Mapping[str, str]) -> JobResult:
+def run_job(command: Sequence[str], env: Mapping[str, str], *, verbose: bool = False,
+            rank_stderr: int = 0) -> JobResult:
     """Run ``command`` (an mpirun command line) to completion.
 
     Returns mpirun's exit code (128 + N if mpirun itself died from signal N,
     as a shell reports it) and the first rank failure found in its stderr.
     Once the user stops the job, ranks dying is the expected outcome, so only
-    a failure reported before the stop signal counts.
+    a failure reported before the stop signal counts. ``rank_stderr``: the number of
+    ranks whose stderr the command sends to psrun's own pipes (it was built with
+    :func:`launcher.rank_stderr.wrap_command`), 0 for none. ``verbose``: show all of
+    stderr, even once the job fails.
     """
     scanner = FailureScanner()
-    proc = subprocess.Popen(
-        list(command), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    ranks = _rank_pipes(rank_stderr)
+    view = StderrFilter(scanner, _writer(sys.stderr), verbose=verbose, labelled=ranks is not None)
+    lifeline = Lifeline()
+    proc = _start(command, env, ranks, lifeline)
     assert proc.stdout is not None and proc.stderr is not None
-    pumps = [
-        threading.Thread(target=_pump, args=(proc.stdout, _writer(sys.stdout), None), daemon=True),
-        threading.Thread(target=_pump, args=(proc.stderr, _writer(sys.stderr), scanner), daemon=True),
+    stop_reading = threading.Event()
+    readers = [
+        threading.Thread(target=_pump, args=(proc.stdout, _writer(sys.stdout)), daemon=True),
+        threading.Thread(target=_read_stderr, args=(proc.stderr, ranks, view, stop_reading), daemon=True),
     ]
     stops: list[tuple[int, Failure | None]] = []
 
@@ -207,19 +189,71 @@ def run_job(command: Sequence[str], env: Mapping[str, str]) -> JobResult:
 
     old_handlers = _install_forwarding(proc, on_signal)
     try:
-        for pump in pumps:
-            pump.start()
+        for reader in readers:
+            reader.start()
         returncode = _wait(proc, scanner)
     finally:
         for signum, handler in old_handlers.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
+    if ranks is not None:
+        ranks.stop_waiting()
     if returncode != 0 or scanner.failure is not None:
         _end_leftovers(proc.pid)
-    # A rank orphaned by a crashed mpirun may hold the pipes open; do not wait for it forever.
-    for pump in pumps:
-        pump.join(timeout=5.0)
+    _finish_reading(readers, stop_reading, ranks)
+    lifeline.release()
+    _point_to_log(view.finish())
     returncode = 128 - returncode if returncode < 0 else returncode
     if stops:
         signum, failure_before_stop = stops[0]
         return JobResult(returncode, failure_before_stop, signum)
     return JobResult(returncode, scanner.failure)
+
+
+def _rank_pipes(num_ranks: int) -> RankStderr | None:
+    """Pipes for the ranks' stderr, or None (mpirun's merged stream) where none can be made."""
+    if num_ranks <= 0:
+        return None
+    try:
+        return RankStderr(num_ranks)
+    except OSError as e:
+        print(f"psrun: warning: cannot make pipes for the ranks' stderr ({e}); their output comes "
+              "through mpirun, merged", file=sys.stderr, flush=True)
+        return None
+
+
+def _start(command: Sequence[str], env: Mapping[str, str], ranks: RankStderr | None,
+           lifeline: Lifeline) -> subprocess.Popen[bytes]:
+    """Start mpirun in a session of its own, watched by ``lifeline``; on failure, undo the rest."""
+    job_env = dict(env)
+    if ranks is not None:
+        job_env[DIRECTORY_VARIABLE] = ranks.directory
+    try:
+        proc = subprocess.Popen(list(command), env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    except OSError:
+        lifeline.release()
+        if ranks is not None:
+            ranks.close()
+        raise
+    lifeline.watch(proc.pid, leftover_paths=[ranks.directory] if ranks is not None else [])
+    return proc
+
+
+def _finish_reading(readers: Sequence[threading.Thread], stop: threading.Event, ranks: RankStderr | None) -> None:
+    """Let the readers drain what mpirun and the ranks wrote. A rank orphaned by a crashed
+    mpirun may hold a pipe open: do not wait for it forever."""
+    for reader in readers:
+        reader.join(timeout=5.0)
+    stop.set()
+    readers[-1].join(timeout=1.0)
+    if ranks is not None:
+        ranks.remove()
+        if not readers[-1].is_alive():
+            ranks.close()
+
+
+def _point_to_log(report: FailureReport) -> None:
+    if report.log_path is not None:
+        print(f"psrun: {report.hidden_lines} more line{'s' if report.hidden_lines != 1 else ''} of the job's "
+              f"stderr, not shown here, {'are' if report.hidden_lines != 1 else 'is'} in {report.log_path} "
+              "(--verbose shows them all)", file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ class Job:
     stdout: list[tuple[float, str]] = field(default_factory=list)
     stderr: list[tuple[float, str]] = field(default_factory=list)
     ended_at: float | None = None
+    log: str = ""  # the log psrun wrote of a failed job's stderr (see take_log)
     _readers: list[threading.Thread] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -70,6 +71,7 @@ class Job:
         self.ended_at = self.ended_at or time.time()
         for reader in self._readers:
             reader.join(timeout=5)
+        self.log = take_log(self.err)
         return code
 
     def stop(self) -> None:
@@ -84,7 +86,26 @@ class Job:
 
     def diagnosis(self) -> str:
         return (f"{self.label}: exit code {self.proc.poll()}\n--- stdout (tail) ---\n{self.out[-3000:]}\n"
-                f"--- stderr (tail) ---\n{self.err[-3000:]}")
+                f"--- stderr (tail) ---\n{self.err[-3000:]}" + (f"\n--- psrun's log (tail) ---\n{self.log[-3000:]}"
+                                                                if self.log else ""))
+
+
+_LOG_LINE = re.compile(r"^psrun: \d+ more lines? of the job's stderr, not shown here, (?:are|is) in (\S+) ", re.MULTILINE)
+
+
+def take_log(stderr: str) -> str:
+    """The text of the log file a failed job's psrun named in ``stderr``, removed so that tests
+    leave no files behind; "" if it named none."""
+    found = _LOG_LINE.search(stderr)
+    if found is None:
+        return ""
+    path = Path(found.group(1))
+    try:
+        text = path.read_text(errors="replace")
+        path.unlink()
+    except OSError:
+        return ""
+    return text
 
 
 def job_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -207,8 +207,8 @@ def host_layout(world: MpiCommunicator) -> Layout:
 
 
 def describe_exception(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"raised {type(exc).__name__}" + (f": {text[0]}" if text else "")
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # the marker is one line
+    return f"raised {type(exc).__name__}" + (f": {text}" if text else "")
 
 
 def install_abort_on_exception() -> None:

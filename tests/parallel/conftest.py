@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 import pytest
+from jobs import take_log
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -39,6 +40,7 @@ class JobReport:
     done: int | None = None
     stdout: str = ""
     stderr: str = ""
+    log: str = ""  # the log psrun wrote of a failed job's stderr
 
     @property
     def hung(self) -> str | None:
@@ -60,7 +62,8 @@ class JobReport:
     def diagnosis(self) -> str:
         return (f"{self.label}: exit code {self.returncode} after {self.seconds:.1f} s\n"
                 f"--- stdout (tail) ---\n{self.stdout[-_TAIL:]}\n"
-                f"--- stderr (tail) ---\n{self.stderr[-_TAIL:]}")
+                f"--- stderr (tail) ---\n{self.stderr[-_TAIL:]}"
+                + (f"\n--- psrun's log (tail) ---\n{self.log[-_TAIL:]}" if self.log else ""))
 
     def assert_ok(self, name: str) -> dict:
         """Fail unless check ``name`` ran and passed on every rank; returns its record."""
@@ -138,7 +141,7 @@ def launch(script: str, np: int, env: Mapping[str, str] | None = None,
             stdout, stderr = proc.communicate()
         returncode = None
     report = JobReport(label=label, returncode=returncode, seconds=time.monotonic() - start,
-                       stdout=stdout, stderr=stderr)
+                       stdout=stdout, stderr=stderr, log=take_log(stderr))
     _parse(report, stdout)
     return report
 

@@ -7,6 +7,7 @@ the failure itself, not from a start-up that a busy machine can make slow.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import psrun_argv, start_job, take_log
 
 pytestmark = pytest.mark.parallel
 
@@ -36,8 +38,9 @@ world.barrier()  # rank 0 stays here: only the launcher can end it
 
 
 def psrun(*args: str, script: str | None = None, tmp_path: Path | None = None,
-          env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run ``psrun args [python script]``; returns the result and the time it ended."""
+          env: dict[str, str] | None = None, keep_log: bool = False) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``psrun args [python script]``; returns the result and the time it ended. The log
+    psrun writes of a failed job is removed unless ``keep_log``."""
     argv = [sys.executable, "-m", "launcher.cli", *args]
     if script is not None:
         assert tmp_path is not None
@@ -47,7 +50,10 @@ def psrun(*args: str, script: str | None = None, tmp_path: Path | None = None,
     run_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     done = subprocess.run(argv, cwd=REPO, env=run_env, capture_output=True, text=True,
                           timeout=JOB_TIMEOUT_S, check=False)
-    return done, time.time()
+    ended = time.time()
+    if not keep_log:
+        take_log(done.stderr)
+    return done, ended
 
 
 def failed_at(stdout: str) -> float:
@@ -189,3 +195,94 @@ def _alive(pid: int, wait_s: float = 3.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_two_ranks_failing_at_once_show_one_traceback_and_name_a_log_of_the_rest(tmp_path: Path) -> None:
+    """A shape mismatch raises on both ranks at once: psrun once printed both tracebacks line
+    by line interleaved, with Open MPI's banners and a NUL byte, about 60 lines."""
+    script = """\
+        import torch
+        import psrt.torch as hvd
+        hvd.init()
+        hvd.allreduce(torch.ones(2 + hvd.rank()), name="x")
+    """
+    done, _ = psrun("-np", "2", script=script, tmp_path=tmp_path, keep_log=True)
+    lines = done.stderr.splitlines()
+    assert done.returncode != 0, done.stderr
+    assert lines[-1].startswith("psrun: rank ") and "raised CollectiveMismatchError: allreduce of tensor 'x'" \
+        in lines[-1], done.stderr
+    assert done.stderr.count("Traceback (most recent call last):") == 1, done.stderr
+    assert "\x00" not in done.stderr and "MPI_ABORT" not in done.stderr and len(lines) < 30, done.stderr
+    assert re.fullmatch(r"psrun: \d+ more lines of the job's stderr, not shown here, are in \S+\.log "
+                        r"\(--verbose shows them all\)", lines[-2]), done.stderr
+    log = take_log(done.stderr)
+    assert log.count("Traceback (most recent call last):") == 2 and "MPI_ABORT" in log, log
+
+
+def test_a_multiline_exception_message_reaches_the_summary_whole(tmp_path: Path) -> None:
+    """The message of an optimizer's repr spans lines; the summary once ended at 'got AdamW ('."""
+    script = """\
+        import torch
+        import psrt
+        psrt.init()
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 1:
+            raise ValueError(f"got {torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.5)!r}")
+        MPI.COMM_WORLD.barrier()
+    """
+    done, _ = psrun("-np", "2", script=script, tmp_path=tmp_path)
+    summary = done.stderr.splitlines()[-1]
+    assert summary.startswith("psrun: rank 1 failed first: raised ValueError: got AdamW ( Parameter Group 0 "), \
+        done.stderr
+    assert " lr: 0.5 " in summary and summary.endswith(")"), done.stderr
+
+
+def test_sigkilled_psrun_leaves_no_mpirun_or_rank_running(tmp_path: Path) -> None:
+    """mpirun has a session of its own; once, a psrun killed outright left it and every rank
+    running with parent 1."""
+    script = tmp_path / "sleepy.py"
+    script.write_text(f"import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep({JOB_TIMEOUT_S})\n")
+    job = start_job(psrun_argv("-np", "2", sys.executable, str(script)), "sleepy ranks")
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while len(re.findall(r"^pid \d+$", job.out, re.MULTILINE)) < 2 and time.monotonic() < deadline:
+            assert job.proc.poll() is None, job.diagnosis()
+            time.sleep(0.1)
+        ranks = [int(pid) for pid in re.findall(r"^pid (\d+)$", job.out, re.MULTILINE)]
+        assert len(ranks) == 2, job.diagnosis()
+        started = [*_children(job.proc.pid), *ranks]  # mpirun, psrun's watcher, the ranks
+        os.kill(job.proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.proc.wait()
+        while any(_running(pid) for pid in started) and time.monotonic() - killed_at < 30:
+            time.sleep(0.1)
+        took = time.monotonic() - killed_at
+        print(f"mpirun and the ranks ended {took:.1f} s after psrun was killed")
+        assert not [pid for pid in started if _running(pid)], f"still running {took:.0f} s after psrun was killed"
+        assert took < 10, f"the job ended {took:.1f} s after psrun was killed"
+    finally:
+        for pid in started:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        job.finish(5)
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return children
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

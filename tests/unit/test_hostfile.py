@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.addresses import host_addresses, interface_addresses, unknown_hosts
 from launcher.hostfile import (
     Host,
     HostfileError,
@@ -166,3 +167,66 @@ def test_slurm_count_mismatch_is_an_error() -> None:
 def test_slurm_without_counts_is_an_error() -> None:
     with pytest.raises(HostfileError, match="neither SLURM_TASKS_PER_NODE"):
         hosts_from_slurm({"SLURM_JOB_NODELIST": "c1"})
+
+
+@pytest.mark.parametrize(("count", "fragment"), [
+    ("1_0", "'1_0' is not an integer in plain decimal digits"),
+    ("\u0661\u0660", "is not an integer in plain decimal digits"),  # Arabic-Indic 10
+    ("+3", "'+3' is not an integer in plain decimal digits"),
+    ("99999999999999999999", "99999999999999999999 is more than 65536"),
+])
+def test_slot_counts_are_plain_decimal_within_range(tmp_path: Path, count: str, fragment: str) -> None:
+    """int() takes all of these; mpirun would read them differently, or overflow."""
+    for text in (f"a:2\nb:{count}\n", f"a:2\nb slots={count}\n"):
+        with pytest.raises(HostfileError) as info:
+            parse_hostfile(write(tmp_path, text))
+        assert f"{tmp_path / 'hosts'}:2: " in str(info.value) and fragment in str(info.value)
+    with pytest.raises(HostfileError) as info:
+        parse_hosts(f"a:2,b:{count}")
+    assert str(info.value).startswith(f"-H 'a:2,b:{count}': slot count ") and fragment in str(info.value)
+
+
+def test_slurm_counts_are_plain_decimal_within_range() -> None:
+    with pytest.raises(HostfileError, match="SLURM count list '2\\(x99999999999\\)': repeat 99999999999 is more"):
+        expand_counts("2(x99999999999)")
+    with pytest.raises(HostfileError, match="bad entry"):
+        expand_counts("\u0662")
+
+
+FIB_TRIE = """\
+Local:
+  +-- 0.0.0.0/0 3 0 5
+     +-- 127.0.0.0/8 2 0 2
+        +-- 127.0.0.0/31 1 0 0
+           |-- 127.0.0.0
+              /8 host LOCAL
+           |-- 127.0.0.1
+              /32 host LOCAL
+        |-- 127.255.255.255
+           /32 link BROADCAST
+     +-- 10.1.0.0/24 2 0 2
+           |-- 10.1.0.7
+              /32 host LOCAL
+"""
+
+
+def test_this_machines_addresses_are_its_interfaces_not_all_of_loopbacks_range(tmp_path: Path) -> None:
+    """All of 127/8 binds here, but tests/multihost's namespaces hold 127.200.0.x addresses."""
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "fib_trie").write_text(FIB_TRIE)
+    (tmp_path / "net" / "if_inet6").write_text("fd000000000000000000000000000002 04 40 00 82     eth0\n")
+    assert interface_addresses(str(tmp_path)) == {"127.0.0.1", "::1", "10.1.0.7", "fd00::2"}
+
+
+def test_a_name_whose_every_address_is_this_machines_is_local(monkeypatch: pytest.MonkeyPatch) -> None:
+    mine = sorted(interface_addresses())
+    assert mine and all(is_local_host(address) for address in mine)
+    monkeypatch.setattr("launcher.addresses.host_addresses", {"alias": (mine[0],), "half": (mine[0], "198.51.100.7"),
+                                                              "ns": ("127.200.0.2",)}.get)
+    assert is_local_host("alias") and not is_local_host("half") and not is_local_host("ns")
+
+
+def test_unknown_hosts_are_those_with_no_address() -> None:
+    assert host_addresses("surely-not-this-machine.invalid") == ()
+    assert unknown_hosts(["localhost", "surely-not-this-machine.invalid", "127.0.0.1"]) == [
+        "surely-not-this-machine.invalid"]

@@ -25,6 +25,7 @@ from launcher.command import (
 )
 from launcher.failures import FailureKind, FailureScanner
 from launcher.hostfile import Host
+from launcher.rank_stderr import wrap_command
 
 OPENMPI_VERSION = "mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/"
 MPICH_VERSION = "HYDRA build details:\n    Version:                                 4.1.2"
@@ -40,14 +41,27 @@ def fake_mpirun(directory: Path, version: str, body: str = "exit 0", name: str =
     return str(path)
 
 
+# Host names the tests treat as unknown to the name service; every other name is a remote host.
+UNKNOWN_HOSTS = {"locahost", "nohost"}
+
+
+def fake_addresses(name: str) -> tuple[str, ...]:
+    return () if name in UNKNOWN_HOSTS else ("198.51.100.7",)  # TEST-NET-2: no machine's address
+
+
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No stray PSRT_/SLURM_/OMPI_MCA_ variables; 2 CPUs; root, as on the CI box."""
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No stray PSRT_/SLURM_/OMPI_MCA_ variables; 2 CPUs; root, as on the CI box; a `python`
+    on PATH; host names resolved without a name service."""
     for name in list(os.environ):
         if name.startswith(("PSRT_", "HOROVOD_", "SLURM_", "OMPI_MCA_")):
             monkeypatch.delenv(name)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
+    bin_dir = tmp_path_factory.mktemp("bin")
+    fake_mpirun(bin_dir, "Python 3", name="python")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setattr("launcher.addresses.host_addresses", fake_addresses)
 
 
 @pytest.fixture
@@ -83,7 +97,8 @@ def test_local_openmpi_job_command(capsys, openmpi, monkeypatch) -> None:
     cmd, err = dry_run(capsys, "--mpirun", openmpi, "-np", "2", "python", "train.py", "--lr", "1")
     assert cmd == [openmpi, "-np", "2", "-H", "localhost:2", "--bind-to", "none",
                    "--allow-run-as-root", "--mca", "btl", "self,sm", "--mca", "mtl", "^ofi",
-                   "-x", "HOROVOD_CYCLE_TIME", "-x", "PSRT_FUSION_MB", "python", "train.py", "--lr", "1"]
+                   "-x", "HOROVOD_CYCLE_TIME", "-x", "PSRT_FUSION_MB",
+                   *wrap_command(["python", "train.py", "--lr", "1"])]
     assert err == ""
 
 
@@ -124,7 +139,8 @@ def test_ofi_defaults_respect_mpi_args(capsys, openmpi, mpi_args) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--mpi-args", mpi_args, "-np", "2", "python", "x.py")
     joined = " ".join(cmd)
     assert "--mca mtl ^ofi" not in joined and "--mca btl self,sm" in joined
-    assert joined.endswith(f"{mpi_args} python x.py")
+    assert cmd[-len(wrap_command([])) - 2 - len(mpi_args.split()):] == [
+        *mpi_args.split(), *wrap_command(["python", "x.py"])]
 
 
 def test_remote_hosts_get_no_ofi_defaults_and_forward_paths(capsys, openmpi, monkeypatch) -> None:
@@ -152,7 +168,7 @@ def test_mpich_command(capsys, mpich, monkeypatch) -> None:
 
 def test_mpich_local_job_passes_no_hosts(capsys, mpich) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", mpich, "-np", "2", "python", "x.py")
-    assert cmd == [mpich, "-n", "2", "python", "x.py"]
+    assert cmd == [mpich, "-n", "2", *wrap_command(["python", "x.py"])]
 
 
 def test_slurm_allocation_supplies_hosts_and_rank_count(capsys, openmpi, monkeypatch) -> None:
@@ -186,15 +202,15 @@ def test_timeline_flags_set_the_ranks_environment_openmpi(capsys, openmpi, monke
     monkeypatch.setenv("PSRT_TIMELINE", "/tmp/from_env.json")  # the flag wins
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--timeline-filename", "/tmp/t l.json",
                      "--timeline-mark-cycles", "-np", "2", "python", "x.py")
-    assert cmd[-6:] == ["-x", "PSRT_TIMELINE=/tmp/t l.json", "-x", "PSRT_TIMELINE_MARK_CYCLES=1",
-                        "python", "x.py"]
+    assert cmd[-10:] == ["-x", "PSRT_TIMELINE=/tmp/t l.json", "-x", "PSRT_TIMELINE_MARK_CYCLES=1",
+                        *wrap_command(["python", "x.py"])]
     assert "PSRT_TIMELINE" not in cmd
 
 
 def test_timeline_flags_set_the_ranks_environment_mpich(capsys, mpich) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", mpich, "--timeline-filename", "tl.json", "-np", "2",
                      "python", "x.py")
-    assert cmd == [mpich, "-n", "2", "-genv", "PSRT_TIMELINE", "tl.json", "python", "x.py"]
+    assert cmd == [mpich, "-n", "2", "-genv", "PSRT_TIMELINE", "tl.json", *wrap_command(["python", "x.py"])]
 
 
 def test_no_timeline_flags_no_timeline_settings(capsys, openmpi) -> None:
@@ -206,7 +222,7 @@ def test_build_command_is_pure_and_needs_no_mpi() -> None:
     built, _ = plan(num_proc=3, local_cpus=4, as_root=False)
     assert build_command(built, {"PSRT_A": "1", "OTHER": "x"}) == [
         "mpirun", "-np", "3", "-H", "localhost:4", "--bind-to", "none",
-        "--mca", "btl", "self,sm", "--mca", "mtl", "^ofi", "-x", "PSRT_A", "python", "t.py"]
+        "--mca", "btl", "self,sm", "--mca", "mtl", "^ofi", "-x", "PSRT_A", *wrap_command(["python", "t.py"])]
 
 
 # --- single-host transport, launch agent and networks ----------------------------------------
@@ -412,7 +428,7 @@ def test_malformed_hostfile_error_names_file_and_line(capsys, openmpi, tmp_path)
 
 def test_num_servers_sets_the_ranks_environment(capsys, openmpi) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", openmpi, "--num-servers", "2", "-np", "5", "python", "x.py")
-    assert cmd[-4:] == ["-x", "PSRT_NUM_SERVERS=2", "python", "x.py"]
+    assert cmd[-8:] == ["-x", "PSRT_NUM_SERVERS=2", *wrap_command(["python", "x.py"])]
 
 
 @pytest.mark.parametrize("servers, message", [("0", "--num-servers must be at least 1"),
@@ -555,3 +571,77 @@ def test_job_stuck_after_a_failure_marker_is_terminated(capsys, tmp_path, monkey
     err = capsys.readouterr().err.splitlines()
     assert "after a rank failed; terminating it" in err[-2]
     assert err[-1] == "psrun: rank 1 failed first: raised KeyError: 3"
+
+
+# --- guards: what cannot work is refused before anything starts --------------------------------
+
+def test_far_more_ranks_than_this_machines_cpus_needs_oversubscribe(capsys, openmpi) -> None:
+    """-np 100000 on one host once forked hundreds of processes SIGTERM could not stop."""
+    assert main(["--mpirun", openmpi, "-np", "100000", "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("psrun: error: -np 100000 is more than 4 ranks for each of the 2 local CPUs; ask for fewer, "
+                   "or add --oversubscribe to start that many processes on this machine anyway\n")
+    assert main(["--mpirun", openmpi, "-np", "9", "-H", "localhost:2", "python", "x.py"]) == 2
+    assert "-np 9 is more than 4 ranks for each of the 2 slots on localhost:2" in capsys.readouterr().err
+    cmd, err = dry_run(capsys, "--mpirun", openmpi, "-np", "100000", "--oversubscribe", "python", "x.py")
+    assert cmd[1:3] == ["-np", "100000"] and "--oversubscribe" in cmd and err == ""
+    cmd, err = dry_run(capsys, "--mpirun", openmpi, "-np", "8", "python", "x.py")  # 4 per CPU: a warning
+    assert "--oversubscribe" in cmd and err.startswith("psrun: warning: 8 ranks on 2 local CPUs")
+
+
+def test_far_more_elastic_ranks_than_this_machines_cpus_needs_oversubscribe(capsys, openmpi) -> None:
+    assert main(["--mpirun", openmpi, "--min-np", "100000", "python", "x.py"]) == 2
+    assert "-np/--min-np 100000 is more than 4 ranks for each of the 2 local CPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count", ["1_0", "\u0661\u0660", "+2", "99999999999999999999", "0"])
+def test_rank_count_is_plain_decimal_within_range(capsys, openmpi, count) -> None:
+    assert main(["--mpirun", openmpi, "-np", count, "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "psrun: error: argument -np/-n/--num-proc: rank count " in err, err
+
+
+def test_an_unknown_host_is_named_before_launching(capsys, openmpi, tmp_path) -> None:
+    """-H locahost:2 once said only "mpirun exited with code 255"."""
+    assert main(["--mpirun", openmpi, "-H", "locahost:2", "python", "x.py"]) == 2
+    assert capsys.readouterr().err == (
+        "psrun: error: unknown host 'locahost': no address found for it; check the spelling (hosts that "
+        "are this machine can be written localhost)\n")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1:2\nnohost:2\nlocahost:1\n")
+    assert main(["--mpirun", openmpi, "--hostfile", str(hostfile), "python", "x.py"]) == 2
+    assert "unknown hosts 'nohost', 'locahost':" in capsys.readouterr().err
+
+
+def test_a_host_whose_address_is_this_machines_is_local(capsys, openmpi, monkeypatch) -> None:
+    monkeypatch.setattr("launcher.addresses.host_addresses", lambda name: ("127.0.0.1",))
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-H", "myalias:2", "python", "x.py")
+    assert "self,sm" in cmd and "psrun-rank" in cmd  # a local job: shared memory, stderr on pipes
+
+
+def test_a_python_script_as_the_program_suggests_python(capsys, openmpi, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    for argv in (["-np", "2", "train.py"], ["-H", "n1:1,n2:1", "train.py", "--lr", "1"]):
+        assert main(["--mpirun", openmpi, *argv]) == 2
+        assert capsys.readouterr().err == ("psrun: error: 'train.py' is a Python script, not a program: run it "
+                                           "with Python, e.g. psrun ... python train.py\n")
+
+
+def test_a_program_not_on_this_machine_is_named_before_launching(capsys, openmpi, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["--mpirun", openmpi, "-np", "2", "nosuchprogram", "--flag"]) == 2
+    assert capsys.readouterr().err == (f"psrun: error: program 'nosuchprogram' not found: not on PATH, "
+                                       f"nor in {tmp_path}\n")
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-H", "n1:1,n2:1", "nosuchprogram")  # theirs to find
+    assert cmd[-1] == "nosuchprogram"
+
+
+def test_a_program_in_the_working_directory_runs_as_open_mpi_would_find_it(capsys, openmpi, tmp_path,
+                                                                           monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    fake_mpirun(tmp_path, "", name="train.sh")
+    fake_mpirun(tmp_path, "", name="train2.py")  # executable, with a #! line: a program
+    for program in ("train.sh", "train2.py"):
+        cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-np", "2", program, "--lr", "1")
+        assert cmd[-3:] == [str(tmp_path / program), "--lr", "1"]

@@ -2,12 +2,19 @@
 processes of a failed job it kills afterwards."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from launcher.failures import FailureScanner
-from launcher.monitor import leftover_processes
+from launcher.failures import FailureKind, FailureScanner
+from launcher.processes import leftover_processes, process_start_time
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def failure_of(*lines: str):
@@ -68,3 +75,96 @@ def test_after_a_failed_job_its_ranks_launcher_and_stopped_processes_are_killed_
     fake_process(tmp_path, 108, 999, "T", rank=0)                   # another job's rank
     assert leftover_processes(session, str(tmp_path)) == [101, 102, 105, 106, 107]
     assert leftover_processes(session, str(tmp_path / "absent")) == []
+
+
+# --- blame lines: the culprit headlines the job, not the rank that noticed -------------------
+
+BLAME = "psrt: rank 0 blames rank 1 (worker 1): no answer to 3 requests for 5 s"
+
+
+def test_a_blame_line_headlines_the_culprit_with_its_role_and_the_reporter():
+    failure = failure_of(BLAME)
+    assert failure.summary() == ("rank 1 (worker 1) stopped answering: no answer to 3 requests for 5 s "
+                                 "(reported by rank 0)")
+    assert (failure.rank, failure.reporter, failure.kind) == (1, 0, FailureKind.BLAME)
+
+
+def test_a_blame_line_without_a_role():
+    assert failure_of("psrt: rank 2 blames rank 0: waits in allreduce 'g'").summary() == (
+        "rank 0 stopped answering: waits in allreduce 'g' (reported by rank 2)")
+
+
+def test_a_blame_line_wins_over_the_reporters_marker_and_the_aborts_notices():
+    marker = "psrt: rank 0 failed: stall: rank 1 does not respond"
+    abort = ["MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD", "  Proc: [[55606,1],0]",
+             "  Errorcode: 1"]
+    killed = ["prterun noticed that process rank 1 with PID 7 on node vm exited on", "signal 9 (Killed)."]
+    for lines in ([BLAME, marker, *abort], [marker, BLAME], [*abort, BLAME, marker], [*killed, BLAME]):
+        assert failure_of(*lines).summary().startswith("rank 1 (worker 1) stopped answering"), lines
+
+
+def test_the_first_blame_line_wins_and_an_earlier_marker_of_another_rank_stands():
+    later = "psrt: rank 2 blames rank 3 (server 0): no answer"
+    assert failure_of(BLAME, later).rank == 1
+    other = "psrt: rank 2 failed: raised ValueError: boom"
+    assert failure_of(other, BLAME).summary() == "rank 2 failed first: raised ValueError: boom"
+
+
+def test_a_blame_line_is_found_behind_a_tag_a_nul_byte_and_a_progress_bar():
+    for line in (f"[1,0]<stderr>: {BLAME}", f"\x00{BLAME}", f" 50%|#####     |\r{BLAME}"):
+        assert failure_of(line).rank == 1, line
+
+
+def test_a_blame_line_quoted_in_other_output_is_not_this_jobs_failure():
+    assert failure_of(f"trial 3 said: {BLAME}") is None
+
+
+# --- psrun killed: its watcher ends the job -------------------------------------------------
+
+def _session_with_a_child() -> subprocess.Popen[bytes]:
+    """A stand-in for mpirun: a session leader with a child of its own that ignores SIGTERM."""
+    return subprocess.Popen(["sh", "-c", "sh -c 'trap \"\" TERM; sleep 60' & sleep 60"], start_new_session=True)
+
+
+def _gone(pid: int) -> bool:
+    return process_start_time(pid) is None
+
+
+def test_the_watcher_ends_the_job_when_psrun_goes_without_saying_done(tmp_path):
+    pipes = tmp_path / "psrun-stderr-x"  # what psrun would have removed after the job
+    pipes.mkdir()
+    mpirun = _session_with_a_child()
+    watcher = subprocess.Popen([sys.executable, "-m", "launcher.lifeline"], stdin=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 10
+        while not leftover_processes(mpirun.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = leftover_processes(mpirun.pid)
+        assert child, "the stand-in's child did not start"
+        watcher.stdin.write(f"{mpirun.pid} {process_start_time(mpirun.pid)}\n{pipes}\n".encode())
+        watcher.stdin.close()  # what psrun's death does to the pipe
+        watcher.wait(timeout=30)
+        err = watcher.stderr.read()
+        mpirun.wait(timeout=5)
+        assert all(_gone(pid) for pid in child) and not pipes.exists()
+        assert f"psrun: killed while its job ran; its watcher stopped the job (mpirun pid {mpirun.pid}; killed pid " \
+            in err.decode(), err
+        assert str(child[0]) in err.decode().rsplit("killed pid", 1)[1]
+    finally:
+        for pid in leftover_processes(mpirun.pid):
+            os.kill(pid, signal.SIGKILL)
+        mpirun.kill()
+        mpirun.wait()
+
+
+def test_the_watcher_leaves_the_job_alone_once_told_done():
+    mpirun = _session_with_a_child()
+    try:
+        done = subprocess.run([sys.executable, "-m", "launcher.lifeline"], input=f"{mpirun.pid} 0\ndone\n".encode(),
+                              capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              timeout=30, check=False)
+        assert done.returncode == 0 and done.stderr == b"" and mpirun.poll() is None
+    finally:
+        os.killpg(mpirun.pid, signal.SIGKILL)
+        mpirun.wait()

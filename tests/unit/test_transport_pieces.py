@@ -106,5 +106,5 @@ def test_mismatch_message_names_tensor_ranks_and_values():
 def test_launcher_detection_and_exception_description():
     assert launched_by_mpi({"OMPI_COMM_WORLD_SIZE": "2"})
     assert not launched_by_mpi({})
-    assert describe_exception(ValueError("boom\nmore")) == "raised ValueError: boom"
+    assert describe_exception(ValueError("boom\n  more\n")) == "raised ValueError: boom more"  # one line, whole
     assert describe_exception(KeyError()) == "raised KeyError"
