@@ -8,8 +8,8 @@ exits, dies from a signal or aborts; they cover ranks that never reached the
 psrt hook (``os._exit``, the OOM killer, a segfault). Their text wraps over
 several lines, so notices are matched against the last few lines joined.
 
-A third kind of line names the culprit rather than the reporter. When a rank's stall or
-deadlock report finds that another rank stopped answering, the psrt runtime prints, before
+A third kind of line names the culprit rather than the reporter. When a rank's stall report
+finds the rank the others wait for (stopped answering, never came), the psrt runtime prints, before
 its own marker, ``psrt: rank R blames rank Q (ROLE): WHY`` (the role, such as ``worker 1``,
 is optional; R and Q are job ranks). The job is then headlined by Q, the rank to look at,
 not by R, which only noticed.
@@ -85,7 +85,7 @@ class Failure:
     def summary(self) -> str:
         if self.kind is FailureKind.BLAME:
             role = f" ({self.role})" if self.role else ""
-            return f"rank {self.rank}{role} stopped answering: {self.how} (reported by rank {self.reporter})"
+            return f"rank {self.rank}{role} is to blame: {self.how} (reported by rank {self.reporter})"
         return f"rank {self.rank} failed first: {self.how}"
 
 

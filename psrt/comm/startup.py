@@ -121,7 +121,7 @@ def main(rank: str, size: str, check: str, shutdown: str, arrivals: str, parent:
     how = _describe(rank, int(size), arrivals, time.monotonic() - begun, int(parent))
     missing = _missing(arrivals, int(size)) if arrivals else None
     if missing:  # psrun headlines the rank blamed
-        print(f"psrt: rank {rank} blames rank {missing[0]}: it has not started MPI after {shutdown_s:g} s",
+        print(f"psrt: rank {rank} blames rank {missing[0]}: has not started MPI after {shutdown_s:g} s",
               file=sys.stderr, flush=True)
     print(f"psrt: rank {rank} failed: {how} (PSRT_STALL_SHUTDOWN_TIME={shutdown_s:g} s)", file=sys.stderr,
           flush=True)

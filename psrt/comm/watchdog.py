@@ -410,7 +410,7 @@ class Watchdog:
         culprits = silent or idle
         if not culprits:
             return False
-        why = "it stopped answering" if silent else "it answers but never came (busy in its own code)"
+        why = "stopped answering" if silent else "answers but never came (busy in its own code)"
         others = f" (and {self._names(culprits[1:])})" if culprits[1:] else ""
         print(f"psrt: rank {self.rank} blames {self._name_rank(culprits[0])}: {why}{others} while "
               f"{wait.describe()} waited {waited:.0f} s", file=sys.__stderr__, flush=True)

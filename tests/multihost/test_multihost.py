@@ -127,8 +127,9 @@ def test_partitioned_host_ends_the_job_with_a_stall_naming_its_ranks(testbed) ->
     # probing, the abort, and psrun ending an mpirun that cannot reach the cut-off host (5 s + 3 s)
     assert took < STALL_SHUTDOWN_S + 15, job.diagnosis()
     summary = job.err.strip().splitlines()[-1]
-    assert summary.startswith("psrun: rank 0 failed first: stall: "), job.diagnosis()
-    assert "rank 1 does not respond (stopped, hung, or cut off from this host)" in summary, job.diagnosis()
+    assert summary.startswith("psrun: rank 1 is to blame: stopped answering while "), job.diagnosis()
+    assert summary.endswith("(reported by rank 0)"), job.diagnosis()
+    assert "rank 1 does not respond (stopped, hung, or cut off from this host)" in job.err + job.log, job.diagnosis()
 
 
 LISTENERS = """\

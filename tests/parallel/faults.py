@@ -30,10 +30,17 @@ class FaultedJob:
     stdout: str
     stderr: str
     left_behind: list[int]  # processes of the job alive after psrun returned
+    log: str = ""  # the rest of a failed job's stderr, from the log psrun names
+
+    @property
+    def all_stderr(self) -> str:
+        """What psrun showed and what it wrote to its log."""
+        return f"{self.stderr}\n{self.log}"
 
     def diagnosis(self) -> str:
         return (f"exit {self.returncode} {self.seconds_after_fault:.1f} s after the fault; left behind "
-                f"{self.left_behind}\n--- stdout ---\n{self.stdout[-2000:]}\n--- stderr ---\n{self.stderr[-4000:]}")
+                f"{self.left_behind}\n--- stdout ---\n{self.stdout[-2000:]}\n--- stderr ---\n{self.stderr[-4000:]}"
+                f"\n--- psrun's log ---\n{self.log[-4000:]}")
 
 
 def job_processes(tag: str, rank: int | None = None) -> list[int]:
@@ -75,7 +82,7 @@ def run_with_fault(script: str, np: int, args: tuple[str, ...], env: Mapping[str
         for pid in job_processes(tag):
             os.kill(pid, signal.SIGKILL)
         job.stop()
-    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left)
+    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left, job.log)
 
 
 def _left_behind(tag: str, patience_s: float = 3.0) -> list[int]:
@@ -104,4 +111,4 @@ def run_until_it_ends(script: str, np: int, args: tuple[str, ...], env: Mapping[
         job.stop()
     marks = [at for at, line in job.stdout if line.startswith(blocked)]
     faulted_at = max(marks) if marks else float("nan")
-    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left)
+    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left, job.log)

@@ -70,12 +70,13 @@ def test_a_rank_at_exit_waiting_for_a_busy_one_reports_it_and_ends_at_the_shutdo
                             {"PSRT_STALL_CHECK_TIME": "2", "PSRT_STALL_SHUTDOWN_TIME": "5"})
     assert job.returncode not in (0, None), job.diagnosis()
     assert 5 <= job.seconds_after_fault < 5 + DEADLOCK_BOUND_S, job.diagnosis()
-    warning = next(line for line in job.stderr.splitlines() if line.startswith("psrt: stall: "))
+    warning = next(line for line in job.all_stderr.splitlines() if line.startswith("psrt: stall: "))
     assert "rank 0's psrt.shutdown() (at exit, or called; waiting for rank 1 to shut down too)" in warning
     assert f"rank 1: it runs {SCRIPT}:69 (in exit_vs_busy)" in warning, job.diagnosis()
     assert "its last psrt call was allreduce of tensor 'warm_up'" in warning
-    assert "psrt: rank 0 blames rank 1: it answers but never came" in job.stderr, job.diagnosis()
-    assert "PSRT_STALL_SHUTDOWN_TIME=5 s" in job.stderr
+    assert "psrun: rank 1 is to blame: answers but never came (busy in its own code)" in job.stderr, \
+        job.diagnosis()
+    assert "PSRT_STALL_SHUTDOWN_TIME=5 s" in job.all_stderr
     assert "psrt: deadlock" not in job.stderr, "a busy rank may still come: no deadlock"
 
 
@@ -83,8 +84,9 @@ def test_a_rank_that_never_imports_psrt_holds_the_others_in_mpi_start_up_and_is_
     job = run_until_it_ends("late_import.py", 2, ("1", "60"),
                             {"PSRT_STALL_CHECK_TIME": "2", "PSRT_STALL_SHUTDOWN_TIME": "5"}, blocked="")
     assert job.returncode not in (0, None), job.diagnosis()
-    assert "psrt: stall: MPI's start-up (MPI_Init_thread, when psrt is imported) on rank 0" in job.stderr
-    assert "rank 1 has not started MPI" in job.stderr, job.diagnosis()
-    assert "psrt: rank 0 blames rank 1: it has not started MPI after 5 s" in job.stderr
+    assert "psrt: stall: MPI's start-up (MPI_Init_thread, when psrt is imported) on rank 0" in job.all_stderr
+    assert "rank 1 has not started MPI" in job.all_stderr, job.diagnosis()
+    assert "psrun: rank 1 is to blame: has not started MPI after 5 s (reported by rank 0)" in job.stderr, \
+        job.diagnosis()
     assert "rank 0 started" not in job.stdout
     assert not job.left_behind, job.diagnosis()

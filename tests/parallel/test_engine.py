@@ -60,7 +60,8 @@ def test_a_stall_names_the_tensor_and_missing_rank_then_aborts_the_job():
     assert "allreduce of tensor 'stuck_tensor'" in report.stderr, report.diagnosis()
     assert "missing ranks [1]" in report.stderr, report.diagnosis()
     assert "rank 1 answers but waits for nothing in psrt" in report.stderr, report.diagnosis()
-    assert "psrun: rank 0 failed first: stall" in report.stderr, report.diagnosis()
+    assert "psrun: rank 1 is to blame: answers but never came (busy in its own code) while allreduce of tensor " \
+           "'stuck_tensor'" in report.stderr, report.diagnosis()
     assert not _results(report), "the stalled allreduce returned"
 
 

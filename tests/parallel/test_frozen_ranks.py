@@ -29,11 +29,12 @@ def test_a_frozen_rank_in_data_parallel_training_is_named_and_the_job_ends():
     assert job.returncode not in (0, None), job.diagnosis()
     assert job.seconds_after_fault < SHUTDOWN_S + MARGIN_S, job.diagnosis()
     summary = job.stderr.strip().splitlines()[-1]
-    # Rank 0 waits in a negotiation round, or in the gradients' allreduce if rank 1 froze
-    # between the two (as in the test below).
-    assert re.match(r"psrun: rank 0 failed first: stall: rank 0's (engine negotiation round|allreduce of tensor)",
-                    summary), job.diagnosis()
-    assert "rank 1 does not respond" in summary and f"PSRT_STALL_SHUTDOWN_TIME={SHUTDOWN_S} s" in summary
+    # The frozen rank headlines the job.  Rank 0 waits in a negotiation round, or in the
+    # gradients' allreduce if rank 1 froze between the two (as in the test below).
+    assert re.match(r"psrun: rank 1 is to blame: stopped answering while rank 0's (engine negotiation round|"
+                    r"allreduce of tensor).* \(reported by rank 0\)$", summary), job.diagnosis()
+    assert "rank 1 does not respond" in job.stderr, job.diagnosis()
+    assert f"PSRT_STALL_SHUTDOWN_TIME={SHUTDOWN_S} s" in job.all_stderr, job.diagnosis()
     assert not job.left_behind, job.diagnosis()
 
 
@@ -44,9 +45,9 @@ def test_a_frozen_rank_0_is_named_by_one_other_rank_only():
     assert "rank 0 does not respond" in job.stderr, job.diagnosis()
     # Rank 1 waits in a negotiation round, or in the gradients' allreduce if rank 0 froze
     # between the two (the round and the collective run on the caller's thread, back to back).
-    assert re.search(r"psrun: rank 1 failed first: stall: rank 1's (engine negotiation round|allreduce of tensor)",
-                     job.stderr), job.diagnosis()
-    reports = re.findall(r"psrt: stall: rank (\d+)'s", job.stderr)
+    assert re.search(r"psrun: rank 0 is to blame: stopped answering while rank 1's (engine negotiation round|"
+                     r"allreduce of tensor).* \(reported by rank 1\)", job.stderr), job.diagnosis()
+    reports = re.findall(r"psrt: stall: rank (\d+)'s", job.all_stderr)
     assert set(reports) == {"1"}, f"stall reports by ranks {reports}, expected rank 1 only\n{job.diagnosis()}"
     assert not job.left_behind, job.diagnosis()
 
@@ -57,9 +58,10 @@ def test_a_frozen_parameter_server_is_named_by_its_workers_and_the_job_ends():
     assert job.returncode not in (0, None), job.diagnosis()
     assert job.seconds_after_fault < SHUTDOWN_S + MARGIN_S, job.diagnosis()
     summary = job.stderr.strip().splitlines()[-1]
-    assert summary.startswith("psrun: rank 0 failed first: stall: worker 0's"), job.diagnosis()
-    assert "to parameter server 0 has waited" in summary, job.diagnosis()
-    assert "rank 2 (parameter server 0) does not respond" in summary, job.diagnosis()
+    assert summary.startswith("psrun: rank 2 (parameter server 0) is to blame: stopped answering while "
+                              "worker 0's"), job.diagnosis()
+    assert "to parameter server 0 waited" in summary and summary.endswith("(reported by rank 0)"), job.diagnosis()
+    assert "rank 2 (parameter server 0) does not respond" in job.stderr, job.diagnosis()
     assert not job.left_behind, job.diagnosis()
 
 
@@ -70,8 +72,8 @@ def test_a_frozen_parameter_server_worker_is_blamed_through_the_server_that_wait
                          rank=1, signum=signal.SIGSTOP)
     assert job.returncode not in (0, None), job.diagnosis()
     assert job.seconds_after_fault < SHUTDOWN_S + MARGIN_S, job.diagnosis()
-    assert "psrt: rank 0 blames rank 1 (worker 1): it stopped answering" in job.stderr, job.diagnosis()
-    assert "rank 1 (worker 1), which rank 2 (parameter server 0) waits for, does not respond" in job.stderr
+    assert "psrun: rank 1 (worker 1) is to blame: stopped answering" in job.stderr, job.diagnosis()
+    assert "rank 1 (worker 1), which rank 2 (parameter server 0) waits for, does not respond" in job.all_stderr
     assert not job.left_behind, job.diagnosis()
 
 

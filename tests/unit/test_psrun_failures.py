@@ -84,14 +84,14 @@ BLAME = "psrt: rank 0 blames rank 1 (worker 1): no answer to 3 requests for 5 s"
 
 def test_a_blame_line_headlines_the_culprit_with_its_role_and_the_reporter():
     failure = failure_of(BLAME)
-    assert failure.summary() == ("rank 1 (worker 1) stopped answering: no answer to 3 requests for 5 s "
+    assert failure.summary() == ("rank 1 (worker 1) is to blame: no answer to 3 requests for 5 s "
                                  "(reported by rank 0)")
     assert (failure.rank, failure.reporter, failure.kind) == (1, 0, FailureKind.BLAME)
 
 
 def test_a_blame_line_without_a_role():
     assert failure_of("psrt: rank 2 blames rank 0: waits in allreduce 'g'").summary() == (
-        "rank 0 stopped answering: waits in allreduce 'g' (reported by rank 2)")
+        "rank 0 is to blame: waits in allreduce 'g' (reported by rank 2)")
 
 
 def test_a_blame_line_wins_over_the_reporters_marker_and_the_aborts_notices():
@@ -100,7 +100,7 @@ def test_a_blame_line_wins_over_the_reporters_marker_and_the_aborts_notices():
              "  Errorcode: 1"]
     killed = ["prterun noticed that process rank 1 with PID 7 on node vm exited on", "signal 9 (Killed)."]
     for lines in ([BLAME, marker, *abort], [marker, BLAME], [*abort, BLAME, marker], [*killed, BLAME]):
-        assert failure_of(*lines).summary().startswith("rank 1 (worker 1) stopped answering"), lines
+        assert failure_of(*lines).summary().startswith("rank 1 (worker 1) is to blame"), lines
 
 
 def test_the_first_blame_line_wins_and_an_earlier_marker_of_another_rank_stands():

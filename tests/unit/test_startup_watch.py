@@ -27,7 +27,7 @@ def test_a_start_up_past_the_shutdown_time_is_reported_naming_the_missing_rank_a
     report, blame, failed = stderr.strip().splitlines()
     assert report.startswith("psrt: stall: MPI's start-up (MPI_Init_thread, when psrt is imported) on rank 0")
     assert "rank 1 has not started MPI" in report
-    assert blame == "psrt: rank 0 blames rank 1: it has not started MPI after 0.8 s"
+    assert blame == "psrt: rank 0 blames rank 1: has not started MPI after 0.8 s"
     assert failed.startswith("psrt: rank 0 failed: stall: MPI's start-up") and failed.endswith(
         "(PSRT_STALL_SHUTDOWN_TIME=0.8 s)")
 
