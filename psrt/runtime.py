@@ -106,16 +106,23 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     if serve is not None:  # a parameter server: serve until every worker has shut down, then exit
         serve()
         watchdog.stop()
+        bootstrap.watch_finalization()
         raise SystemExit(0)
 
 
 def _install_exit_hook() -> None:
-    """Stop the engine thread before mpi4py finalises MPI at exit (atexit runs handlers
-    last-registered first, and mpi4py registered at import)."""
+    """Shut down at exit, before mpi4py finalises MPI (it does so after every exit handler)."""
     global _exit_hook_installed
     if not _exit_hook_installed:
-        atexit.register(shutdown)
+        atexit.register(_at_exit)
         _exit_hook_installed = True
+
+
+def _at_exit() -> None:
+    """psrt's exit handler: shut down (collective, watched), then have the wait for the other
+    ranks in MPI's finalisation watched too."""
+    shutdown()
+    bootstrap.watch_finalization()
 
 
 def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime | None, Callable[[], None] | None]:

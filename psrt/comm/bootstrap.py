@@ -75,6 +75,16 @@ def start_mpi_at_import() -> None:
                 os.environ[name] = value
 
 
+def watch_finalization() -> None:
+    """Have the rest of this process's exit watched, once psrt has shut down at exit: MPI's
+    finalisation, which mpi4py runs last, returns only once every rank of the job has called
+    it (:func:`psrt.comm.startup.watch_exit`)."""
+    if launched_by_mpi() and "mpi4py.MPI" in sys.modules and _job_size() > 1:
+        from psrt.comm.startup import watch_exit
+
+        watch_exit(*_stall_times())
+
+
 def _stall_times() -> tuple[float, float]:
     """The stall check and shutdown times, or their defaults if the settings are wrong
     (``init()`` names what is wrong in them)."""

@@ -237,7 +237,9 @@ class Engine:
                                     needs=self._not_gone):
             self._thread.join()
         self.stop_timeline()
-        self._doorbell.close()
+        with self._watchdog.waiting("psrt.shutdown()", f"rank {self.rank}'s psrt.shutdown(), delivering its last "
+                                    "doorbell rings", self._everyone):
+            self._doorbell.close()
         self._negotiator.close()
 
     def _not_gone(self) -> list[int]:
@@ -391,7 +393,9 @@ class Engine:
             work = make_work()
             work.cache_index, work.driver = index, self.drive
             self._local[announcement.key] = work
-            self._act(self._negotiator.complete_round(self._local, *fast, False, False), False, False, None)
+            with self._marks(self._driving)[0]:  # the round's slow path, if any rank asked for it
+                result = self._negotiator.complete_round(self._local, *fast, False, False)
+            self._act(result, False, False, None)
             return work
         if route.comm is None:
             route.comm = self._data_comm(announcement.reduction.set_id, buffer.device)

@@ -1,6 +1,7 @@
 """Waits that no watchdog used to cover: a deadlock (ranks blocked in psrt calls the others
-never make), the exit while another rank still runs, and MPI's start-up while a rank has
-not imported psrt yet (``scripts/deadlock_job.py``, ``scripts/late_import.py``).
+never make), the exit while another rank still runs (in psrt's shutdown, or in MPI's
+finalisation after it), and MPI's start-up while a rank has not imported psrt yet
+(``scripts/deadlock_job.py``, ``scripts/late_import.py``).
 
 A deadlock ends the job with the default stall settings, within a few seconds of its last
 rank blocking, with a line per rank naming its call, the user's line that made it and, for
@@ -34,10 +35,10 @@ def test_a_collective_saved_on_rank_0_only_is_a_deadlock_named_with_its_call_sit
     lines = deadlock_lines(job.stderr)
     assert sorted(lines) == list(range(np)), job.diagnosis()
     assert "broadcast of tensor 'zero.save.id.length'" in lines[0]
-    assert f"called at {SCRIPT}:42 (in zero_save)" in lines[0]
+    assert f"called at {SCRIPT}:44 (in zero_save)" in lines[0]
     assert "ZeroOptimizer.save() is collective: call it on every rank" in lines[0]
     for rank in range(1, np):
-        assert "reducescatter of tensor 'zero." in lines[rank] and f"{SCRIPT}:43" in lines[rank], job.diagnosis()
+        assert "reducescatter of tensor 'zero." in lines[rank] and f"{SCRIPT}:45" in lines[rank], job.diagnosis()
     assert re.search(r"psrun: .*deadlock: ranks 0-%d each wait in a psrt call that cannot complete" % (np - 1),
                      job.stderr), job.diagnosis()
     assert not job.left_behind, job.diagnosis()
@@ -72,12 +73,27 @@ def test_a_rank_at_exit_waiting_for_a_busy_one_reports_it_and_ends_at_the_shutdo
     assert 5 <= job.seconds_after_fault < 5 + DEADLOCK_BOUND_S, job.diagnosis()
     warning = next(line for line in job.all_stderr.splitlines() if line.startswith("psrt: stall: "))
     assert "rank 0's psrt.shutdown() (at exit, or called; waiting for rank 1 to shut down too)" in warning
-    assert f"rank 1: it runs {SCRIPT}:69 (in exit_vs_busy)" in warning, job.diagnosis()
+    assert f"rank 1: it runs {SCRIPT}:71 (in exit_vs_busy)" in warning, job.diagnosis()
     assert "its last psrt call was allreduce of tensor 'warm_up'" in warning
     assert "psrun: rank 1 is to blame: answers but never came (busy in its own code)" in job.stderr, \
         job.diagnosis()
     assert "PSRT_STALL_SHUTDOWN_TIME=5 s" in job.all_stderr
     assert "psrt: deadlock" not in job.stderr, "a busy rank may still come: no deadlock"
+
+
+def test_a_rank_at_exit_waiting_in_mpi_finalize_for_one_busy_after_its_shutdown_reports_it_and_ends():
+    job = run_until_it_ends("deadlock_job.py", 2, ("busy_after_shutdown",),
+                            {"PSRT_STALL_CHECK_TIME": "2", "PSRT_STALL_SHUTDOWN_TIME": "5"})
+    assert job.returncode not in (0, None), job.diagnosis()
+    assert 5 <= job.seconds_after_fault < 5 + DEADLOCK_BOUND_S, job.diagnosis()
+    warning = next(line for line in job.all_stderr.splitlines() if line.startswith("psrt: stall: "))
+    assert warning.startswith("psrt: stall: MPI's finalisation (MPI_Finalize, at the end of the process, after "
+                              "psrt.shutdown()) on rank 0"), job.diagnosis()
+    assert "rank 1 has not finished" in warning, job.diagnosis()
+    assert "psrun: rank 1 is to blame: has not finished after 5 s (reported by rank 0)" in job.stderr, \
+        job.diagnosis()
+    assert "PSRT_STALL_SHUTDOWN_TIME=5 s" in job.all_stderr
+    assert not job.left_behind, job.diagnosis()
 
 
 def test_a_rank_that_never_imports_psrt_holds_the_others_in_mpi_start_up_and_is_named():

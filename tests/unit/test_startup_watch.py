@@ -1,5 +1,6 @@
-"""The watcher of MPI's start-up (``psrt/comm/startup.py``), run as the process it is, on a
-stand-in for a rank that waits in MPI's start-up (a sleeping process)."""
+"""The watcher of MPI's start-up and finalisation (``psrt/comm/startup.py``), run as the process
+it is, on a stand-in for a rank that waits in MPI's start-up or finalisation (a sleeping
+process)."""
 from __future__ import annotations
 
 import subprocess
@@ -40,3 +41,37 @@ def test_a_start_up_that_ends_in_time_leaves_the_rank_alone_and_says_nothing():
     assert watcher.returncode == 0 and stderr == ""
     assert rank.poll() is None
     rank.kill()
+
+
+def test_an_exit_past_the_shutdown_time_is_reported_naming_the_unfinished_rank_and_ended(tmp_path: Path):
+    (tmp_path / "0").touch()  # rank 0 has reached its exit, rank 1 has not
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watcher = subprocess.Popen([*WATCHER, "0", "2", "0.3", "0.8", str(tmp_path), str(rank.pid), startup.EXIT],
+                               stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert rank.wait(timeout=30) == -9, "the rank is ended"
+    watcher.wait(timeout=10)
+    report, blame, failed = watcher.stderr.read().strip().splitlines()
+    assert report.startswith("psrt: stall: MPI's finalisation (MPI_Finalize, at the end of the process, after "
+                             "psrt.shutdown()) on rank 0")
+    assert "rank 1 has not finished" in report
+    assert blame == "psrt: rank 0 blames rank 1: has not finished after 0.8 s"
+    assert failed.startswith("psrt: rank 0 failed: stall: MPI's finalisation") and failed.endswith(
+        "(PSRT_STALL_SHUTDOWN_TIME=0.8 s)")
+
+
+def test_the_exit_watcher_leaves_silently_when_the_rank_ends_even_if_its_child_holds_the_pipe():
+    # A stand-in rank starts the watcher at its exit, forks a child that keeps every inherited
+    # descriptor but the output, and ends: the watcher must see it gone, and say nothing.
+    rank = subprocess.run([sys.executable, "-c", f"""
+import os, sys, time
+sys.path.insert(0, {str(Path(startup.__file__).parent)!r})
+import startup
+startup.watch_exit(1.0, 2.0)
+if os.fork() == 0:
+    os.close(1), os.close(2)
+    time.sleep(4)
+    os._exit(0)
+time.sleep(0.5)  # the watcher is watching by now
+"""], capture_output=True, text=True, timeout=30, check=False,
+                          env={"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
+    assert rank.returncode == 0 and rank.stderr == "", rank.stderr

@@ -12,6 +12,8 @@ just before the call it blocks in (``time.time()``), so the test can time how th
 ``exit_vs_busy``  rank 0 reaches the end of the script while the others compute for long in
                   their own code: a stall (they may still come), reported naming them and
                   where they are, and ended at the stall shutdown time.
+``busy_after_shutdown``  as ``exit_vs_busy``, but the others call ``hvd.shutdown()`` first:
+                  rank 0 then waits in MPI's finalisation, after psrt's own exit.
 """
 from __future__ import annotations
 
@@ -69,8 +71,16 @@ def exit_vs_busy() -> None:
         time.sleep(120)  # computing, as far as psrt can tell
 
 
+def busy_after_shutdown() -> None:
+    hvd.allreduce(torch.ones(2), name="warm_up")
+    blocked()
+    if hvd.rank() != 0:
+        hvd.shutdown()
+        time.sleep(120)
+
+
 if __name__ == "__main__":
     hvd.init()
     {"zero_save": zero_save, "tp_vs_engine": tp_vs_engine, "exit_vs_tp": exit_vs_tp,
-     "exit_vs_busy": exit_vs_busy}[sys.argv[1]]()
+     "exit_vs_busy": exit_vs_busy, "busy_after_shutdown": busy_after_shutdown}[sys.argv[1]]()
     print(f"rank {hvd.rank()} reached the end", flush=True)
