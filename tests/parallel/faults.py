@@ -16,9 +16,9 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
-from jobs import psrun_argv, start_job
+from jobs import Job, psrun_argv, start_job
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -68,21 +68,43 @@ def run_with_fault(script: str, np: int, args: tuple[str, ...], env: Mapping[str
                    rank: int, signum: int, timeout_s: float = 90.0) -> FaultedJob:
     """Run ``script`` on ``np`` ranks; once stdout has a line starting with ``after``, send
     ``signum`` to job rank ``rank``; wait up to ``timeout_s`` for the job to end."""
+    def fault(job: Job, tag: str) -> float:
+        job.wait_for_line(f"^{re.escape(after)}", timeout_s)
+        for pid in job_processes(tag, rank):
+            os.kill(pid, signum)
+        return time.time()
+    job, returncode, left, faulted_at = _run_tagged(script, np, args, env, timeout_s, fault)
+    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left, job.log)
+
+
+def run_until_it_ends(script: str, np: int, args: tuple[str, ...], env: Mapping[str, str], *,
+                      blocked: str = "BLOCKED", timeout_s: float = 90.0) -> FaultedJob:
+    """Run ``script`` on ``np`` ranks, each of which prints a line starting with ``blocked``
+    just before it makes a call that goes wrong (a deadlock, a rank left behind): the fault
+    is the last of those lines, and the job must end on its own within ``timeout_s``."""
+    job, returncode, left, _ = _run_tagged(script, np, args, env, timeout_s)
+    marks = [at for at, line in job.stdout if line.startswith(blocked)]
+    faulted_at = max(marks) if marks else float("nan")
+    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left, job.log)
+
+
+def _run_tagged(script: str, np: int, args: tuple[str, ...], env: Mapping[str, str], timeout_s: float,
+                act: Callable[[Job, str], float] | None = None) -> tuple[Job, int | None, list[int], float]:
+    """Run ``script`` tagged so that its processes can be found, ``act`` on it while it runs
+    (returning when), and wait for its end: (the job, psrun's exit code, the processes it
+    left behind, what ``act`` returned).  No process of the job outlives this."""
     tag = uuid.uuid4().hex
     job = start_job(psrun_argv("-np", str(np), sys.executable, str(SCRIPTS / script), *args),
                     f"`psrun -np {np} {script} {' '.join(args)}`", {**env, "PSRT_TEST_JOB": tag})
     try:
-        job.wait_for_line(f"^{re.escape(after)}", timeout_s)
-        for pid in job_processes(tag, rank):
-            os.kill(pid, signum)
-        faulted_at = time.time()
+        acted_at = act(job, tag) if act is not None else float("nan")
         returncode = job.finish(timeout_s)
         left = _left_behind(tag)
     finally:
         for pid in job_processes(tag):
             os.kill(pid, signal.SIGKILL)
         job.stop()
-    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left, job.log)
+    return job, returncode, left, acted_at
 
 
 def _left_behind(tag: str, patience_s: float = 3.0) -> list[int]:
@@ -92,23 +114,3 @@ def _left_behind(tag: str, patience_s: float = 3.0) -> list[int]:
     while (left := job_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
-
-
-def run_until_it_ends(script: str, np: int, args: tuple[str, ...], env: Mapping[str, str], *,
-                      blocked: str = "BLOCKED", timeout_s: float = 90.0) -> FaultedJob:
-    """Run ``script`` on ``np`` ranks, each of which prints a line starting with ``blocked``
-    just before it makes a call that goes wrong (a deadlock, a rank left behind): the fault
-    is the last of those lines, and the job must end on its own within ``timeout_s``."""
-    tag = uuid.uuid4().hex
-    job = start_job(psrun_argv("-np", str(np), sys.executable, str(SCRIPTS / script), *args),
-                    f"`psrun -np {np} {script} {' '.join(args)}`", {**env, "PSRT_TEST_JOB": tag})
-    try:
-        returncode = job.finish(timeout_s)
-        left = _left_behind(tag)
-    finally:
-        for pid in job_processes(tag):
-            os.kill(pid, signal.SIGKILL)
-        job.stop()
-    marks = [at for at, line in job.stdout if line.startswith(blocked)]
-    faulted_at = max(marks) if marks else float("nan")
-    return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left, job.log)

