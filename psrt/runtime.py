@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from psrt.comm import bootstrap
 from psrt.comm.mpi import MpiCommunicator
 from psrt.comm.stats import CommStats
-from psrt.comm.watchdog import MpiProber, Watchdog
+from psrt.comm.prober import MpiProber
+from psrt.comm.watchdog import Watchdog
 from psrt.config import Config, config_from_env
 from psrt.engine import Engine
 from psrt.engine.handles import HandleTable

@@ -9,31 +9,36 @@ hold.  The caller waits in MPI as usual: marking costs a dictionary write, nothi
 
 A daemon thread per rank looks four times a second.  A wait older than
 ``PSRT_STALL_CHECK_TIME`` is *probed*: the watchdog asks the ranks it waits on what
-they are doing, over a communicator of its own (see :class:`Prober`).  A rank that is
+they are doing, over a communicator of its own (:mod:`psrt.comm.prober`).  A rank that is
 stopped, hung with the GIL held, or cut off by the network cannot answer; one that
 answers says what it waits for itself, or that it waits for nothing in psrt (it is
 busy in its own code).  So the report names the rank to blame, not only the one that
-noticed.  Probing has two steps, so that a stall of a thousand ranks costs no thousand
+noticed.  Probing has steps, so that a stall of a thousand ranks costs no thousand
 squared messages: a stalled rank first asks rank 0 and the ranks 1, 2, 4, 8, ... below
 it, and speaks for the job only if none of them is stalled too (one frozen rank among
-many gives one report); only the rank that speaks then asks the ranks it waits on.  A
+many gives one report); only the rank that speaks then asks the ranks it waits on, and
+the ranks those wait for in turn (:mod:`psrt.comm.stall_report` writes what they said).  A
 wait older than ``PSRT_STALL_SHUTDOWN_TIME`` ends the job with its report, which psrun
 prints as the failure; a rank that does not speak ends it itself only if nobody has by
 then, a check period later.  A wait that is one by design (a join) is reported, never
 fatal: past the shutdown time a busy rank cannot be told from a stuck one (a node stuck
 in I/O answers probes), but a join's imbalance is the user's data, not a fault.
+
+A deadlock needs no waiting to be sure of: the main thread's blocked *call* (a wait with an
+identity) is compared with the other ranks' calls a second after it began, and a deadlock
+ends the job at once (:mod:`psrt.comm.deadlock`).
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Sequence
 
-from psrt.comm import callsite, deadlock
+from psrt.comm import callsite, deadlock, stall_report
+from psrt.comm.prober import Prober
 from psrt.comm.ranks import rank_ranges
 
 logger = logging.getLogger("psrt")
@@ -42,7 +47,7 @@ LOOK_EVERY_S = 0.25
 # How long a probed rank has to answer: its watchdog looks every LOOK_EVERY_S, and on an
 # oversubscribed host it may wait for a core.
 ANSWER_WITHIN_S = 2.0
-_MAX_REPORTED_WAITS = 3  # of a probed rank's own waits, in its answer
+_MAX_REPORTED_WAITS = stall_report.MAX_SHOWN  # of a probed rank's own waits, in its answer
 _MAX_REPORTED_PEERS = 16  # of the ranks each of those waits for
 # A probed rank mentions only waits this old (or half the check time, if shorter): the
 # engine thread is in some negotiation round almost all the time, each lasting milliseconds.
@@ -115,11 +120,6 @@ class Wait:
             return None
 
 
-def _busy(status: dict) -> bool:
-    """Whether a probed rank said it waits in psrt itself."""
-    return bool(status["waits"]) or bool(status.get("call"))
-
-
 def _text(what: Text, kind: str) -> str:
     try:
         return what() if callable(what) else what
@@ -135,21 +135,6 @@ class _Stack(list):
     def __init__(self) -> None:
         super().__init__()
         self.last: tuple[str, Text] | None = None
-
-
-class Prober(Protocol):
-    """Asks other ranks what they are doing, and answers them (see :class:`MpiProber`)."""
-
-    rank: int
-    size: int
-
-    def ask(self, ranks: Iterable[int]) -> None: ...
-
-    def serve(self, status: Callable[[], dict]) -> None: ...
-
-    def answers(self) -> dict[int, tuple[float, dict]]: ...
-
-    def close(self) -> None: ...
 
 
 def combined(kind: str, waits: Sequence[Wait], key: object, ends_job: bool = True, prefix: str = "") -> list[Wait]:
@@ -340,7 +325,7 @@ class Watchdog:
     def _inspect(self, wait: Wait, waited: float, now: float, prober: Prober | None) -> None:
         key = self._key(wait)
         late = self._shutdown_s > 0 and waited >= self._shutdown_s + self._check_s
-        peers_beyond: list[int] = []
+        peers_further: list[int] = []
         if prober is None:
             speaks, heard, peers = self.speaks_unprobed(), {}, []
         else:
@@ -358,63 +343,25 @@ class Watchdog:
                 return
             # Step three: the ranks those wait for in turn (a worker waits for its server, which
             # waits for a frozen worker): the rank to blame may be one further.
-            beyond = self._beyond(peers, heard)
-            heard_beyond = self._probe(("beyond", key), beyond, now, prober) if beyond else {}
-            if heard_beyond is None:
+            further = stall_report.beyond(self.rank, peers, heard)
+            heard_further = self._probe(("beyond", key), further, now, prober) if further else {}
+            if heard_further is None:
                 return
-            heard = {**heard_beyond, **heard}
-            peers_beyond = [r for r in beyond if r not in heard_beyond or not _busy(heard_beyond[r])]
-        report = (f"stall: {wait.describe()} has waited {waited:.0f} s" + self._peers_report(peers, heard)
-                  + self._beyond_report(peers_beyond, peers, heard))
+            heard = {**heard_further, **heard}
+            peers_further = [r for r in further if r not in heard_further or not stall_report.busy(heard_further[r])]
+        name = self._name_rank
+        report = (f"stall: {wait.describe()} has waited {waited:.0f} s" + stall_report.peers_text(peers, heard, name)
+                  + stall_report.beyond_text(peers_further, peers, heard, name))
         if wait.ends_job and self._shutdown_s > 0 and waited >= self._shutdown_s and (speaks or late):
             self._ended = True
-            self._blame(peers, heard, wait, waited) or self._blame(peers_beyond, heard, wait, waited)
+            blame = (stall_report.blame_line(self.rank, peers, heard, wait.describe(), waited, name)
+                     or stall_report.blame_line(self.rank, peers_further, heard, wait.describe(), waited, name))
+            if blame is not None:  # psrun headlines the rank blamed
+                print(blame, file=sys.__stderr__, flush=True)
             self._end_job(f"{report} (PSRT_STALL_SHUTDOWN_TIME={self._shutdown_s:g} s)")
         elif speaks and key not in self._reported:
             self._reported.add(key)
             logger.warning("psrt: %s", report)
-
-    def _beyond(self, peers: list[int], heard: dict[int, dict]) -> list[int]:
-        """The ranks that the peers which answer, waiting themselves, wait for."""
-        further = {r for peer in peers if peer in heard for entry in heard[peer]["waits"]
-                   for r in (entry[2] if len(entry) > 2 else ())}
-        return sorted(further - set(peers) - {self.rank})
-
-    def _beyond_report(self, beyond: list[int], peers: list[int], heard: dict[int, dict]) -> str:
-        """What the ranks one further say, where they do not wait themselves."""
-        if not beyond:
-            return ""
-        waiters = [r for r in peers if r in heard and heard[r]["waits"]]
-        through = f"which {self._names(waiters)} {'waits' if len(waiters) == 1 else 'wait'} for"
-        silent = [r for r in beyond if r not in heard]
-        idle = [r for r in beyond if r in heard]
-        parts = []
-        if silent:
-            one = len(silent) == 1
-            parts.append(f"{self._names(silent)}, {through}, {'does' if one else 'do'} not respond (stopped, hung, "
-                         "or cut off from this host)")
-        if idle:
-            one = len(idle) == 1
-            parts.append(f"{self._names(idle)}, {through}, {'answers' if one else 'answer'} but "
-                         f"{'waits' if one else 'wait'} for nothing in psrt")
-            parts += [self._whereabouts(r, heard[r]) for r in idle[:_MAX_REPORTED_WAITS]]
-        return "; " + "; ".join(p for p in parts if p)
-
-    def _blame(self, peers: list[int], heard: dict[int, dict], wait: Wait, waited: float) -> bool:
-        """Before a stall ends the job, name the rank to blame on a line of its own, which psrun
-        headlines (not this rank, which only noticed): the first that stopped answering, else
-        the first that answers but is not in any psrt call (busy in its own code).  Whether
-        one of ``peers`` was."""
-        silent = [r for r in peers if r not in heard]
-        idle = [r for r in peers if r in heard and not _busy(heard[r])]
-        culprits = silent or idle
-        if not culprits:
-            return False
-        why = "stopped answering" if silent else "answers but never came (busy in its own code)"
-        others = f" (and {self._names(culprits[1:])})" if culprits[1:] else ""
-        print(f"psrt: rank {self.rank} blames {self._name_rank(culprits[0])}: {why}{others} while "
-              f"{wait.describe()} waited {waited:.0f} s", file=sys.__stderr__, flush=True)
-        return True
 
     def _deciders(self) -> tuple[int, ...]:
         """The lower ranks a stalled rank asks before speaking: 0 and the powers of two below
@@ -443,96 +390,3 @@ class Watchdog:
             if all(r in answers or now - asked >= ANSWER_WITHIN_S for r, asked in probe.asked.items()):
                 probe.settled, probe.heard = True, answers
         return probe.heard
-
-    def _peers_report(self, peers: list[int], heard: dict[int, dict]) -> str:
-        """What each rank waited on said (or that it said nothing), grouped."""
-        if not peers:
-            return ""
-        silent = [r for r in peers if r not in heard]
-        idle = [r for r in peers if r in heard and not heard[r]["waits"]]
-        busy: dict[str, list[int]] = {}
-        for r in peers:
-            if r in heard and heard[r]["waits"]:
-                busy.setdefault(heard[r]["waits"][0][0], []).append(r)
-        parts = []
-        if silent:
-            parts.append(f"{self._names(silent)} {'does' if len(silent) == 1 else 'do'} not respond (stopped, hung, "
-                         "or cut off from this host)")
-        for kind, ranks in busy.items():
-            if len(ranks) == 1:
-                parts.append(f"{self._names(ranks)} waits: {heard[ranks[0]]['waits'][0][1]}")
-            else:
-                parts.append(f"{self._names(ranks)} wait in {kind}")
-        if idle:
-            one = len(idle) == 1
-            parts.append(f"{self._names(idle)} {'answers' if one else 'answer'} but {'waits' if one else 'wait'} "
-                         "for nothing in psrt (busy in its own code, or not calling this)")
-            parts += [self._whereabouts(r, heard[r]) for r in idle[:_MAX_REPORTED_WAITS]]
-        return ": " + "; ".join(p for p in parts if p) if parts else ""
-
-    def _whereabouts(self, rank: int, status: dict) -> str:
-        """Where an answering rank that waits for nothing in psrt is, and its last psrt call."""
-        where = [f"it runs {status['at']}" if status.get("at") else "",
-                 f"its last psrt call was {status['last']}" if status.get("last") else ""]
-        where = [w for w in where if w]
-        return f"{self._name_rank(rank)}: {', '.join(where)}" if where else ""
-
-    def _names(self, ranks: list[int]) -> str:
-        if len(ranks) == 1:
-            return self._name_rank(ranks[0])
-        return "ranks " + rank_ranges(ranks)
-
-
-class MpiProber:
-    """Probes over a private duplicate of the job's communicator: a *ping* (tag 1) is
-    answered, by the probed rank's watchdog thread, with its status as UTF-8 JSON (tag 2).
-
-    Nothing here ever blocks on another rank: pings and answers are non-blocking sends
-    (to a frozen rank they simply never complete), and incoming messages are found with
-    ``Iprobe`` before they are received.
-    """
-
-    _PING, _ANSWER = 1, 2
-
-    def __init__(self, comm) -> None:  # an mpi4py communicator this class owns
-        from mpi4py import MPI
-
-        self._MPI, self._comm = MPI, comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self._sends: list[tuple[object, object]] = []  # (request, the buffer it reads)
-        self._answers: dict[int, tuple[float, dict]] = {}
-
-    def ask(self, ranks: Iterable[int]) -> None:
-        for rank in ranks:
-            self._send(bytearray(1), rank, self._PING)
-
-    def _send(self, payload: bytearray, rank: int, tag: int) -> None:
-        self._sends.append((self._comm.Isend([payload, self._MPI.BYTE], dest=rank, tag=tag), payload))
-
-    def serve(self, status: Callable[[], dict]) -> None:
-        """Answer every ping that has arrived, take in every answer, forget finished sends."""
-        MPI, info = self._MPI, self._MPI.Status()
-        while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=info):
-            source, tag, count = info.Get_source(), info.Get_tag(), info.Get_count(MPI.BYTE)
-            payload = bytearray(count)
-            self._comm.Recv([payload, MPI.BYTE], source=source, tag=tag)
-            if tag == self._PING:
-                self._send(bytearray(json.dumps(status()).encode()), source, self._ANSWER)
-            elif tag == self._ANSWER:
-                self._answers[source] = (time.monotonic(), json.loads(payload.decode()))
-        self._sends = [(request, buffer) for request, buffer in self._sends if not request.Test()]
-
-    def answers(self) -> dict[int, tuple[float, dict]]:
-        """The latest answer of each rank that answered: (when it arrived, its status)."""
-        return dict(self._answers)
-
-    def close(self) -> None:
-        """Stop using the communicator.  It is kept, with every send still under way and its
-        buffer, until the process ends: another rank may still ping this one, or not have
-        received an answer yet, and freeing either could hand MPI freed memory."""
-        _CLOSED.append((self._comm, self._sends))
-        self._sends = []
-
-
-#: Probers' communicators and unfinished sends, kept alive until the process ends.
-_CLOSED: list[tuple[object, list]] = []
