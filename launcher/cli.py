@@ -47,11 +47,17 @@ if TYPE_CHECKING:
 
 
 def _rank_count(text: str) -> int:
-    """-np's value: plain decimal digits, at least 1 (``int()`` would take ``1_0`` too)."""
+    """A count of ranks (-np, --min-np, --max-np, --num-servers): plain decimal digits, at
+    least 1 (``int()`` would take ``1_0`` too)."""
     try:
         return parse_count(text, "rank count", _MAX_RANKS)
     except HostfileError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _restart_count(text: str) -> int:
+    """--restarts: plain decimal digits, 0 or more."""
+    return 0 if text == "0" else _rank_count(text)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -98,20 +104,20 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeline-mark-cycles", action="store_true",
                         help="mark the engine's cycles in the timeline "
                              "(sets PSRT_TIMELINE_MARK_CYCLES=1 on every rank)")
-    parser.add_argument("--num-servers", type=int, metavar="S",
+    parser.add_argument("--num-servers", type=_rank_count, metavar="S",
                         help="parameter-server mode: S ranks become servers, the rest workers "
                              "(sets PSRT_NUM_SERVERS=S on every rank)")
     elastic = parser.add_argument_group(
         "elastic training", "Relaunch the job when ranks fail or hosts come, continuing from its last "
         "state.commit() (scripts use psrt.torch.elastic, Horovod's elastic API). Any of these flags turns it on.")
-    elastic.add_argument("--min-np", type=int, metavar="N", help="fewest ranks to run with (default: -np, else 1); "
+    elastic.add_argument("--min-np", type=_rank_count, metavar="N", help="fewest ranks to run with (default: -np, else 1); "
                          "every launch takes every usable slot up to --max-np, as Horovod's does, and -np is "
                          "then how many slots the first launch waits for")
-    elastic.add_argument("--max-np", type=int, metavar="M", help="most ranks to run with (default: all slots)")
+    elastic.add_argument("--max-np", type=_rank_count, metavar="M", help="most ranks to run with (default: all slots)")
     elastic.add_argument("--host-discovery-script", metavar="SCRIPT",
                          help="executable printing the usable hosts, one HOST or HOST:SLOTS per line; run "
                               "again every second while the job runs, and while waiting for hosts")
-    elastic.add_argument("--restarts", type=int, metavar="K",
+    elastic.add_argument("--restarts", type=_restart_count, metavar="K",
                          help="relaunches allowed after failures (default 3; new hosts do not count)")
     elastic.add_argument("--elastic-timeout", type=_seconds, default=600.0, metavar="S",
                          help="how long to wait for --min-np slots before failing (default 600)")
@@ -159,8 +165,6 @@ def _rank_env(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The variables psrun's own flags set on every rank."""
     settings = []
     if args.num_servers is not None:
-        if args.num_servers < 1:
-            raise LaunchError(f"--num-servers must be at least 1, got {args.num_servers}")
         if args.num_proc is not None and args.num_servers >= args.num_proc:
             raise LaunchError(f"--num-servers {args.num_servers} leaves no worker among -np {args.num_proc} "
                               "ranks; use fewer servers or more ranks")

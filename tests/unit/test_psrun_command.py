@@ -431,7 +431,7 @@ def test_num_servers_sets_the_ranks_environment(capsys, openmpi) -> None:
     assert cmd[-8:] == ["-x", "PSRT_NUM_SERVERS=2", *wrap_command(["python", "x.py"])]
 
 
-@pytest.mark.parametrize("servers, message", [("0", "--num-servers must be at least 1"),
+@pytest.mark.parametrize("servers, message", [("0", "--num-servers: rank count 0 must be a positive integer"),
                                               ("3", "--num-servers 3 leaves no worker among -np 3")])
 def test_num_servers_must_leave_a_worker(capsys, openmpi, servers, message) -> None:
     assert main(["--mpirun", openmpi, "--num-servers", servers, "-np", "3", "python", "x.py"]) == 2
@@ -595,10 +595,13 @@ def test_far_more_elastic_ranks_than_this_machines_cpus_needs_oversubscribe(caps
 
 
 @pytest.mark.parametrize("count", ["1_0", "\u0661\u0660", "+2", "99999999999999999999", "0"])
-def test_rank_count_is_plain_decimal_within_range(capsys, openmpi, count) -> None:
-    assert main(["--mpirun", openmpi, "-np", count, "python", "x.py"]) == 2
+@pytest.mark.parametrize("flag", ["-np", "--min-np", "--max-np", "--num-servers", "--restarts"])
+def test_rank_count_is_plain_decimal_within_range(capsys, openmpi, count, flag) -> None:
+    if flag == "--restarts" and count == "0":
+        return  # no restart is a valid choice
+    assert main(["--mpirun", openmpi, flag, count, "python", "x.py"]) == 2
     err = capsys.readouterr().err
-    assert "psrun: error: argument -np/-n/--num-proc: rank count " in err, err
+    assert "psrun: error: argument " in err and ": rank count " in err, err
 
 
 def test_an_unknown_host_is_named_before_launching(capsys, openmpi, tmp_path) -> None:
