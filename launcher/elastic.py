@@ -188,8 +188,10 @@ class Supervisor:
         plan = self._plan("dry run", first=True, wait=False)
         if plan is None:
             return 1
+        # Without --elastic-dir a real launch makes a temporary directory; a dry run makes none
+        # and shows where it would go.
         directory = os.path.abspath(self.settings.directory) if self.settings.directory else \
-            os.path.join(tempfile.gettempdir(), "psrt-elastic-XXXXXXXX")
+            os.path.join(tempfile.gettempdir(), "psrt-elastic-<made-at-launch>")
         self.say(f"dry run: launch 1 would run {plan.num_proc} ranks on {_describe(plan.used)}; later launches "
                  "follow failures (--restarts) and host changes")
         show(shlex.join(self.launch(plan.used, plan.num_proc, _rank_env(directory, 0, 1))))
