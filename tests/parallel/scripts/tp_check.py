@@ -495,16 +495,10 @@ def check_recompute(key: str, mode: str, sequence_parallel: bool) -> None:
     gradient and parameter gradients as the same block keeping its activations (the masks
     replayed, tracker streams included), leaves every random stream where that block
     leaves it, keeps fewer activation bytes, and runs the expected collectives."""
-    n, ps = hvd.size(), grid().tp_set
-    x = randn(key, (BATCH, SEQ // n if sequence_parallel else SEQ, DIM), "x")
-    weights = randn(key, x.shape, "R")
+    x, weights = _block_input(key, sequence_parallel)
     runs = {}
     for recompute in (None, mode):
-        torch.manual_seed(11)
-        block = tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps, sequence_parallel=sequence_parallel,
-                                            dropout=DROPOUT, attention_dropout=DROPOUT, recompute=recompute).double()
-        tp.manual_seed(SEED, ps)
-        leaf = x.clone().requires_grad_()
+        block, leaf = _seeded_block(x, sequence_parallel, recompute)
         saved = SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             out = block(leaf)
@@ -532,16 +526,10 @@ def check_split_backward_recomputes_once_per_half(key: str, sequence_parallel: b
     ``recompute="full"`` gives the ordinary backward's gradients and runs the forward's
     collectives once more per half: ``BACKWARD_COUNTS`` plus one recomputation, not one
     recomputation per group of parameters."""
-    n, ps = hvd.size(), grid().tp_set
-    x = randn(key, (BATCH, SEQ // n if sequence_parallel else SEQ, DIM), "x")
-    weights = randn(key, x.shape, "R")
+    x, weights = _block_input(key, sequence_parallel)
     runs = {}
     for split in (False, True):
-        torch.manual_seed(11)
-        block = tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps, sequence_parallel=sequence_parallel,
-                                            dropout=DROPOUT, attention_dropout=DROPOUT, recompute="full").double()
-        tp.manual_seed(SEED, ps)
-        leaf = x.clone().requires_grad_()
+        block, leaf = _seeded_block(x, sequence_parallel, "full")
         out = block(leaf)
         tp.stats().reset()
         if split:
@@ -556,6 +544,23 @@ def check_split_backward_recomputes_once_per_half(key: str, sequence_parallel: b
                for kind, count in BACKWARD_COUNTS[("full", sequence_parallel)].items()}  # one recomputation's
     want = {kind: count + forward.get(kind, 0) for kind, count in runs[False][2].items()}
     assert runs[True][2] == want, f"split backward ran {runs[True][2]}, expected {want} (one recomputation more)"
+
+
+def _block_input(key: str, sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's input (this rank's part of the sequence under sequence parallelism) and the
+    weights its output is summed with."""
+    x = randn(key, (BATCH, SEQ // hvd.size() if sequence_parallel else SEQ, DIM), "x")
+    return x, randn(key, x.shape, "R")
+
+
+def _seeded_block(x: torch.Tensor, sequence_parallel: bool, recompute: str | None):
+    """The same block with every dropout on, its random streams seeded alike, and a fresh leaf of ``x``."""
+    torch.manual_seed(11)
+    ps = grid().tp_set
+    block = tp.ParallelTransformerBlock(DIM, HEADS, process_set=ps, sequence_parallel=sequence_parallel,
+                                        dropout=DROPOUT, attention_dropout=DROPOUT, recompute=recompute).double()
+    tp.manual_seed(SEED, ps)
+    return block, x.clone().requires_grad_()
 
 
 class SavedBytes:
