@@ -267,11 +267,12 @@ class Watchdog:
             status["last"] = _text(last[1], last[0])[:_MAX_TEXT]
         return status
 
-    def main_call(self, now: float) -> deadlock.Call | None:
-        """The call the main thread is blocked in (its innermost wait with an identity)."""
+    def main_call(self, now: float, lasting: float = 0.0) -> deadlock.Call | None:
+        """The call the main thread is blocked in (its innermost wait with an identity), if
+        it has lasted ``lasting`` seconds (where its user is looked up only then)."""
         stack = self._stacks.get(_MAIN_THREAD)
         wait = next((w for w in reversed(tuple(stack or ())) if w.ident is not None), None)
-        if wait is None:
+        if wait is None or now - wait.since < lasting:
             return None
         needs = None if wait.needs is None else wait.needed_ranks()
         site, api = callsite.locate(_MAIN_THREAD)
@@ -305,7 +306,7 @@ class Watchdog:
     def _look_for_deadlock(self, now: float, prober: Prober) -> None:
         """End the job at once if the main thread's call is part of a deadlock (see
         :mod:`psrt.comm.deadlock`), with a line per rank saying what it waits in and where."""
-        found = self._detector.look(self.main_call(now), now, prober)
+        found = self._detector.look(self.main_call(now, lasting=deadlock.AFTER_S), now, prober)
         if found is None:
             return
         ranks, calls = found
