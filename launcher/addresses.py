@@ -38,14 +38,18 @@ def unknown_hosts(names: Iterable[str]) -> list[str]:
     return [name for name in names if name not in LOCAL_NAMES and not host_addresses(name)]
 
 
-@functools.cache
 def host_addresses(name: str) -> tuple[str, ...]:
-    """The addresses ``name`` resolves to; () if it does not resolve (an unknown host)."""
+    """The addresses ``name`` resolves to; () if it does not resolve (an unknown host, or one
+    not in the name service yet: a failed lookup is not remembered)."""
     try:
-        found = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+        return _resolved(name)
     except (OSError, UnicodeError):
         return ()
-    return tuple(sorted({str(info[4][0]) for info in found}))
+
+
+@functools.cache
+def _resolved(name: str) -> tuple[str, ...]:
+    return tuple(sorted({str(info[4][0]) for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}))
 
 
 @functools.cache

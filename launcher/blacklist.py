@@ -51,7 +51,7 @@ class Blacklist:
             seconds = math.inf
         else:
             low, high = self.cooldown_s
-            seconds = max(low, min(high, low * 2 ** count + self.jitter() * low))
+            seconds = max(low, min(high, low * 2 ** min(count, 64) + self.jitter() * low))  # 2**count overflows
         self._out_until[key] = self.clock() + seconds
         return seconds
 

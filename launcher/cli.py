@@ -12,19 +12,19 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
 from launcher.blacklist import MAX_COOLDOWN_S, MIN_COOLDOWN_S, check_cooldown_range
 from launcher.command import (
     IMPLICIT_OVERSUBSCRIBE,
     LaunchError,
     build_command,
+    check_implicit_oversubscription,
     detect_mpi,
     find_mpirun,
     plan_launch,
 )
-from launcher.elastic import ElasticSettings, Supervisor
+from launcher.elastic import ElasticSettings, Launch, RunJob, Supervisor
 from launcher.hostfile import (
     Host,
     HostfileError,
@@ -33,17 +33,13 @@ from launcher.hostfile import (
     parse_hostfile,
     parse_hosts,
 )
-from launcher.monitor import JobResult, run_job
+from launcher.monitor import JobCommand, JobResult, run_job
 
 __all__ = ["main", "make_parser"]
 
 USAGE_ERROR = 2
 # More ranks than any job psrun could start: a typo.
 _MAX_RANKS = 1_000_000
-
-if TYPE_CHECKING:
-    Launch = Callable[[tuple[Host, ...] | None, int | None, Sequence[tuple[str, str]]], list[str]]
-    RunJob = Callable[[Sequence[str]], JobResult]
 
 
 def _rank_count(text: str) -> int:
@@ -57,7 +53,12 @@ def _rank_count(text: str) -> int:
 
 def _restart_count(text: str) -> int:
     """--restarts: plain decimal digits, 0 or more."""
-    return 0 if text == "0" else _rank_count(text)
+    if text and set(text) == {"0"}:
+        return 0
+    try:
+        return parse_count(text, "restart count", _MAX_RANKS)
+    except HostfileError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -197,9 +198,8 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch,
     rank_env = _rank_env(args)
     mpirun = find_mpirun(args.mpirun, python=sys.executable, path=env.get("PATH", os.defpath))
     flavour, version = detect_mpi(mpirun)
-    ranks_on_pipes: dict[tuple[str, ...], int] = {}  # command line -> ranks whose stderr psrun reads
-
-    def launch(hosts: tuple[Host, ...] | None, num_proc: int | None, extra_env: Sequence[tuple[str, str]]) -> list[str]:
+    def launch(hosts: tuple[Host, ...] | None, num_proc: int | None, extra_env: Sequence[tuple[str, str]]
+               ) -> JobCommand:
         plan, warnings = plan_launch(
             flavour=flavour, mpirun=mpirun, command=command,
             num_proc=num_proc, hosts=hosts, local_cpus=os.cpu_count() or 1,
@@ -210,17 +210,15 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch,
         )
         for warning in warnings:
             print(warning, file=sys.stderr, flush=True)
-        built = build_command(plan, env)
-        ranks_on_pipes[tuple(built)] = plan.num_proc if plan.rank_stderr else 0
-        return built
+        return JobCommand(tuple(build_command(plan, env)), plan.num_proc if plan.rank_stderr else 0)
 
-    def run(built: Sequence[str]) -> JobResult:
-        return run_job(built, env, verbose=args.verbose, rank_stderr=ranks_on_pipes.get(tuple(built), 0))
+    def run(command: JobCommand) -> JobResult:
+        return run_job(command, env, verbose=args.verbose)
 
     return launch, run
 
 
-def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[list[str], RunJob]:
+def _prepare(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[JobCommand, RunJob]:
     """Validate everything; the mpirun command line and what runs it. Raises on bad input."""
     hosts = _hosts(args, env)
     launch, run = _launcher(args, env)
@@ -237,20 +235,16 @@ def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
     static = None if args.host_discovery_script else _hosts(args, env, merge=False)
     if static is None and not args.host_discovery_script:  # this machine: -np slots, else its CPUs
         wanted, cpus = max(args.num_proc or 1, args.min_np or 1), os.cpu_count() or 1
-        if wanted > IMPLICIT_OVERSUBSCRIBE * cpus and not args.oversubscribe:
-            raise LaunchError(f"-np/--min-np {wanted} is more than {IMPLICIT_OVERSUBSCRIBE} ranks for each of the "
-                              f"{cpus} local CPUs; ask for fewer, or add --oversubscribe to start that many "
-                              "processes on this machine anyway")
+        if not args.oversubscribe:
+            check_implicit_oversubscription(wanted, cpus, f"{cpus} local CPUs", "-np/--min-np")
         static = (Host("localhost", args.num_proc or max(cpus, wanted)),)
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise LaunchError("--host-discovery-script replaces -H and --hostfile: give one source of hosts")
-    min_np = args.min_np if args.min_np is not None else (args.num_proc or 1)
+    min_np = args.min_np if args.min_np is not None else (args.num_proc or 1)  # counts are >= 1 (parsed)
     max_np = args.max_np if args.max_np is not None else 1 << 30  # as many as there are slots
     restarts = 3 if args.restarts is None else args.restarts
-    if min_np < 1 or max_np < min_np:
-        raise LaunchError(f"--min-np {min_np} and --max-np {max_np}: need 1 <= min-np <= max-np")
-    if restarts < 0:
-        raise LaunchError(f"--restarts {restarts}: must not be negative")
+    if max_np < min_np:
+        raise LaunchError(f"--min-np {min_np} and --max-np {max_np}: need min-np <= max-np")
     cooldown = tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None
     if cooldown is not None and (problem := check_cooldown_range(*cooldown)):
         raise LaunchError(problem)
@@ -259,6 +253,8 @@ def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
     if args.num_servers is not None and args.num_servers >= min_np:
         raise LaunchError(f"--num-servers {args.num_servers} leaves no worker at --min-np {min_np}")
     launch, run = _launcher(args, env)
+    if static is not None:  # what no launch could run (an unknown host, a script as the program), refused now
+        launch(static, None, ())
     settings = ElasticSettings(min_np, max_np, args.num_proc, restarts, args.elastic_timeout,
                                args.host_discovery_script, args.elastic_dir, cooldown)
     return Supervisor(settings, static, launch, run)
@@ -277,23 +273,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (LaunchError, HostfileError) as e:
             print(f"psrun: error: {e}", file=sys.stderr, flush=True)
             return USAGE_ERROR
-        if args.dry_run:
-            return supervisor.dry_run(lambda line: print(line, flush=True))
-        return supervisor.run()
+        try:
+            if args.dry_run:
+                return supervisor.dry_run(lambda line: print(line, flush=True))
+            return supervisor.run()
+        except (LaunchError, HostfileError) as e:  # a launch's command line, refused
+            print(f"psrun: error: {e}", file=sys.stderr, flush=True)
+            return USAGE_ERROR
     try:
         cmd, run = _prepare(args, env)
     except (LaunchError, HostfileError) as e:
         print(f"psrun: error: {e}", file=sys.stderr, flush=True)
         return USAGE_ERROR
     if args.dry_run:
-        print(shlex.join(cmd), flush=True)
+        print(cmd, flush=True)
         return 0
     if args.verbose:
-        print(shlex.join(cmd), file=sys.stderr, flush=True)
+        print(cmd, file=sys.stderr, flush=True)
     try:
         result = run(cmd)
     except OSError as e:
-        print(f"psrun: error: cannot start {cmd[0]}: {e.strerror or e}", file=sys.stderr, flush=True)
+        print(f"psrun: error: cannot start {cmd.argv[0]}: {e.strerror or e}", file=sys.stderr, flush=True)
         return USAGE_ERROR
     if result.failure is not None:
         print(f"psrun: {result.failure.summary()}", file=sys.stderr, flush=True)

@@ -39,6 +39,7 @@ from launcher.remote import checked_launch_agent, checked_networks
 __all__ = [
     "FORWARDED_PREFIXES",
     "IMPLICIT_OVERSUBSCRIBE",
+    "check_implicit_oversubscription",
     "LaunchError",
     "LaunchPlan",
     "MpiFlavour",
@@ -71,6 +72,14 @@ _REMOTE_ABORT_DELAY = ("mpi_abort_delay", "1")
 # Ranks per slot of this machine that psrun oversubscribes to by itself (with a warning);
 # beyond it only --oversubscribe does. Tests run 4 ranks on 2 cores.
 IMPLICIT_OVERSUBSCRIBE = 4
+
+
+def check_implicit_oversubscription(num_proc: int, slots: int, where: str, flag: str = "-np") -> None:
+    """Refuse more than :data:`IMPLICIT_OVERSUBSCRIBE` ranks per slot on this machine unless
+    ``--oversubscribe`` is given (the caller checks that): ``-np 100000`` is a typo."""
+    if num_proc > IMPLICIT_OVERSUBSCRIBE * slots:
+        raise LaunchError(f"{flag} {num_proc} is more than {IMPLICIT_OVERSUBSCRIBE} ranks for each of the {where}; "
+                          "ask for fewer, or add --oversubscribe to start that many processes on this machine anyway")
 # mpirun arguments that choose how ranks' output is shown or where it goes; psrun then
 # leaves the ranks' stderr to mpirun rather than reading it on pipes of its own.
 _OUTPUT_FLAGS = frozenset({
@@ -143,7 +152,9 @@ def plan_launch(
         raise LaunchError("no command given; usage: psrun -np N [options] command ...")
     launch_agent = checked_launch_agent(launch_agent, flavour, mpi_args)
     networks = checked_networks(network_interfaces, network_cidrs, flavour, mpi_args)
-    unknown = unknown_hosts(h.name for h in hosts or ())
+    # With a launch agent of the user's (an ssh config alias, kubectl exec) a name psrun cannot
+    # resolve may still be reachable: the agent decides.
+    unknown = [] if launch_agent else unknown_hosts(h.name for h in hosts or ())
     if unknown:
         raise LaunchError(f"unknown host{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
                           "no address found for it; check the spelling (hosts that are this machine can be "
@@ -163,11 +174,7 @@ def plan_launch(
                 f"-np {num_proc} asks for more ranks than the {where}; "
                 "ask for fewer or add --oversubscribe"
             )
-        if num_proc > IMPLICIT_OVERSUBSCRIBE * slots:
-            raise LaunchError(
-                f"-np {num_proc} is more than {IMPLICIT_OVERSUBSCRIBE} ranks for each of the {where}; "
-                "ask for fewer, or add --oversubscribe to start that many processes on this machine anyway"
-            )
+        check_implicit_oversubscription(num_proc, slots, where)
         warnings.append(f"psrun: warning: {num_proc} ranks on {where}; adding --oversubscribe "
                         "(ranks share CPUs and run slower)")
         oversubscribe = True

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 from launcher.blacklist import Blacklist
 from launcher.failures import FailureKind
 from launcher.hostfile import Host, HostfileError, is_local_host, merge_hosts, parse_discovery, total_slots
-from launcher.monitor import JobResult
+from launcher.monitor import JobCommand, JobResult
 
 __all__ = ["ElasticSettings", "Supervisor", "discover", "rank_groups"]
 
@@ -50,8 +49,10 @@ DISCOVERY_TIMEOUT_S = 30.0
 ENV_DIR, ENV_HOSTS_VERSION, ENV_LAUNCH = "PSRT_ELASTIC_DIR", "PSRT_ELASTIC_HOSTS_VERSION", "PSRT_ELASTIC_LAUNCH"
 HOSTS, RESET, RESTORE_FAILED = "hosts.json", "reset.json", "restore-failed.json"
 
-Launch = Callable[[tuple[Host, ...], int, list[tuple[str, str]]], list[str]]
-RunJob = Callable[[Sequence[str]], JobResult]
+#: The command line for given hosts (None: this machine), rank count (None: every slot) and
+#: extra rank variables; raises LaunchError on what cannot run.
+Launch = Callable[[tuple[Host, ...] | None, int | None, Sequence[tuple[str, str]]], JobCommand]
+RunJob = Callable[[JobCommand], JobResult]
 
 
 @dataclass(frozen=True)
@@ -139,17 +140,22 @@ class Supervisor:
             plan = self._plan(reason, first=launch == 0)
             if plan is None:
                 return 1
-            if settings.directory is None and not all(is_local_host(g.name) for g in plan.used):
-                self.say("error: hosts other than this machine need --elastic-dir on a filesystem they all see")
+            if not self._directory_usable(plan):
                 return 2
-            if directory is None:  # made once a launch is certain, so early exits leave nothing behind
+            made = directory is None
+            if made:  # made once a launch is certain, so early exits leave nothing behind
                 directory = tempfile.mkdtemp(prefix="psrt-elastic-")
             os.makedirs(directory, exist_ok=True)
+            try:
+                command = self.launch(plan.used, plan.num_proc, _rank_env(directory, hosts_version, launch + 1))
+            except Exception:  # a command line refused (a host gone from the name service)
+                if made and launch == 0:
+                    shutil.rmtree(directory, ignore_errors=True)
+                raise
             launch += 1
             self.say(f"launch {launch}: {plan.num_proc} ranks on {_describe(plan.used)} ({reason})")
             for name in (RESET, RESTORE_FAILED):
                 _remove(os.path.join(directory, name))
-            command = self.launch(plan.used, plan.num_proc, _rank_env(directory, hosts_version, launch))
             watcher = _Watcher(self, directory, plan, hosts_version)
             result = self.run_job(command)
             hosts_version = watcher.stop()
@@ -182,19 +188,28 @@ class Supervisor:
                 reason += f"; dropped slot group {plan.groups[lost]}" + \
                     ("" if seconds == math.inf else f" for {seconds:.1f} s (--blacklist-cooldown-range)")
 
+    def _directory_usable(self, plan: _LaunchPlan) -> bool:
+        """Whether every host of ``plan`` can see the elastic directory (said when not)."""
+        if self.settings.directory is None and not all(is_local_host(g.name) for g in plan.used):
+            self.say("error: hosts other than this machine need --elastic-dir on a filesystem they all see")
+            return False
+        return True
+
     def dry_run(self, show: Callable[[str], None]) -> int:
         """Say what the first launch would run (its mpirun command line through ``show``),
         without waiting for hosts or running anything; 1 when it could not launch now."""
         plan = self._plan("dry run", first=True, wait=False)
         if plan is None:
             return 1
+        if not self._directory_usable(plan):
+            return 2
         # Without --elastic-dir a real launch makes a temporary directory; a dry run makes none
         # and shows where it would go.
         directory = os.path.abspath(self.settings.directory) if self.settings.directory else \
             os.path.join(tempfile.gettempdir(), "psrt-elastic-<made-at-launch>")
         self.say(f"dry run: launch 1 would run {plan.num_proc} ranks on {_describe(plan.used)}; later launches "
                  "follow failures (--restarts) and host changes")
-        show(shlex.join(self.launch(plan.used, plan.num_proc, _rank_env(directory, 0, 1))))
+        show(str(self.launch(plan.used, plan.num_proc, _rank_env(directory, 0, 1))))
         return 0
 
     def current_groups(self) -> list[tuple[tuple[str, int], Host]]:

@@ -134,9 +134,10 @@ class FailureScanner:
     The first report wins, with two exceptions. A psrt marker replaces an earlier
     MPI_Abort notice for the same rank, because psrt prints its marker just before
     aborting and the launcher's notice can overtake it. A blame line (the first one, if
-    several) replaces its reporter's own marker and any launcher notice: the reporter
-    aborts the job just after blaming, and what the launcher then sees is the abort, not
-    its cause. A marker of another rank that came first stands: that rank failed on its own.
+    several) replaces its reporter's own marker and the launcher's notice of that rank: the
+    reporter aborts the job just after blaming, and what the launcher then sees is the abort,
+    not its cause. Any report of another rank that came first stands: that rank failed on its
+    own (a rank that died, say, which elastic mode must drop).
     """
 
     def __init__(self) -> None:
@@ -181,8 +182,7 @@ class FailureScanner:
 
 def _overrides(found: Failure, current: Failure) -> bool:
     """Whether a later report ``found`` says more about the job's failure than ``current``."""
-    if found.kind is FailureKind.BLAME:
-        return current.kind in (FailureKind.EXIT, FailureKind.ABORT) or (
-            current.kind is FailureKind.MARKER and current.rank == found.reporter)
+    if found.kind is FailureKind.BLAME:  # the reporter's own report or abort, which the blame explains
+        return current.rank == found.reporter
     return (current.kind is FailureKind.ABORT and found.kind is FailureKind.MARKER
             and found.rank == current.rank)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shlex
 import signal
 import subprocess
 import sys
@@ -44,8 +45,9 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass(frozen=True)
 class JobResult:
-    """How the job ended: psrun's exit code, the first failed rank if one was named,
-    and the signal psrun passed on to mpirun if the user stopped the job."""
+    """How the job ended: psrun's exit code, the failure that headlines it if one was named
+    (the first rank that failed, or the rank a stall report blamed), and the signal psrun
+    passed on to mpirun if the user stopped the job."""
 
     returncode: int
     failure: Failure | None
@@ -158,20 +160,29 @@ def _end_leftovers(session: int) -> None:
               f"behind on this host (pid {', '.join(map(str, leftovers))})", file=sys.stderr, flush=True)
 
 
-def run_job(command: Sequence[str], env: Mapping[str, str], *, verbose: bool = False,
-            rank_stderr: int = 0) -> JobResult:
-    """Run ``command`` (an mpirun command line) to completion.
+@dataclass(frozen=True)
+class JobCommand:
+    """An mpirun command line, and how many ranks send their stderr to psrun's own pipes
+    (it was built with :func:`launcher.rank_stderr.wrap_command`; 0: none, mpirun merges it)."""
+
+    argv: tuple[str, ...]
+    rank_stderr: int = 0
+
+    def __str__(self) -> str:
+        return shlex.join(self.argv)
+
+
+def run_job(command: JobCommand, env: Mapping[str, str], *, verbose: bool = False) -> JobResult:
+    """Run ``command`` to completion.
 
     Returns mpirun's exit code (128 + N if mpirun itself died from signal N,
-    as a shell reports it) and the first rank failure found in its stderr.
+    as a shell reports it) and the failure that headlines the job, from its stderr.
     Once the user stops the job, ranks dying is the expected outcome, so only
-    a failure reported before the stop signal counts. ``rank_stderr``: the number of
-    ranks whose stderr the command sends to psrun's own pipes (it was built with
-    :func:`launcher.rank_stderr.wrap_command`), 0 for none. ``verbose``: show all of
+    a failure reported before the stop signal counts. ``verbose``: show all of
     stderr, even once the job fails.
     """
     scanner = FailureScanner()
-    ranks = _rank_pipes(rank_stderr)
+    ranks = _rank_pipes(command.rank_stderr)
     view = StderrFilter(scanner, _writer(sys.stderr), verbose=verbose, labelled=ranks is not None)
     lifeline = Lifeline()
     proc = _start(command, env, ranks, lifeline)
@@ -221,14 +232,15 @@ def _rank_pipes(num_ranks: int) -> RankStderr | None:
         return None
 
 
-def _start(command: Sequence[str], env: Mapping[str, str], ranks: RankStderr | None,
+def _start(command: JobCommand, env: Mapping[str, str], ranks: RankStderr | None,
            lifeline: Lifeline) -> subprocess.Popen[bytes]:
     """Start mpirun in a session of its own, watched by ``lifeline``; on failure, undo the rest."""
     job_env = dict(env)
+    job_env.pop(DIRECTORY_VARIABLE, None)  # a psrun inside a rank of another must not use its pipes
     if ranks is not None:
         job_env[DIRECTORY_VARIABLE] = ranks.directory
     try:
-        proc = subprocess.Popen(list(command), env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(list(command.argv), env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
     except OSError:
         lifeline.release()

@@ -39,8 +39,18 @@ _LOG_LINES_BEFORE = 2000
 # An unfinished line (a progress bar redrawn with \r) is kept only this long for scanning.
 _PARTIAL_KEPT = 8192
 _TRACEBACK = "Traceback (most recent call last):"
+_TRACEBACK_BYTES = _TRACEBACK.encode()
 # Open MPI frames its banners with a row of dashes, MPICH's Hydra with "=".
 _RULE = re.compile(r"^\s*(?:-{40,}|={40,})\s*$")
+
+
+def _traceback_header(raw: bytes, shown: int) -> int | None:
+    """Where a traceback's first line starts in the line ``raw``, if the line ends with it
+    (after a progress bar left unfinished, maybe) and that part is not shown yet."""
+    start = raw.rfind(_TRACEBACK_BYTES)
+    if start < shown or raw[start:].rstrip(b"\0 \t\r\n") != _TRACEBACK_BYTES:
+        return None
+    return start
 
 
 @dataclass
@@ -167,9 +177,12 @@ class StderrFilter:
             if stream.hold_ends_at_rule and _RULE.match(text):
                 self._release(stream)
             return
-        if not shown and (text.rstrip() == _TRACEBACK or _RULE.match(text)):
-            stream.held, stream.held_since = [raw], now
-            stream.hold_ends_at_rule = text.rstrip() != _TRACEBACK
+        header = _traceback_header(raw, shown)
+        if header is not None or (not shown and _RULE.match(text)):
+            if header:  # a progress bar left unfinished before the traceback's first line
+                self._show(raw[shown:header] + b"\n")
+            stream.held, stream.held_since = [raw[header or 0:]], now
+            stream.hold_ends_at_rule = header is None
             return
         self._show(raw[shown:])
 

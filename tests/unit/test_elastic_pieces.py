@@ -624,3 +624,22 @@ def test_a_bad_blacklist_cooldown_range_is_refused_before_launching(tmp_path, ca
     code = cli.main(["--mpirun", mpirun, "--blacklist-cooldown-range", "10", "5", "python", "train.py"])
     assert code == 2 and not ran.exists()
     assert "psrun: error: --blacklist-cooldown-range 10 5: need 1 <= LOW <= HIGH <= 3600" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["-H", "locahost:2"], "psrun: error: unknown host 'locahost'"),
+    (["-np", "1", "--", "train.py"], "psrun: error: 'train.py' is a Python script, not a program"),
+    (["--dry-run", "-H", "127.200.0.9:2"], "hosts other than this machine need --elastic-dir"),
+])
+def test_an_elastic_job_that_cannot_launch_is_refused_up_front_and_leaves_nothing(tmp_path, capsys, monkeypatch,
+                                                                                  argv, error):
+    """Once a Python traceback (and a temporary directory left behind), or a dry run that
+    approved what the run refuses."""
+    monkeypatch.setattr(elastic.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    mpirun, ran = recording_mpirun(tmp_path)
+    command = ["python", "-c", "pass"] if "--" not in argv else []
+    code = cli.main(["--mpirun", mpirun, "--min-np", "1", *argv, *command])
+    assert code == 2 and not ran.exists()
+    assert error in capsys.readouterr().err
+    assert list((tmp_path / "tmp").iterdir()) == []

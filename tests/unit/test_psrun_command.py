@@ -601,7 +601,7 @@ def test_rank_count_is_plain_decimal_within_range(capsys, openmpi, count, flag) 
         return  # no restart is a valid choice
     assert main(["--mpirun", openmpi, flag, count, "python", "x.py"]) == 2
     err = capsys.readouterr().err
-    assert "psrun: error: argument " in err and ": rank count " in err, err
+    assert "psrun: error: argument " in err and (": restart count " if flag == "--restarts" else ": rank count ") in err, err
 
 
 def test_an_unknown_host_is_named_before_launching(capsys, openmpi, tmp_path) -> None:

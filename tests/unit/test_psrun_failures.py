@@ -99,8 +99,12 @@ def test_a_blame_line_wins_over_the_reporters_marker_and_the_aborts_notices():
     abort = ["MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD", "  Proc: [[55606,1],0]",
              "  Errorcode: 1"]
     killed = ["prterun noticed that process rank 1 with PID 7 on node vm exited on", "signal 9 (Killed)."]
-    for lines in ([BLAME, marker, *abort], [marker, BLAME], [*abort, BLAME, marker], [*killed, BLAME]):
+    for lines in ([BLAME, marker, *abort], [marker, BLAME], [*abort, BLAME, marker]):
         assert failure_of(*lines).summary().startswith("rank 1 (worker 1) is to blame"), lines
+    # A rank that really died first stays the headline (and elastic mode drops its slots).
+    assert failure_of(*killed, BLAME).summary() == "rank 1 failed first: killed by signal 9 (SIGKILL)"
+    other = ["prterun noticed that process rank 2 with PID 7 on node vm exited on", "signal 9 (Killed)."]
+    assert failure_of(*other, BLAME).summary() == "rank 2 failed first: killed by signal 9 (SIGKILL)"
 
 
 def test_the_first_blame_line_wins_and_an_earlier_marker_of_another_rank_stands():

@@ -67,6 +67,22 @@ def test_two_ranks_tracebacks_interleaved_show_once_and_the_rest_goes_to_the_log
     assert "[mpirun] MPI_ABORT was invoked on rank 0" in log and "\x00" not in log
 
 
+def test_tracebacks_after_unfinished_progress_bars_still_show_once(tmp_path):
+    """tqdm leaves its bar unfinished, so each traceback's first line lands on the bar's line."""
+    term = Terminal(tmp_path)
+    for rank in (0, 1):
+        term.feed(rank, "\r 20%|##        | 2/10")
+    for line0, line1 in zip(traceback_of(0, MISMATCH), traceback_of(1, MISMATCH)):
+        term.feed(0, line0)
+        term.feed(1, line1)
+    term.feed(1, f"psrt: rank 1 failed: raised CollectiveMismatchError: {MISMATCH}\n")
+    term.feed(0, f"psrt: rank 0 failed: raised CollectiveMismatchError: {MISMATCH}\n")
+    term.view.finish()
+    assert term.text.count("Traceback (most recent call last):") == 1, term.text
+    assert term.text.endswith("".join(traceback_of(1, MISMATCH)))
+    assert term.text.startswith("\r 20%|##        | 2/10\r 20%|##        | 2/10\n")
+
+
 def test_progress_bars_and_ordinary_lines_flow_live_until_a_failure(tmp_path):
     term = Terminal(tmp_path)
     term.feed(1, "epoch 1:  10%")
