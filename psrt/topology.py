@@ -95,7 +95,7 @@ class Topology:
         # parallelism), by process set id
         self._direct: dict[int, DirectGroup] = {}
         self._direct[GLOBAL_PROCESS_SET_ID] = self._direct_group(self._registry.split(0, key=world.rank),
-                                                                 global_set)
+                                                                 global_set, GLOBAL_PROCESS_SET_ID)
         # The engine's communicator for the global set's host tensors (see transport()).
         self._hierarchical = hierarchical_or_none(world, local) if hierarchical_allreduce else None
         self._sets: dict[int, ProcessSet] = {GLOBAL_PROCESS_SET_ID: global_set}
@@ -126,7 +126,7 @@ class Topology:
         set_id, self._next_id = self._next_id, self._next_id + 1
         self._communicators[set_id] = comm
         if direct is not None:
-            self._direct[set_id] = self._direct_group(direct, process_set)
+            self._direct[set_id] = self._direct_group(direct, process_set, set_id)
         self._sets[set_id] = process_set
         process_set.process_set_id, process_set._topology = set_id, self
         return process_set
@@ -221,9 +221,10 @@ class Topology:
         collectives on one communicator)."""
         return self._direct[self._registered_id(process_set)]
 
-    def _direct_group(self, host: Communicator, process_set: ProcessSet) -> DirectGroup:
+    def _direct_group(self, host: Communicator, process_set: ProcessSet, set_id: int) -> DirectGroup:
         """Direct traffic's group over ``host``, with this topology's watchdog."""
-        return DirectGroup(host, self.ranks_of(process_set), self._watchdog, name=lambda: repr(process_set))
+        return DirectGroup(host, self.ranks_of(process_set), self._watchdog, key=f"process set {set_id}",
+                           name=lambda: repr(process_set))
 
     def _registered_id(self, process_set: ProcessSet) -> int:
         self.communicator(process_set)

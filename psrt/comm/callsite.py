@@ -12,17 +12,20 @@ import sysconfig
 from types import FrameType
 
 _PSRT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PATHS = sysconfig.get_paths()
+_STDLIB_DIR = os.path.abspath(_PATHS["stdlib"]) + os.sep
+# Installed packages count as the user's code (Lightning's, transformers'), wherever the
+# layout puts them: below the standard library (pyenv, conda) or apart (a venv).
+_SITE_DIRS = tuple({os.path.abspath(_PATHS[key]) + os.sep for key in ("purelib", "platlib")})
 
 
-_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
-
-
-def _libraries() -> tuple[str, ...]:
-    """Where the frames that are nobody's call site live: psrt, torch, Python's own library."""
+def _is_library(filename: str) -> bool:
+    """Whether a frame of ``filename`` is nobody's call site: torch's, or Python's own library."""
     torch = sys.modules.get("torch")
     path = getattr(torch, "__file__", None)
-    torch_dir = (os.path.dirname(os.path.abspath(path)) + os.sep,) if path else ()
-    return (_PSRT_DIR, _STDLIB_DIR, *torch_dir)
+    if path and filename.startswith(os.path.dirname(os.path.abspath(path)) + os.sep):
+        return True
+    return filename.startswith(_STDLIB_DIR) and not filename.startswith(_SITE_DIRS)
 
 
 def _name(frame: FrameType) -> str:
@@ -35,13 +38,12 @@ def locate(thread_id: int | None) -> tuple[str, str]:
     frame outside the libraries and the outermost psrt function below it; empty strings
     for what is not there (a thread in psrt called from no Python frame: ``atexit``)."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    libraries = _libraries()
     api = ""
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
         if filename.startswith(_PSRT_DIR):
             api = _name(frame)
-        elif not filename.startswith(libraries):
+        elif not _is_library(filename):
             return f"{_short(filename)}:{frame.f_lineno} (in {_name(frame)})", api
         frame = frame.f_back
     return "", api

@@ -81,12 +81,15 @@ class Call:
 
 
 def needed(call: Call, calls: Mapping[int, Call]) -> set[int] | None:
-    """The ranks ``call`` still needs, or None when it cannot tell yet."""
+    """The ranks ``call`` still needs (those it names, else its members), less those that are
+    in it or past it; None when it cannot tell yet.  A rank in the same call is never needed,
+    whatever the call's own list says: that list (the engine's table, the ranks shut down)
+    stops changing when a rank freezes, and must not make the ranks waiting alike look stuck
+    on each other (the frozen rank, silent, is then left to the stall report)."""
     if not call.known:
         return None
-    if call.needs is not None:
-        return set(call.needs) - {call.rank}
-    return {q for q in call.peers if q != call.rank and not (q in calls and call.passed_by(calls[q]))}
+    candidates = call.peers if call.needs is None else call.needs
+    return {q for q in candidates if q != call.rank and not (q in calls and call.passed_by(calls[q]))}
 
 
 def find(me: int, calls: Mapping[int, Call]) -> list[int] | None:
@@ -98,10 +101,9 @@ def find(me: int, calls: Mapping[int, Call]) -> list[int] | None:
     for rank, call in calls.items():
         needs = needed(call, calls)
         edges[rank] = sorted(q for q in needs or () if q in calls)
-    reachable, stack, order = {me}, [me], []
+    reachable, stack = {me}, [me]
     while stack:
         rank = stack.pop()
-        order.append(rank)
         for q in edges[rank]:
             if q not in reachable:
                 reachable.add(q)
@@ -177,12 +179,13 @@ class Detector:
         self.rank = rank
         self._answer_within_s = answer_within_s
         self._probe: _Probe | None = None
-        self._previous: tuple | None = None  # the last probe's deadlock, and in how many probes in a row
+        self._last_found: tuple | None = None  # the signature of the last probe's deadlock
+        self._found_in_a_row = 0  # in how many probes in a row it was found
 
     def look(self, call: Call | None, now: float, prober) -> tuple[list[int], dict[int, Call]] | None:
         """Move the probe on; returns the deadlocked ranks and their calls once confirmed."""
         if call is None or call.age < AFTER_S or not call.known:
-            self._probe = self._previous = None
+            self._probe = self._last_found = None
             return None
         probe = self._probe
         if probe is None or (probe.settled and now - probe.started >= max(PERIOD_S, call.age / 4)):
@@ -205,13 +208,13 @@ class Detector:
         calls[self.rank] = call
         ranks = find(self.rank, calls)
         mark = None if ranks is None else signature(ranks, calls)
-        if mark is None or mark != (self._previous or (None,))[0]:
-            self._previous = (mark, 1)
+        self._found_in_a_row = self._found_in_a_row + 1 if mark is not None and mark == self._last_found else 1
+        self._last_found = mark
+        if mark is None:
             return None
         # Found alike again: confirmed.  The lowest rank speaks; the others give it one
         # more probe's time, so that one report, not one per rank, is printed.
-        self._previous = (mark, self._previous[1] + 1)
-        return (ranks, calls) if self._previous[1] >= (2 if self.rank == ranks[0] else 3) else None
+        return (ranks, calls) if self._found_in_a_row >= (2 if self.rank == ranks[0] else 3) else None
 
     def _ask(self, probe: _Probe, ranks: Sequence[int], now: float, prober) -> None:
         fresh = [r for r in ranks if r != self.rank and r not in probe.asked]

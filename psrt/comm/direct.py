@@ -147,10 +147,12 @@ class DirectGroup:
     stall reports and errors (a function is evaluated only when one is written).
     Collectives take a ``label`` saying who runs them ("tensor-parallel"), for the same
     texts, and ``check``, whether to run the agreement check first.  A CUDA communicator is
-    made on a device's first collective, collectively over the members.
+    made on a device's first collective, collectively over the members.  ``key`` tells the
+    group apart from any other of the same members, alike on every member (a process set's
+    id): deadlock detection compares the members' calls by it.
     """
 
-    def __init__(self, host: Communicator, ranks: Sequence[int], watchdog: Watchdog, *,
+    def __init__(self, host: Communicator, ranks: Sequence[int], watchdog: Watchdog, *, key: object,
                  name: Text = "a direct group", job_ranks: bool = False) -> None:
         self.host, self.ranks = host, tuple(ranks)
         self.rank, self.size = host.rank, host.size
@@ -164,7 +166,7 @@ class DirectGroup:
         self._digests: dict[tuple, int] = {}  # by (kind, dtype, shape): see _agree_on
         self._marks: dict[tuple, Wait] = {}  # by (label, call, thread): see _collective
         self._calls = 0  # collectives begun on the group: see _collective
-        self._ident = f"{self.name} of ranks {self.ranks}"  # the group, the same on every member
+        self._ident = f"{key} of ranks {self.ranks}"  # the group, the same on every member
 
     @property
     def name(self) -> str:
@@ -382,7 +384,7 @@ class DirectGroup:
         sender = (self.ranks[source],)
         # A receive needs its sender until the header is in (a call, for deadlock detection);
         # the data then follows by itself.
-        with self.waiting(kind, what, sender, ident=(RECEIVE, self._ident, source, tag), needs=lambda: sender):
+        with self.waiting(kind, what, sender, ident=(RECEIVE, self._ident, source, tag)):
             wait_politely(self.host.irecv(words, source, tag))
         with self.waiting(kind, what, sender):
             header = Header.decode(words.tolist())

@@ -56,12 +56,14 @@ class MpiProber:
     def serve(self, status: Callable[[], dict]) -> None:
         """Answer every ping that has arrived, take in every answer, forget finished sends."""
         MPI, info = self._MPI, self._MPI.Status()
+        answer = None  # the status, worked out once for every ping of this pass
         while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=info):
             source, tag, count = info.Get_source(), info.Get_tag(), info.Get_count(MPI.BYTE)
             payload = bytearray(count)
             self._comm.Recv([payload, MPI.BYTE], source=source, tag=tag)
             if tag == self._PING:
-                self._send(bytearray(json.dumps(status()).encode()), source, self._ANSWER)
+                answer = answer or json.dumps(status()).encode()
+                self._send(bytearray(answer), source, self._ANSWER)
             elif tag == self._ANSWER:
                 self._answers[source] = (time.monotonic(), json.loads(payload.decode()))
         self._sends = [(request, buffer) for request, buffer in self._sends if not request.Test()]

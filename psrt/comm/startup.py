@@ -39,22 +39,26 @@ import time
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 _SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
-#: The ranks that report (the others only end the job): one line, not one per rank.  At the
-#: exit, where marks tell which ranks wait, the lowest of those reports instead.
+#: The ranks that report where no marks tell which ranks wait (the others only end the job),
+#: so that one or two lines come, not one per rank; where marks tell, the lowest rank waiting.
 _SPEAKERS = (0, 1)
 #: How often a watcher looks whether the rank it watches has ended.
 _LOOK_EVERY_S = 0.25
 
 START_UP, EXIT = "start-up", "exit"
 #: By phase: the marks' directory, the wait, what a missing rank has not done (one, several;
-#: the first also where the ranks are not known), and why that holds the others.
+#: the first also where the ranks are not known), what holds the ranks when every one has
+#: left its mark, and why a missing rank holds the others.
 _PHASES = {
     START_UP: ("psrt-startup", "MPI's start-up (MPI_Init_thread, when psrt is imported)",
                ("has not started MPI", "have not started MPI", "has not started it"),
+               "every rank has started it: MPI's own start-up is slow or stuck (its network, its launcher)",
                ("MPI starts only once every rank has started it, so a rank stuck or still busy before "
                 "importing psrt (or one that failed to start) holds every other rank here")),
     EXIT: ("psrt-exit", "MPI's finalisation (MPI_Finalize, at the end of the process, after psrt.shutdown())",
            ("has not finished", "have not finished", "has not finished"),
+           "every rank has reached psrt's exit: one is still in a later exit handler of its own, or in "
+           "MPI_Finalize",
            ("MPI ends only once every rank has finalised it, so a rank still running its own code after "
             "psrt.shutdown() (or stuck at its exit) holds every other rank here")),
 }
@@ -82,6 +86,8 @@ def _start_watcher(phase: str, check_s: float, shutdown_s: float, stdin: int) ->
     once nothing writes there any more, or this process has ended); None where no watcher can
     start."""
     rank, size = _first_int(_RANK_VARIABLES), _first_int(_SIZE_VARIABLES)
+    if size == 1:  # nobody to wait for
+        return None
     arrivals = _arrival_directory(rank, size, phase)
     try:
         if arrivals is not None:
@@ -106,14 +112,10 @@ class StartupWatch:
         self._watcher = _start_watcher(START_UP, check_s, shutdown_s, subprocess.PIPE)
 
     def stop(self) -> None:
-        """MPI has started: the watcher leaves."""
-        if self._watcher is None:
-            return
-        self._watcher.stdin.close()
-        try:
-            self._watcher.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._watcher.kill()
+        """MPI has started: the watcher leaves (not waited for: its own start-up would add to
+        every import)."""
+        if self._watcher is not None:
+            self._watcher.stdin.close()
 
 
 def watch_exit(check_s: float, shutdown_s: float) -> None:
@@ -137,23 +139,25 @@ def _missing(arrivals: str, size: int) -> list[int] | None:
 
 
 def _describe(phase: str, rank: str, size: int, arrivals: str, waited: float, parent: int) -> str:
-    _, wait, (one, several, unknown), why = _PHASES[phase]
+    _, wait, (one, several, unknown), everyone, why = _PHASES[phase]
     missing = _missing(arrivals, size) if arrivals else None
     if missing:
         who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
                f"{one if len(missing) == 1 else several}")
+    elif missing == []:
+        who = everyone
     else:
         who = f"MPI cannot tell which rank {unknown} (not every rank runs on this host)"
     return (f"stall: {wait} on rank {rank} ({socket.gethostname()}, pid {parent}) has waited {waited:.0f} s "
             f"for the other ranks of the job: {who}; {why}")
 
 
-def _speaks(phase: str, rank: str, size: int, arrivals: str) -> bool:
-    """Whether this rank reports: at the exit the lowest rank that waits there, where the marks
-    tell; else one of :data:`_SPEAKERS`."""
+def _speaks(rank: str, size: int, arrivals: str) -> bool:
+    """Whether this rank reports: the lowest rank that waits, where the marks tell; else one of
+    :data:`_SPEAKERS`."""
     if not rank.isdecimal():
         return False
-    missing = _missing(arrivals, size) if phase == EXIT and arrivals else None
+    missing = _missing(arrivals, size) if arrivals else None
     if missing is not None:
         return int(rank) == min(set(range(size)) - set(missing), default=int(rank))
     return int(rank) in _SPEAKERS
@@ -194,7 +198,7 @@ def main(rank: str, size: str, check: str, shutdown: str, arrivals: str, parent:
     identity = _identity(pid)
     if identity is None or _released(check_s, pid, identity):
         return
-    if _speaks(phase, rank, ranks, arrivals):
+    if _speaks(rank, ranks, arrivals):
         print(f"psrt: {_describe(phase, rank, ranks, arrivals, time.monotonic() - begun, pid)}",
               file=sys.stderr, flush=True)
     if shutdown_s <= 0 or _released(shutdown_s - (time.monotonic() - begun), pid, identity):

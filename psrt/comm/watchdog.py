@@ -84,7 +84,7 @@ class Wait:
                  needs: Callable[[], Sequence[int] | None] | None = None) -> None:
         self.kind, self.what, self.peers, self.since, self.key = kind, what, peers, since, key
         self.ends_job = ends_job  # False: a wait by design, reported but never ending the job
-        self.stalls = True  # False: a call whose stall another wait reports (the engine's table)
+        self.stalls = True  # False: a call whose stall another wait reports (see Watchdog.waiting)
         self.ident, self.needs = ident, needs
         self._to_job, self._stack = to_job, stack  # peers in psrt's world, mapped to job ranks
 
@@ -179,7 +179,8 @@ class Watchdog:
         self._reported: set[object] = set()
         # Who speaks while no probe is possible (start-up); see bootstrap.Arrivals.speaks.
         self.speaks_unprobed: Callable[[], bool] = lambda: self.rank == 0
-        self._detector = deadlock.Detector(rank, ANSWER_WITHIN_S)
+        self._detector: deadlock.Detector | None = None  # made with the prober
+        self._deadlock_reported = False
         self._ended = False
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="psrt-watchdog", daemon=True)
@@ -202,7 +203,8 @@ class Watchdog:
 
     # -- what callers mark ------------------------------------------------------------------------
     def waiting(self, kind: str, what: Text, world_peers: Ranks = (), *, job_peers: Ranks = (),
-                ident: tuple | None = None, needs: Callable[[], Sequence[int] | None] | None = None) -> Wait:
+                ident: tuple | None = None, needs: Callable[[], Sequence[int] | None] | None = None,
+                stalls: bool = True) -> Wait:
         """Mark the calling thread as waiting on other ranks for ``what`` (a string, or a
         function evaluated only if the wait becomes a stall) until the block ends.
 
@@ -210,15 +212,19 @@ class Watchdog:
         parameter-server traffic, job ranks (``job_peers``); either may be a function.
         The returned wait may be entered again and again by the thread that made it (the
         engine thread keeps one for all its negotiation rounds), never by another thread.
-        ``ident`` and ``needs`` make it a call (see :class:`Wait`).
+        ``ident`` and ``needs`` make it a call (see :class:`Wait`); ``stalls=False`` leaves its
+        stall to another wait that reports it (the engine's table of works some ranks lack).
         """
         try:
             stack = self._local.stack
         except AttributeError:
             stack = self._local.stack = self._stacks.setdefault(threading.get_ident(), _Stack())
         if world_peers:
-            return Wait(kind, what, world_peers, 0.0, None, self.job_ranks, stack, ident=ident, needs=needs)
-        return Wait(kind, what, job_peers, 0.0, None, None, stack, ident=ident, needs=needs)
+            wait = Wait(kind, what, world_peers, 0.0, None, self.job_ranks, stack, ident=ident, needs=needs)
+        else:
+            wait = Wait(kind, what, job_peers, 0.0, None, None, stack, ident=ident, needs=needs)
+        wait.stalls = stalls
+        return wait
 
     def publish(self, source: str, waits: Sequence[Wait]) -> None:
         """Replace what ``source`` (a loop on this rank) holds; each wait's ``key`` must stay
@@ -307,13 +313,15 @@ class Watchdog:
         """End the job at once if the main thread's call is part of a deadlock (see
         :mod:`psrt.comm.deadlock`), with a line per rank saying what it waits in and where."""
         found = self._detector.look(self.main_call(now, lasting=deadlock.AFTER_S), now, prober)
-        if found is None:
+        if found is None or self._deadlock_reported:
             return
         ranks, calls = found
-        self._ended = True
-        lines = deadlock.report(ranks, calls)
-        for line in lines:
+        for line in deadlock.report(ranks, calls):
             print(f"psrt: deadlock: {line}", file=sys.__stderr__, flush=True)
+        if self._shutdown_s <= 0:  # PSRT_STALL_SHUTDOWN_TIME=0: report, never end (a debugger may attach)
+            self._deadlock_reported = True
+            return
+        self._ended = True
         shown = "; ".join(f"rank {r} in {calls[r].what}" for r in ranks[:3]) + (
             f"; and {len(ranks) - 3} more" if len(ranks) > 3 else "")
         self._end_job(f"deadlock: ranks {rank_ranges(ranks)} each wait in a psrt call that cannot complete "

@@ -186,7 +186,7 @@ class Engine:
         call = self._marks(thread)[2]
         announcement = work.announcement
         call.what, call.peers = announcement.describe, announcement.ranks
-        call.ident, call.needs = ("engine", *work.key), functools.partial(self._negotiator.missing, work.key)
+        call.ident = ("engine", *work.key)  # its needs read the table by it (see _marks)
         with call:
             while not work.done():
                 with self._driver:
@@ -207,10 +207,9 @@ class Engine:
             self._join_done.clear()
             self._join_requested = True
         self._wake.set()
-        call = self._watchdog.waiting("a join", f"hvd.join() on rank {self.rank}", self._everyone, ident=("join",),
-                                      needs=self._not_joined)
-        call.stalls = False  # the engine's table reports a join, which waits by design
-        with call:
+        # the engine's table reports a join's stall (a wait by design: never fatal)
+        with self._watchdog.waiting("a join", f"hvd.join() on rank {self.rank}", self._everyone, ident=("join",),
+                                    needs=self._not_joined, stalls=False):
             self._join_done.wait()
         if isinstance(self._join_value, BaseException):
             raise self._join_value
@@ -429,8 +428,8 @@ class Engine:
         call mark serves deadlock detection only."""
         marks = self._thread_marks.get(thread)
         if marks is None:
-            call = self._watchdog.waiting("a blocking engine call", "", self._everyone)
-            call.stalls = False
+            call = self._watchdog.waiting("a blocking engine call", "", self._everyone, stalls=False)
+            call.needs = lambda: self._negotiator.missing(call.ident[1:])  # the ranks that lack the work
             marks = self._thread_marks[thread] = (
                 self._watchdog.waiting("an engine negotiation round", self._describe_round, self._everyone),
                 self._watchdog.waiting("an engine collective", "", self._everyone), call)

@@ -266,16 +266,14 @@ class Negotiator:
     def missing(self, key: WorkKey) -> list[int] | None:
         """The ranks that have not submitted work ``key``, or None while the table does not
         know it (a work waits in it once announced: when new, or after waiting a while).
-        Read from other threads: a table changing meanwhile gives None (ask again later)."""
-        try:
-            pending = self.table.get(key)
-            if pending is None:
-                return None
-            by_rank = dict(pending.by_rank)
-            first = next(iter(by_rank.values()))
-            return [r for r in first.ranks if r not in by_rank and r not in self.joined]
-        except (RuntimeError, StopIteration):
-            return None
+        Read from the watchdog's thread: a work just resolved gives None."""
+        pending = self.table.get(key)
+        return None if pending is None else self._missing_from(pending)
+
+    def _missing_from(self, pending: _Pending) -> list[int]:
+        """The members of a table work that have neither submitted it nor joined."""
+        by_rank = dict(pending.by_rank)  # one step under the GIL: the engine thread adds to it
+        return [r for r in next(iter(by_rank.values())).ranks if r not in by_rank and r not in self.joined]
 
     def stalled(self, older_than: float) -> list[tuple[str, float, list[int], list[int]]]:
         """What has waited at least ``older_than`` seconds for some ranks: (what, seconds
@@ -285,10 +283,8 @@ class Negotiator:
         for pending in self.table.values():
             if now - pending.first_seen >= older_than:
                 first = next(iter(pending.by_rank.values()))
-                have = sorted(pending.by_rank)
-                missing = [r for r in first.ranks if r not in pending.by_rank and r not in self.joined]
-                stalled.append((first.describe(), now - pending.first_seen,
-                                have, missing))
+                stalled.append((first.describe(), now - pending.first_seen, sorted(pending.by_rank),
+                                self._missing_from(pending)))
         if self.joined and now - self._join_started >= older_than:
             have = sorted(set(self.joined))
             stalled.append(("join", now - self._join_started, have,

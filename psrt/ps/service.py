@@ -42,7 +42,8 @@ class WorkerLink:
 
     def __init__(self, comm: Communicator, roles: Roles, config: Config, watchdog: Watchdog) -> None:
         self.comm, self.roles, self.config = comm, roles, config
-        self.group = DirectGroup(comm, range(comm.size), watchdog, name="the parameter-server link", job_ranks=True)
+        self.group = DirectGroup(comm, range(comm.size), watchdog, key="the parameter-server link",
+                                 name="the parameter-server link", job_ranks=True)
         self.worker = roles.worker_index(comm.rank)
         self.num_workers = len(roles.workers)
         self.num_servers = len(roles.servers)

@@ -173,3 +173,12 @@ def test_locate_names_the_users_line_and_the_psrt_function_it_called():
 
 def test_locate_of_a_thread_that_has_no_frame_outside_psrt_gives_the_api_alone():
     assert callsite.locate(None) == ("", "")
+
+
+def test_ranks_in_the_same_call_are_never_stuck_on_each_other_whatever_stale_lists_say():
+    """Rank 3 froze: the rounds that would tell ranks 0-2 that the others shut down too never
+    complete, so each one's list still names the others.  A stall of rank 3, not a deadlock."""
+    at_exit = {r: call(r, ("shutdown",), (0, 1, 2, 3), tuple(q for q in range(4) if q != r)) for r in range(3)}
+    assert find(0, at_exit) is None
+    announced = {r: engine(r, "x", (1, 2, 3), (0, 1, 2, 3)) for r in range(3)}
+    assert find(1, announced) is None

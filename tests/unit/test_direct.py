@@ -151,7 +151,7 @@ def run_ranks(size: int, body: Callable[[DirectGroup], object], ranks: Sequence[
     comms = [ThreadComm(hub, r) for r in range(size)]
     dogs = [RecordingWatchdog() for _ in range(size)]
     ranks = list(range(10, 10 + size)) if ranks is None else ranks
-    groups = [DirectGroup(comms[r], ranks, dogs[r], name="the test set", **group_options) for r in range(size)]
+    groups = [DirectGroup(comms[r], ranks, dogs[r], key="test", name="the test set", **group_options) for r in range(size)]
     results: list = [None] * size
 
     def run(r: int) -> None:
@@ -280,7 +280,7 @@ def test_a_group_over_job_ranks_names_its_peers_as_job_ranks():
 
 def test_a_message_a_header_cannot_describe_is_refused_before_sending():
     hub = _Hub(1)
-    group = DirectGroup(ThreadComm(hub, 0), [0], RecordingWatchdog())
+    group = DirectGroup(ThreadComm(hub, 0), [0], RecordingWatchdog(), key="test")
     with pytest.raises(CommunicationError, match="at most 8 dimensions"):
         group.send(torch.zeros((1,) * 9), 0, tag=1)
     assert not hub.mail
