@@ -22,6 +22,7 @@ import time
 import torch
 
 from psrt import runtime
+from psrt.autograd import skips_without_gradient
 from psrt.comm.stats import CommStats
 from psrt.cp import zigzag
 from psrt.errors import ArgumentTypeError, CommunicationError, InvalidArgumentError
@@ -128,6 +129,7 @@ def _block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         probabilities.transpose(-2, -1) @ grad_out
 
 
+@skips_without_gradient
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod

@@ -60,8 +60,8 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.num_samples = math.ceil(len(self.remaining) / self.num_replicas)
         padded = self.num_samples * self.num_replicas
         repeats = math.ceil(padded / max(len(self.remaining), 1))
-        self.order = self.remaining.repeat(repeats)[:padded] if len(self.remaining) else self.remaining
-        self.indices = self.order[self.rank::self.num_replicas].tolist()
+        padded_order = self.remaining.repeat(repeats)[:padded] if len(self.remaining) else self.remaining
+        self.indices = padded_order[self.rank::self.num_replicas].tolist()
 
     def __iter__(self):
         return iter(self.indices)

@@ -175,12 +175,14 @@ class State(abc.ABC):
     def _resume(self) -> bool:
         """Restore the last commit of an earlier launch, if there is one; collective.  Returns
         whether it did (every rank then holds the same committed state).  A failure is also
-        reported to psrun (:meth:`CommitStore.report_restore_failure`)."""
+        reported to psrun (:meth:`CommitStore.report_restore_failure`), whatever raised it: a
+        ZeRO or parameter-server checkpoint in the commit that fails to load as well."""
         try:
             return self._restore_last_commit()
-        except ElasticError as exc:
+        except Exception as exc:
             if runtime.rank() == 0:
-                self._store.report_restore_failure(str(exc))
+                self._store.report_restore_failure(str(exc) if isinstance(exc, ElasticError)
+                                                   else f"{type(exc).__name__}: {exc}")
             raise
 
     def _restore_last_commit(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from psrt import runtime
+from psrt.autograd import skips_without_gradient
 from psrt.comm.stats import CommStats
 from psrt.topology import ProcessSet
 
@@ -39,6 +40,7 @@ def exchange(tensor: torch.Tensor, send_rows: Sequence[int], process_set: Proces
     return out, arrived
 
 
+@skips_without_gradient
 class _AllToAll(torch.autograd.Function):
     """:func:`exchange` forward; backward sends each gradient row back where its row came from."""
 

@@ -40,12 +40,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from psrt.autograd import skips_without_gradient
 from psrt.comm.buffers import dtype_code, dtype_of
 from psrt.ep.comm import all_to_all, exchange
 from psrt.errors import ArgumentTypeError, CollectiveMismatchError, InvalidArgumentError
 from psrt.topology import ProcessSet
 
 
+@skips_without_gradient
 class _AuxLossGradient(torch.autograd.Function):
     """Identity on the layer's output whose backward also sends ``coef`` into the aux loss."""
 

@@ -156,13 +156,11 @@ def point_to_point(sizes: tuple[int, ...], repeats: int) -> tuple[Link, list]:
 
         def work(tensor: torch.Tensor = tensor) -> None:
             if rank == 0:
-                with group.waiting("a probe message", "the probe's message to rank 1", (1,)):
-                    group.send(tensor, 1, _TAG).wait()
+                group.wait(group.send(tensor, 1, _TAG), "a probe message", "the probe's message to rank 1", (1,))
                 group.recv(1, _TAG, kind="a probe message", what="the probe's reply from rank 1")
             elif rank == 1:
                 group.recv(0, _TAG, kind="a probe message", what="the probe's message from rank 0")
-                with group.waiting("a probe message", "the probe's reply to rank 0", (0,)):
-                    group.send(tensor, 0, _TAG).wait()
+                group.wait(group.send(tensor, 0, _TAG), "a probe message", "the probe's reply to rank 0", (0,))
         points.append((nbytes, _median_seconds(work, repeats, together=True) / 2))
     return Link.fit(points), [{"bytes": n, "seconds": s} for n, s in points]
 

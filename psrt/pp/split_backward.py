@@ -64,7 +64,8 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, input
         return WeightPass([], [], [])
     on_path = _reachable(start, parents)
     starts, used = _starts(on_path, parents, [p for p in params if p.requires_grad])
-    weight_pass = WeightPass(starts, used, [node for node in on_path if node not in set(starts)])
+    start_set = set(starts)
+    weight_pass = WeightPass(starts, used, [node for node in on_path if node not in start_set])
     handles = [node.register_prehook(_keep(weight_pass, node)) for node in starts]
     try:
         (grad,) = torch.autograd.grad(output, input, grad_output, retain_graph=True)

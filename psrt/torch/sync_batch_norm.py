@@ -14,6 +14,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import psrt.torch as hvd
+from psrt.autograd import skips_without_gradient
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 
@@ -90,6 +91,7 @@ def _combine(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     return mean, var, total
 
 
+@skips_without_gradient
 class _SyncBatchNorm(torch.autograd.Function):
     """Batch norm over the concatenation of every rank's batch (forward and backward)."""
 

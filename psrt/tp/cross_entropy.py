@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from psrt.autograd import skips_without_gradient
 from psrt.comm.base import ReduceOp
 from psrt.errors import InvalidArgumentError
-from psrt.tp import comm
 from psrt.topology import ProcessSet
+from psrt.tp import comm
 
 
+@skips_without_gradient
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, process_set, vocab_size):

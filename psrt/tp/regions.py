@@ -4,7 +4,7 @@ Each one's name says what it does in forward; its backward is the transpose.
 A "tensor-parallel region" is where activations are split along the hidden
 (last) dimension across the TP set; a "sequence-parallel region" is where they
 are split along the sequence (``SEQUENCE_DIM``, batch-first layout) instead.
-A region given no gradient passes none on and runs no collective: a zero-bubble
+A region given no gradient passes none on and runs no collective (:mod:`psrt.autograd`): a zero-bubble
 weight pass (:mod:`psrt.pp.split_backward`) sends none along the activations'
 path, and every rank of the set skips alike.
 """
@@ -12,122 +12,109 @@ from __future__ import annotations
 
 import torch
 
-from psrt.tp import comm
+from psrt.autograd import skips_without_gradient
 from psrt.topology import ProcessSet
+from psrt.tp import comm
 
 SEQUENCE_DIM = 1  # activations are [batch, sequence, hidden]
 HIDDEN_DIM = -1
 
 
+@skips_without_gradient
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient backward (each rank's partial input grad)."""
 
     @staticmethod
     def forward(ctx, x, process_set):
-        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        if grad is None:
-            return None, None
         return comm.all_reduce_(grad.contiguous().clone(), ctx.process_set), None
 
 
+@skips_without_gradient
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     """All-reduce forward (summing partial outputs); identity backward."""
 
     @staticmethod
     def forward(ctx, x, process_set):
-        ctx.set_materialize_grads(False)
         return comm.all_reduce_(x.contiguous().clone(), process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        if grad is None:
-            return None, None
         return grad, None
 
 
+@skips_without_gradient
 class _ScatterToTensorParallelRegion(torch.autograd.Function):
     """Keep this rank's block of the hidden dimension; all-gather the gradient backward."""
 
     @staticmethod
     def forward(ctx, x, process_set):
-        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.split(x, HIDDEN_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        if grad is None:
-            return None, None
         return comm.all_gather(grad, HIDDEN_DIM, ctx.process_set), None
 
 
+@skips_without_gradient
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
     """All-gather along the hidden dimension; keep this rank's block of the gradient backward."""
 
     @staticmethod
     def forward(ctx, x, process_set):
-        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.all_gather(x, HIDDEN_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        if grad is None:
-            return None, None
         return comm.split(grad, HIDDEN_DIM, ctx.process_set), None
 
 
+@skips_without_gradient
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     """Keep this rank's block of the sequence; all-gather the gradient backward."""
 
     @staticmethod
     def forward(ctx, x, process_set):
-        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.split(x, SEQUENCE_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        if grad is None:
-            return None, None
         return comm.all_gather(grad, SEQUENCE_DIM, ctx.process_set), None
 
 
+@skips_without_gradient
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """All-gather the sequence before a column-parallel layer; backward reduce-scatters,
     since every rank's gradient of the full sequence is partial."""
 
     @staticmethod
     def forward(ctx, x, process_set):
-        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.all_gather(x, SEQUENCE_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        if grad is None:
-            return None, None
         return comm.reduce_scatter(grad, SEQUENCE_DIM, ctx.process_set), None
 
 
+@skips_without_gradient
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Sum partial outputs and keep this rank's block of the sequence; all-gather backward."""
 
     @staticmethod
     def forward(ctx, x, process_set):
-        ctx.set_materialize_grads(False)
         ctx.process_set = process_set
         return comm.reduce_scatter(x, SEQUENCE_DIM, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        if grad is None:
-            return None, None
         return comm.all_gather(grad, SEQUENCE_DIM, ctx.process_set), None
 
 

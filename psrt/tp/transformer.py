@@ -125,6 +125,7 @@ class ParallelTransformerBlock(nn.Module):
                  recompute: str | None = None, context_parallel: ProcessSet | None = None,
                  mlp: nn.Module | None = None) -> None:
         super().__init__()
+        _refuse_moe_with_sequence_parallelism(mlp, process_set, sequence_parallel)
         self.recompute = check_mode(recompute)
         self.process_set, self.sequence_parallel = process_set, sequence_parallel
         self.dropout = check_probability(dropout, "dropout")
@@ -134,7 +135,6 @@ class ParallelTransformerBlock(nn.Module):
                                           recompute="selective" if recompute == "selective" else None,
                                           context_parallel=context_parallel, **options)
         self.ln2 = LayerNorm(dim, **options)
-        _refuse_moe_with_sequence_parallelism(mlp, process_set, sequence_parallel)
         self.mlp = ParallelMLP(dim, mlp_ratio * dim, **options) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

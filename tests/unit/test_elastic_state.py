@@ -13,7 +13,7 @@ import torch
 import psrt.torch as hvd
 from psrt.elastic import commits
 from psrt.elastic.commits import CommitStore
-from psrt.errors import ArgumentTypeError, ElasticError
+from psrt.errors import ArgumentTypeError, CheckpointError, ElasticError
 
 
 @pytest.fixture
@@ -228,3 +228,19 @@ def test_a_restore_failure_is_reported_for_psrun(world_of_one, elastic_dir):
         two_commits(hvd.elastic.ObjectState(epoch=0))
     reason = json.loads((elastic_dir / commits.RESTORE_FAILED).read_text())["reason"]
     assert reason == str(caught.value) and "sha256" in reason
+
+
+def test_a_restore_that_fails_in_an_optimizer_checkpoint_is_reported_for_psrun_too(world_of_one, elastic_dir,
+                                                                                    monkeypatch):
+    """A ZeRO or parameter-server checkpoint inside the commit fails with its own error, not
+    an ElasticError: psrun must still learn of it, or it relaunches --restarts times."""
+    two_commits(hvd.elastic.ObjectState(epoch=0))
+    fresh = hvd.elastic.ObjectState(epoch=0)
+
+    def damaged(*args) -> None:
+        raise CheckpointError("zero/meta.json: sha256 differs")
+    monkeypatch.setattr(fresh, "_read", damaged)
+    with pytest.raises(CheckpointError):
+        two_commits(fresh)
+    reason = json.loads((elastic_dir / commits.RESTORE_FAILED).read_text())["reason"]
+    assert reason == "CheckpointError: zero/meta.json: sha256 differs"

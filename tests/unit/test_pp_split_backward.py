@@ -66,3 +66,30 @@ def test_a_recomputed_block_runs_forward_once_per_half(build):
     _, split = gradients(build, split=True, recompute=True)
     assert one_f_one_b == 2, f"an ordinary backward of a recomputed block ran {one_f_one_b} forwards"
     assert split <= 3, f"a split backward of a recomputed block ran {split} forwards, at most 3 expected"
+
+
+def test_psrt_autograd_functions_on_the_input_path_run_their_backward_once():
+    """The weight half gives the input's path no gradient: a psrt function there (a TP region,
+    an expert all-to-all, a CP ring) runs nothing then, where it once ran on zeros."""
+    from psrt.autograd import skips_without_gradient
+
+    calls = []
+
+    @skips_without_gradient
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            calls.append(grad)
+            return grad
+
+    first, second = nn.Linear(4, 4).double(), nn.Linear(4, 3).double()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    out = second(Identity.apply(first(x)))
+    weight_pass = backward_input(out, torch.ones_like(out), x, [*first.parameters(), *second.parameters()])
+    weight_pass.run()
+    assert len(calls) == 1, f"the function's backward ran {len(calls)} times"
+    assert all(p.grad is not None for p in [*first.parameters(), *second.parameters()])
