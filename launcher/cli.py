@@ -244,7 +244,7 @@ def _elastic(args: argparse.Namespace, env: Mapping[str, str]) -> Supervisor:
     max_np = args.max_np if args.max_np is not None else 1 << 30  # as many as there are slots
     restarts = 3 if args.restarts is None else args.restarts
     if max_np < min_np:
-        raise LaunchError(f"--min-np {min_np} and --max-np {max_np}: need min-np <= max-np")
+        raise LaunchError(f"--min-np {min_np} and --max-np {max_np}: need 1 <= min-np <= max-np")
     cooldown = tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None
     if cooldown is not None and (problem := check_cooldown_range(*cooldown)):
         raise LaunchError(problem)
