@@ -4,6 +4,9 @@ dropout inside and outside TP regions, activation recomputation, and conversion 
 from a full single-process ``state_dict``."""
 from psrt.tp.comm import CommStats, stats
 from psrt.tp.cross_entropy import vocab_parallel_cross_entropy
+from psrt.tp.parallelize import TensorParallelism, parallelize
+from psrt.tp.plan import (ColumnWise, Replicated, RowWise, SequenceGather, SequenceParallel, SequenceScatter,
+                          VocabEmbedding)
 from psrt.tp.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
 from psrt.tp.random import (RNGStatesTracker, manual_seed, replicated_dropout, rng_tracker,
                             tensor_parallel_dropout)
@@ -17,10 +20,12 @@ from psrt.tp.state import full_state_dict, load_full_state_dict
 from psrt.tp.transformer import ParallelMLP, ParallelSelfAttention, ParallelTransformerBlock
 
 __all__ = [
-    "ColumnParallelLinear", "CommStats", "LayerNorm", "ParallelMLP", "ParallelSelfAttention",
-    "ParallelTransformerBlock", "RNGStatesTracker", "RowParallelLinear", "Sharding", "VocabParallelEmbedding",
+    "ColumnParallelLinear", "ColumnWise", "CommStats", "LayerNorm", "ParallelMLP", "ParallelSelfAttention",
+    "ParallelTransformerBlock", "RNGStatesTracker", "Replicated", "RowParallelLinear", "RowWise",
+    "SequenceGather", "SequenceParallel", "SequenceScatter", "Sharding", "TensorParallelism", "VocabEmbedding",
+    "VocabParallelEmbedding",
     "checkpoint", "copy_to_tensor_parallel_region", "full_state_dict", "gather_from_sequence_parallel_region",
-    "gather_from_tensor_parallel_region", "load_full_state_dict", "manual_seed",
+    "gather_from_tensor_parallel_region", "load_full_state_dict", "manual_seed", "parallelize",
     "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region", "replicated_dropout",
     "rng_tracker", "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region",
     "sequence_parallel_parameters", "stats", "tensor_parallel_dropout", "vocab_parallel_cross_entropy",

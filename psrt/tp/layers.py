@@ -8,6 +8,7 @@ starts equal to the single-process model.  Activations are batch-first,
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -43,6 +44,10 @@ def _linear_init(out_features: int, in_features: int, bias: bool,
     return weight, torch.empty(out_features, **factory).uniform_(-bound, bound)
 
 
+def _along(sharding: Sharding, dim: int) -> Sharding:
+    return dataclasses.replace(sharding, dim=dim)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x Aᵀ + b`` with A's rows (output features) split over the TP set.
 
@@ -52,6 +57,11 @@ class ColumnParallelLinear(nn.Module):
     (q, k, v) that are split part by part.  ``pad_out_features`` pads the outputs up to a
     multiple of the TP size with zero-weight rows (an LM head over a vocabulary the size
     does not divide; pair it with ``vocab_parallel_cross_entropy(vocab_size=...)``).
+    ``transposed`` stores the weight as ``[in, out]``, the layout of ``transformers``' ``Conv1D``
+    (GPT-2), so that its ``state_dict`` keeps the shapes of the module it replaces.
+    ``input_is_gathered`` says the input was all-gathered along the sequence before it came
+    here (a sequence-parallel region ended at the module this layer belongs to, whose gather
+    reduce-scatters the gradient): the layer takes it as it is, in both directions.
 
     Collective: every rank of ``process_set`` (the TP set) runs forward and backward through it,
     in the same order.
@@ -60,10 +70,13 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  process_set: ProcessSet | None = None, gather_output: bool = False,
                  sequence_parallel: bool = False, stride: int = 1, pad_out_features: bool = False,
-                 device=None, dtype=None) -> None:
+                 transposed: bool = False, input_is_gathered: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         self.process_set = _check_process_set(process_set)
         size = group_size(self.process_set)
+        if sequence_parallel and input_is_gathered:
+            raise InvalidArgumentError("sequence_parallel gathers the input here; input_is_gathered says it "
+                                       "already was: pass one of them")
         if out_features % stride:
             raise InvalidArgumentError(f"out_features ({out_features}) is not divisible by stride ({stride})")
         if not (pad_out_features and stride == 1):
@@ -73,18 +86,19 @@ class ColumnParallelLinear(nn.Module):
             raise InvalidArgumentError("gather_output would interleave fused outputs; use stride=1")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.transposed, self.input_is_gathered = transposed, input_is_gathered
         weight, bias_full = _linear_init(out_features, in_features, bias, device=device, dtype=dtype)
         sharding = Sharding(dim=0, parts=size, index=group_rank(self.process_set), full_size=out_features,
                             stride=stride)
-        self.weight = shard_parameter(weight, sharding)
+        self.weight = shard_parameter(weight.t() if transposed else weight, _along(sharding, int(transposed)))
         self.bias = None if bias_full is None else shard_parameter(bias_full, sharding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = regions.gather_from_sequence_parallel_region(x, self.process_set)
-        else:
+        elif not self.input_is_gathered:
             x = regions.copy_to_tensor_parallel_region(x, self.process_set)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
         if not self.gather_output:
             return y
         return regions.gather_from_tensor_parallel_region(y, self.process_set)[..., :self.out_features]
@@ -96,7 +110,8 @@ class RowParallelLinear(nn.Module):
     Each rank's product is partial and summed by an all-reduce (a reduce-scatter along
     the sequence with ``sequence_parallel``); the bias is added once, after the sum.
     ``input_is_parallel`` says the input is already split along the hidden dimension
-    (the output of a ColumnParallelLinear), otherwise it is split here.
+    (the output of a ColumnParallelLinear), otherwise it is split here.  ``transposed``
+    stores the weight as ``[in, out]`` (``transformers``' ``Conv1D``).
 
     Collective: every rank of ``process_set`` (the TP set) runs forward and backward through it,
     in the same order.
@@ -104,7 +119,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  process_set: ProcessSet | None = None, input_is_parallel: bool = False,
-                 sequence_parallel: bool = False, device=None, dtype=None) -> None:
+                 sequence_parallel: bool = False, transposed: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         self.process_set = _check_process_set(process_set)
         size = group_size(self.process_set)
@@ -114,15 +129,16 @@ class RowParallelLinear(nn.Module):
                                        "sequence-parallel RowParallelLinear comes from a ColumnParallelLinear)")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.transposed = transposed
         weight, bias_full = _linear_init(out_features, in_features, bias, device=device, dtype=dtype)
-        self.weight = shard_parameter(weight, Sharding(dim=1, parts=size, index=group_rank(self.process_set),
-                                                       full_size=in_features))
+        sharding = Sharding(dim=1, parts=size, index=group_rank(self.process_set), full_size=in_features)
+        self.weight = shard_parameter(weight.t() if transposed else weight, _along(sharding, 1 - int(transposed)))
         self.bias = None if bias_full is None else nn.Parameter(bias_full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = regions.scatter_to_tensor_parallel_region(x, self.process_set)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         if self.sequence_parallel:
             y = regions.reduce_scatter_to_sequence_parallel_region(y, self.process_set)
         else:
@@ -139,13 +155,14 @@ class VocabParallelEmbedding(nn.Module):
     """An embedding whose vocabulary (rows) is split over the TP set, padded up to a
     multiple of the set size; each rank looks up the ids it owns and the partial
     results are summed (reduce-scattered along the sequence with ``sequence_parallel``).
+    ``padding_idx`` is ``nn.Embedding``'s: that row gets no gradient.
 
     Collective: every rank of ``process_set`` (the TP set) runs forward and backward through it,
     in the same order.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, process_set: ProcessSet | None = None,
-                 sequence_parallel: bool = False, device=None, dtype=None) -> None:
+                 sequence_parallel: bool = False, padding_idx: int | None = None, device=None, dtype=None) -> None:
         super().__init__()
         self.process_set = _check_process_set(process_set)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -157,6 +174,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = shard_parameter(full, sharding)
         rows = sharding.padded_size // sharding.parts
         self.vocab_start, self.vocab_end = sharding.index * rows, (sharding.index + 1) * rows
+        self.padding_idx = padding_idx  # as in nn.Embedding: its row gets no gradient
+        self._local_padding_idx = (padding_idx - self.vocab_start
+                                   if padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+                                   else None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
@@ -164,7 +185,7 @@ class VocabParallelEmbedding(nn.Module):
                                        f"[{int(ids.min())}, {int(ids.max())}]")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = torch.where(outside, 0, ids - self.vocab_start)
-        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = F.embedding(local, self.weight, self._local_padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return regions.reduce_scatter_to_sequence_parallel_region(partial, self.process_set)
         return regions.reduce_from_tensor_parallel_region(partial, self.process_set)

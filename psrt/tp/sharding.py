@@ -46,6 +46,15 @@ class Sharding:
         parts = full.chunk(self.stride, self.dim)
         return torch.cat([part.chunk(self.parts, self.dim)[self.index] for part in parts], self.dim)
 
+    def source_ranges(self) -> list[tuple[int, int, int]]:
+        """Where this rank's block lies in the full tensor along ``dim``: for each stride part,
+        ``(begin, end, length)``, the block holding ``length`` rows of which those past
+        ``full_size`` (``end - begin`` fewer) are padding.  What a reader of one slice needs."""
+        part = self.padded_size // self.stride
+        block = part // self.parts
+        starts = [s * part + self.index * block for s in range(self.stride)]
+        return [(min(start, self.full_size), min(start + block, self.full_size), block) for start in starts]
+
     def unshard(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's block, in rank order (padding removed)."""
         per_rank = [block.chunk(self.stride, self.dim) for block in blocks]

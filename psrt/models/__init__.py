@@ -1,0 +1,55 @@
+"""What psrt knows of the model families it parallelizes without a plan from the user.
+
+A family is a small value (:class:`Family`): how to recognise it from module names, the
+head counts tensor parallelism must divide, its tensor-parallel plan, the fix-ups its
+modules need once split, and where its parts are for the pipeline.  The generic machinery
+lives in :mod:`psrt.tp.parallelize` and :mod:`psrt.pp.split`; a new family is a new module
+here, not a new code path there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from psrt.pp.split import StageLayout
+from psrt.tp.plan import Plan
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    matches: Callable[[nn.Module], bool]
+    check_heads: Callable[[nn.Module, int], None]   # raises before anything changes
+    tp_plan: Callable[..., Plan]                    # tp_plan(loss_parallel=...)
+    after_tp: Callable[[nn.Module, int], None]      # attributes the split modules' callers read
+    layout: Callable[[nn.Module], StageLayout]
+
+
+def _families() -> list[Family]:
+    from psrt.models import gpt2, llama
+    return [gpt2.FAMILY, llama.FAMILY]
+
+
+def known() -> list[str]:
+    return [family.name for family in _families()]
+
+
+def detect(model: nn.Module) -> Family | None:
+    """The family whose module layout ``model`` has, if psrt knows it."""
+    return next((family for family in _families() if family.matches(model)), None)
+
+
+def family_of(model: nn.Module) -> Family | None:
+    """The family ``tp.parallelize`` recognised, or the one the model's modules show now."""
+    tp = getattr(model, "psrt_tp", None)
+    if tp is not None and tp.family is not None:
+        return next(family for family in _families() if family.name == tp.family)
+    return detect(model)
+
+
+def has(model: nn.Module, *paths: str) -> bool:
+    """Whether every one of ``paths`` names a submodule of ``model``."""
+    names = dict(model.named_modules())
+    return all(path in names for path in paths)

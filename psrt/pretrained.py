@@ -1,0 +1,226 @@
+"""A model's own checkpoint format, read and written by the shards of a split model.
+
+A Hugging Face checkpoint directory (``model.safetensors``, or shards listed in
+``model.safetensors.index.json``) maps the model's parameter names to full tensors.
+:func:`load_pretrained` fills each rank's part of a model from it, reading only the slices
+the rank holds (safetensors reads a slice without the rest of the tensor), so no rank ever
+holds the whole model; a model built on the meta device is materialised as it loads.
+:func:`save_pretrained` writes such a directory from the shards: each pipeline stage's
+tensors, joined over the TP set, go to one file, with the index and the config beside them,
+so ``from_pretrained`` in one process, or :func:`load_pretrained` at any other layout, takes
+it.  Names are the model's own (:func:`psrt.tp.parallelize` and :func:`psrt.pp.split` keep
+them).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+import psrt.torch as hvd
+from psrt import tp
+from psrt.errors import InvalidArgumentError
+from psrt.grid import ProcessGrid
+from psrt.tp.sharding import Sharding, sharding_of
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank's :func:`load_pretrained` read: bytes of its own slices, bytes of the whole
+    checkpoint, the largest single tensor in it, and the seconds it took."""
+
+    bytes_read: int
+    checkpoint_bytes: int
+    largest_tensor_bytes: int
+    seconds: float
+
+
+def _weight_files(directory: str) -> dict[str, str]:
+    """Each tensor name of the checkpoint in ``directory`` and the file holding it."""
+    index = os.path.join(directory, INDEX)
+    if os.path.exists(index):
+        with open(index) as handle:
+            weight_map = json.load(handle)["weight_map"]
+        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+    single = os.path.join(directory, WEIGHTS)
+    if not os.path.exists(single):
+        raise InvalidArgumentError(f"{directory} holds neither {WEIGHTS} nor {INDEX}: not a safetensors checkpoint "
+                                   "directory (save it with save_pretrained(..., safe_serialization=True))")
+    with safe_open(single, framework="pt") as reader:
+        return {name: single for name in reader.keys()}
+
+
+def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None = None, *,
+                    device: torch.device | str | None = None) -> LoadReport:
+    """Fill this rank's part of a model (a model after ``tp.parallelize``, a stage from
+    ``pp.split``, or a plain model) from the checkpoint in ``directory``, reading only the
+    slices this rank holds.  Tensors on the meta device are created on ``device`` (default:
+    the CPU) as they load; the others are overwritten in place.  Every entry of this rank's
+    ``state_dict`` must be in the checkpoint (a tied duplicate may be left out, as
+    ``save_pretrained`` does).  No communication: ``grid`` is accepted for symmetry with
+    :func:`save_pretrained`.
+    """
+    del grid  # each rank's shardings already say which slices it holds
+    start = time.perf_counter()
+    files = _weight_files(directory)
+    entries = module.state_dict(keep_vars=True)
+    copies = {name: tie.tensor for tie in getattr(module, "ties", ()) for name in tie.names}
+    aliases = getattr(module, "tied_aliases", {})
+    first_name = {}
+    for name, tensor in {**entries, **copies}.items():
+        first_name.setdefault(id(tensor), name)
+    loaded: dict[int, torch.Tensor] = {}
+    missing, read = [], 0
+    with contextlib.ExitStack() as stack:
+        readers: dict[str, object] = {}
+
+        def reader(path):
+            if path not in readers:
+                readers[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return readers[path]
+        for name, target in {**entries, **copies}.items():
+            if id(target) in loaded:
+                continue
+            source = next((n for n in (name, aliases.get(name), first_name[id(target)]) if n in files), None)
+            if source is None:
+                missing.append(name)
+                continue
+            value = _read(reader(files[source]), source, sharding_of(target), tuple(target.shape))
+            read += value.numel() * value.element_size()
+            loaded[id(target)] = _place(target, value, device)
+        total, largest = _sizes(files, reader)
+    if missing:
+        raise InvalidArgumentError(f"the checkpoint in {directory} lacks {len(missing)} of this rank's entries: "
+                                   f"{missing[:5]}")
+    _materialise(module, loaded, device)
+    return LoadReport(read, total, largest, time.perf_counter() - start)
+
+
+def _read(reader, name: str, sharding: Sharding | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """``name``'s full tensor, or only this rank's block of it."""
+    if sharding is None or sharding.parts == 1:
+        value = reader.get_tensor(name)
+    else:
+        slices = reader.get_slice(name)
+        full = slices.get_shape()
+        if full[sharding.dim] != sharding.full_size:
+            raise InvalidArgumentError(f"{name}: the checkpoint's shape {tuple(full)} does not fit the model "
+                                       f"({sharding.full_size} along dim {sharding.dim})")
+        pieces = []
+        for begin, end, length in sharding.source_ranges():
+            index = [slice(None)] * len(full)
+            index[sharding.dim] = slice(begin, end)
+            piece = slices[tuple(index)]
+            if end - begin < length:  # rows past the end of an odd vocabulary: zeros
+                widths = [0, 0] * (len(full) - 1 - sharding.dim) + [0, length - (end - begin)]
+                piece = nn.functional.pad(piece, widths)
+            pieces.append(piece)
+        value = torch.cat(pieces, sharding.dim)
+    if tuple(value.shape) != shape:
+        raise InvalidArgumentError(f"{name}: this rank holds shape {shape}, the checkpoint gives {tuple(value.shape)}")
+    return value
+
+
+def _place(target: torch.Tensor, value: torch.Tensor, device) -> torch.Tensor:
+    """The loaded tensor: ``target`` itself, overwritten, or a new one where it was on meta."""
+    if not target.is_meta:
+        with torch.no_grad():
+            target.copy_(value)
+        return target
+    value = value.to(device=device or "cpu", dtype=target.dtype)
+    if isinstance(target, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=target.requires_grad)
+    if sharding_of(target) is not None:
+        value.tp_sharding = sharding_of(target)
+    return value
+
+
+def _materialise(module: nn.Module, loaded: dict[int, torch.Tensor], device) -> None:
+    """Put every tensor created for a meta one where the meta one was (tied uses included),
+    and rebuild the stateless buffers still on meta (rotary tables) from their module's config."""
+    for tie in getattr(module, "ties", ()):
+        tie.tensor = loaded.get(id(tie.tensor), tie.tensor)
+    for name, sub in module.named_modules():
+        for table in (sub._parameters, sub._buffers):
+            for leaf, tensor in table.items():
+                if tensor is not None and id(tensor) in loaded:
+                    table[leaf] = loaded[id(tensor)]
+        stale = [leaf for leaf, tensor in sub._buffers.items() if tensor is not None and tensor.is_meta]
+        if stale:
+            _rebuild_buffers(name, sub, stale, device)
+
+
+def _rebuild_buffers(name: str, sub: nn.Module, stale: list[str], device) -> None:
+    config = getattr(sub, "config", None)
+    if config is None:
+        raise InvalidArgumentError(f"{name}: buffers {stale} are on the meta device and not in the checkpoint; "
+                                   "build the model with its buffers on a real device")
+    with torch.device(device or "cpu"):
+        fresh = type(sub)(config)
+    for leaf in stale:
+        sub._buffers[leaf] = fresh._buffers[leaf]
+
+
+def _sizes(files: dict[str, str], reader) -> tuple[int, int]:
+    """Bytes of the whole checkpoint and of its largest tensor (from the files' headers)."""
+    total, largest = 0, 0
+    for name, path in files.items():
+        slices = reader(path).get_slice(name)
+        size = _element_size(slices.get_dtype())
+        for extent in slices.get_shape():
+            size *= extent
+        total, largest = total + size, max(largest, size)
+    return total, largest
+
+
+def _element_size(dtype: str) -> int:
+    bits = {"F64": 64, "I64": 64, "F32": 32, "I32": 32, "F16": 16, "BF16": 16, "I16": 16, "U8": 8, "I8": 8,
+            "BOOL": 8}
+    return bits.get(dtype, 32) // 8
+
+
+def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None = None, *,
+                    config: object = None) -> None:
+    """Write a ``save_pretrained``-style directory from the shards: one safetensors file per
+    pipeline stage (its tensors joined over the TP set, written by the stage's first data-
+    and tensor-parallel rank), the index naming each tensor's file, and ``config`` (a
+    ``transformers`` config, written with its own ``save_pretrained``).  A parameter tied to
+    another (GPT-2's output head) is written once, under its first name, as ``transformers``
+    does.  Returns once the directory is complete.
+
+    Collective: every rank of the world calls it, in the same order.
+    """
+    full = tp.full_state_dict(module, None if grid is None else grid.tp_set)
+    seen, tensors = set(), {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = full[name].detach().cpu().contiguous()
+    stages = 1 if grid is None else grid.shape.pp
+    stage = 0 if grid is None else grid.coords.pp
+    writes = hvd.rank() == 0 if grid is None else (grid.coords.dp, grid.coords.tp, grid.coords.cp) == (0, 0, 0)
+    file = WEIGHTS if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    if writes:
+        os.makedirs(directory, exist_ok=True)
+        save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+    written = hvd.allgather_object({name: (file, t.numel() * t.element_size()) for name, t in tensors.items()}
+                                   if writes else {}, name="psrt.save_pretrained")
+    if hvd.rank() == 0:
+        if stages > 1:
+            weight_map = {name: where for part in written for name, (where, _) in part.items()}
+            total = sum(size for part in written for _, size in part.values())
+            with open(os.path.join(directory, INDEX), "w") as handle:
+                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                          handle, indent=2)
+        if config is not None:
+            config.save_pretrained(directory)
+    hvd.allgather_object(None, name="psrt.save_pretrained.done")
