@@ -19,8 +19,8 @@ import sys
 from psrt.errors import InvalidArgumentError, PsrtError
 from psrt.plan.layout import OPTIMIZER_STATE, PRECISIONS, RECOMPUTE
 from psrt.plan.machine import load_machine
-from psrt.plan.model import ParameterBlocks, Transformer
-from psrt.plan.report import describe, header, table
+from psrt.plan.model import ParameterBlocks, Transformer, from_hf_config
+from psrt.plan.report import code, describe, header, table
 from psrt.plan.search import make_request, search
 
 DEFAULT_PROFILE = "psrt-machine.json"
@@ -46,6 +46,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     model.add_argument("--mlp-ratio", type=int, default=4, help="MLP width over the model width (default 4)")
     model.add_argument("--dropout", action="store_true", help="the blocks use dropout (attention runs unfused)")
     model.add_argument("--tied-embeddings", action="store_true", help="the output projection is the embedding")
+    model.add_argument("--hf-config", metavar="PATH", help="a transformers decoder's config.json (or its directory) "
+                                                            "instead of the shapes; needs --seq")
     model.add_argument("--params", type=float, help="parameter count of a model known only by it (e.g. 7e9); "
                                                     "activations are then not modelled")
     job = plan.add_argument_group("job")
@@ -80,6 +82,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def _model(args: argparse.Namespace) -> Transformer | ParameterBlocks:
     given = [name for name in _TRANSFORMER if getattr(args, name) is not None]
+    if args.hf_config is not None:
+        if args.seq is None or args.params is not None or len(given) > 1 or args.layers is not None:
+            raise InvalidArgumentError("--hf-config describes the model: give it with --seq only")
+        return from_hf_config(args.hf_config, args.seq)
     if args.params is not None:
         if given:
             raise InvalidArgumentError(f"give either --params or the transformer's shapes (--{', --'.join(_TRANSFORMER)}), "
@@ -132,6 +138,8 @@ def run(args: argparse.Namespace) -> None:
     print(table(fitting, top=args.top or None))
     print()
     print(describe(fitting[0]))
+    print()
+    print(code(fitting[0]))
 
 
 def _int(text: str, flag: str) -> int:

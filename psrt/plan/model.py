@@ -212,6 +212,34 @@ def from_config(config: object) -> Transformer:
                        tied_embeddings=bool(getattr(config, "tie_embeddings", False)))
 
 
+def from_hf_config(path: str, sequence_length: int) -> Transformer:
+    """A ``transformers`` decoder's ``config.json`` (or the directory holding it), GPT-2's
+    names or the Llama layout's.  A gated MLP (three matrices of ``intermediate_size``) is
+    counted as the two-matrix MLP of the same parameters, the nearest this model has."""
+    import json
+    import os
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(f"cannot read a transformers config from {path}: {exc}") from None
+    def field(*names):
+        found = next((config[n] for n in names if config.get(n) is not None), None)
+        if found is None:
+            raise InvalidArgumentError(f"{file} has none of {', '.join(names)}: not a decoder psrt plan can describe")
+        return found
+    hidden = field("hidden_size", "n_embd")
+    gated = "intermediate_size" in config and config.get("model_type") != "gpt2"
+    intermediate = config.get("intermediate_size") or config.get("n_inner") or 4 * hidden
+    return Transformer(layers=field("num_hidden_layers", "n_layer"), hidden=hidden,
+                       heads=field("num_attention_heads", "n_head"), vocab=field("vocab_size"),
+                       sequence_length=sequence_length, mlp_ratio=max(1, round((3 if gated else 2) * intermediate
+                                                                               / (2 * hidden))),
+                       tied_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
 def from_module(module: object) -> ParameterBlocks:
     """A ``torch.nn.Module`` as parameter counts: one block per child of a ``Sequential`` or
     ``ModuleList`` at its top (the module itself otherwise), trainable parameters only, each

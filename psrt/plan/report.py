@@ -69,3 +69,38 @@ def describe(plan: Plan) -> str:
                       if getattr(time, name))
     lines.append(f"  step {format_seconds(time.total)}: {parts}")
     return "\n".join(lines)
+
+
+def code(plan: Plan) -> str:
+    """The psrt calls that apply ``plan``'s layout to a ``transformers`` decoder (or a model
+    :func:`psrt.tp.parallelize` and :func:`psrt.pp.split` are told the parts of)."""
+    layout = plan.layout
+    lines = ["# applied to a transformers decoder (model) with psrt:",
+             f"grid = ProcessGrid(dp={layout.dp}, tp={layout.tp}, pp={layout.pp})"]
+    if layout.cp > 1:
+        lines.append("# context parallelism is not applied to transformers models: plan with --cp 1")
+    if layout.tp > 1:
+        lines.append(f"tp.parallelize(model, grid.tp_set, sequence_parallel={layout.sequence_parallel})")
+    module, accumulate = "model", layout.micro_batches
+    if layout.pp > 1:
+        layers = [sum(1 for index in range(start, stop) if 0 < index < plan.split[-1][1] - 1)
+                  for start, stop in plan.split]
+        options = f", split={layers}" if all(layers) else ""
+        options += ', recompute="full"' if layout.recompute == "full" else ""
+        lines += [f"stage = pp.split(model, grid.pp_set{options})",
+                  f"pipeline = pp.Pipeline(stage, loss_fn, microbatches={layout.micro_batches})"
+                  f"  # {_plural(layout.micro_batch, 'sequence')} each"]
+        module = "stage"
+    elif accumulate > 1:
+        lines.append(f"# {accumulate} micro-batches of {_plural(layout.micro_batch, 'sequence')} per step "
+                     "(gradient accumulation)")
+    if layout.recompute == "selective":
+        lines.append("# selective recomputation needs psrt's own blocks; full recomputation is the nearest here")
+    if layout.zero:
+        lines.append(f"optimizer = ZeroOptimizer({module}, torch.optim.AdamW, stage={layout.zero}, "
+                     "process_set=grid.dp_set, lr=lr)")
+    else:
+        lines.append(f"optimizer = hvd.DistributedOptimizer(torch.optim.AdamW({module}.parameters(), lr=lr), "
+                     f"named_parameters={module}.named_parameters(), process_set=grid.dp_set, "
+                     f"backward_passes_per_step={accumulate})")
+    return "\n".join(lines)

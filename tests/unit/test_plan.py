@@ -329,3 +329,23 @@ def test_measure_runs_the_probe_under_psrun(monkeypatch, tmp_path, capsys):
     assert ran[0][1:6] == ["-m", "launcher.cli", "-np", "2", sys.executable]
     assert ran[0][6:] == ["-m", "psrt.plan.probe", "--out", out]
     assert psrt_main(TINY + ["--ranks", "2", "--memory", "1GiB", "--machine", out]) == 0
+
+
+def test_a_transformers_config_is_planned_and_its_calls_emitted(tmp_path, capsys):
+    """``--hf-config`` reads the shapes of a Llama-layout config (its gated MLP counted at the same
+    parameters), and the recommended layout comes with the tp.parallelize / pp.split calls."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
+                num_attention_heads=4).save_pretrained(str(tmp_path))
+    model = plan.model.from_hf_config(str(tmp_path), 32)
+    assert (model.layers, model.hidden, model.heads, model.vocab, model.mlp_ratio) == (4, 64, 4, 1000, 4)
+    psrt_main(["plan", "--hf-config", str(tmp_path), "--seq", "32", "--batch", "8", "--ranks", "4",
+               "--memory", "1GiB", "--tp", "2", "--pp", "2", "--zero", "0"])
+    out = capsys.readouterr().out
+    assert "grid = ProcessGrid(dp=1, tp=2, pp=2)" in out
+    assert "tp.parallelize(model, grid.tp_set, sequence_parallel=True)" in out
+    assert "stage = pp.split(model, grid.pp_set, split=[2, 2]" in out
+    assert psrt_main(["plan", "--hf-config", str(tmp_path), "--layers", "4", "--seq", "32", "--batch", "8",
+                      "--ranks", "4", "--memory", "1GiB"]) == 2
+    assert "--hf-config describes the model: give it with --seq only" in capsys.readouterr().err

@@ -30,6 +30,7 @@ from psrt.grid import ProcessGrid
 from psrt.zero import ZeroOptimizer
 
 import _harness
+from _hf_layouts import CHECKPOINT_MODELS, LAYOUTS_2, LAYOUTS_4, name_of
 from _training_common import expect_raises
 
 VOCAB, ROWS, LENGTH, STEPS, LR = 61, 4, 8, 3, 1e-2
@@ -94,7 +95,7 @@ class Layout:
 
     def __init__(self, model_name: str, dp: int, tp_size: int, pp_size: int, *, chunks: int = 1,
                  schedule: str | None = None, sequence_parallel: bool = False, zero: int = 0,
-                 checkpoint: str | None = None) -> None:
+                 recompute: str | None = None, checkpoint: str | None = None) -> None:
         self.grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size)
         if checkpoint is None:
             self.model = MODELS[model_name]()
@@ -104,7 +105,7 @@ class Layout:
         tp.parallelize(self.model, self.grid.tp_set, sequence_parallel=sequence_parallel)
         self.microbatches = 2 * pp_size if chunks > 1 else 2
         if pp_size > 1:
-            self.module = pp.split(self.model, self.grid.pp_set, chunks=chunks)
+            self.module = pp.split(self.model, self.grid.pp_set, chunks=chunks, recompute=recompute)
             self.pipeline = pp.Pipeline(self.module, loss_fn, microbatches=self.microbatches, schedule=schedule)
         else:
             self.module, self.pipeline = self.model, None
@@ -249,23 +250,6 @@ def check_errors_before_communication(key: str) -> None:
                   f"{size} pipeline stages × 4 chunks", "too few blocks for the chunks")
 
 
-LAYOUTS_2 = [("gpt2", 1, 2, 1, {}), ("llama", 1, 2, 1, {}), ("llama_eager", 1, 2, 1, {}),
-             ("gpt2", 1, 1, 2, {}), ("llama", 1, 1, 2, {}), ("mistral", 1, 1, 2, {}),
-             ("gpt2", 1, 1, 2, {"chunks": 2}), ("llama", 1, 1, 2, {"chunks": 2}),
-             ("llama", 1, 1, 2, {"schedule": "zb-h1"}), ("gpt2", 1, 1, 2, {"schedule": "gpipe"}),
-             ("gpt2", 1, 2, 1, {"sequence_parallel": True}), ("llama", 1, 2, 1, {"sequence_parallel": True}),
-             ("llama", 2, 1, 1, {"zero": 2})]
-LAYOUTS_4 = [(model, 1, 2, 2, {}) for model in ("gpt2", "llama")] + \
-            [(model, 2, 2, 1, {}) for model in ("gpt2", "llama")] + \
-            [("gpt2", 1, 2, 2, {"sequence_parallel": True}), ("llama", 1, 2, 2, {"sequence_parallel": True}),
-             ("gpt2", 2, 2, 1, {"zero": 2}), ("llama", 2, 1, 2, {"zero": 2}), ("mistral", 1, 2, 2, {})]
-
-
-def name_of(model: str, dp: int, tp_size: int, pp_size: int, options: dict) -> str:
-    extra = "".join(f"/{k}_{v}" if not isinstance(v, bool) else f"/{k}" for k, v in options.items())
-    return f"match/{model}/dp{dp}_tp{tp_size}_pp{pp_size}{extra}"
-
-
 def main() -> None:
     hvd.init()
     checks = _harness.Checks()
@@ -273,7 +257,7 @@ def main() -> None:
         checks.add(name_of(model, dp, tp_size, pp_size, options),
                    functools.partial(check_matches_one_process, **options), model, dp, tp_size, pp_size)
     if hvd.size() == 4:
-        for model in ("gpt2", "llama"):
+        for model in CHECKPOINT_MODELS:
             checks.add(f"checkpoint/{model}/saved_at_122_loads_at_212_and_in_one_process",
                        check_checkpoint_moves_between_layouts, model)
         checks.add("checkpoint/load_reads_only_own_slices", check_load_reads_only_own_slices)

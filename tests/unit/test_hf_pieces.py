@@ -1,0 +1,161 @@
+"""The parts of applying TP/PP to models psrt did not write that need no second rank: plans
+as values, the slices a rank reads, the refusals made before anything changes, the stage's
+keys, and checkpoint round trips through ``transformers`` in one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import psrt.torch as hvd
+from psrt import pp, tp
+from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.pretrained import load_pretrained, save_pretrained
+from psrt.tp.plan import resolve
+from psrt.tp.sharding import Sharding
+
+
+@pytest.fixture(autouse=True)
+def runtime():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def llama(**extra) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**dict(vocab_size=37, hidden_size=16, intermediate_size=24,
+                                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=32, bos_token_id=0, eos_token_id=0),
+                                           **extra}))
+
+
+def gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=37, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def test_the_first_matching_pattern_decides_a_modules_style():
+    styles = resolve(llama(), {"model.layers.0.mlp.up_proj": tp.RowWise(), "model.layers.*.mlp.*_proj": tp.ColumnWise()})
+    assert styles["model.layers.0.mlp.up_proj"] == tp.RowWise()
+    assert styles["model.layers.1.mlp.up_proj"] == tp.ColumnWise()
+    assert "model.layers.1.mlp" not in styles
+
+
+def test_a_plan_naming_no_module_lists_the_nearest_names():
+    with pytest.raises(InvalidArgumentError, match=r"(?s)plan entry 'layers.\*.q_proj' matches no module.*"
+                                                   r"'model.layers.0.self_attn.q_proj'"):
+        resolve(llama(), {"layers.*.q_proj": tp.ColumnWise()})
+
+
+def test_a_plan_entry_must_be_a_style():
+    with pytest.raises(InvalidArgumentError, match="is not a style"):
+        resolve(llama(), {"lm_head": "colwise"})
+
+
+def test_auto_plan_refuses_an_unknown_model_and_lists_its_layers():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+    with pytest.raises(InvalidArgumentError, match=r"(?s)does not know this model \(Sequential\).*GPT-2.*"
+                                                   r"0: Embedding\(10, 4\).*1: Linear\(4, 4\).*plan=\{"):
+        tp.parallelize(model, None)
+
+
+@pytest.mark.parametrize("full_size,parts,stride", [(37, 2, 1), (37, 4, 1), (48, 2, 3), (12, 3, 1), (8, 4, 2)])
+def test_source_ranges_read_exactly_the_block_shard_keeps(full_size, parts, stride):
+    full = torch.arange(float(full_size)).unsqueeze(1).expand(full_size, 3)
+    for index in range(parts):
+        sharding = Sharding(dim=0, parts=parts, index=index, full_size=full_size, stride=stride)
+        pieces = []
+        for begin, end, length in sharding.source_ranges():
+            pieces.append(torch.cat([full[begin:end], torch.zeros(length - (end - begin), 3)]))
+        assert torch.equal(torch.cat(pieces), sharding.shard(full))
+
+
+def test_parallelize_keeps_keys_shapes_and_outputs_with_one_rank():
+    for build in (gpt2, llama):
+        model, reference = build().eval(), build().eval()  # GPT-2's config keeps dropout
+        ids = torch.randint(0, 37, (2, 5))
+        tp.parallelize(model, None)
+        assert {k: v.shape for k, v in model.state_dict().items()} == \
+               {k: v.shape for k, v in reference.state_dict().items()}
+        assert torch.allclose(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_gpt2_head_stays_tied_to_the_embedding():
+    model = tp.parallelize(gpt2(), None)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert isinstance(model.transformer.wte, tp.VocabParallelEmbedding)
+
+
+def test_a_tie_the_plan_would_break_is_refused_before_anything_changes():
+    model = gpt2()
+    before = model.transformer.wte
+    with pytest.raises(InvalidArgumentError, match="lm_head.weight is the same parameter as transformer.wte's"):
+        tp.parallelize(model, None, plan={"transformer.wte": tp.VocabEmbedding()})
+    assert model.transformer.wte is before and getattr(model, "psrt_tp", None) is None
+
+
+def test_parallelize_refuses_wrong_arguments():
+    with pytest.raises(ArgumentTypeError, match="process_set must be the tensor-parallel ProcessSet"):
+        tp.parallelize(llama(), "tp")
+    model = tp.parallelize(llama(), None)
+    with pytest.raises(InvalidArgumentError, match="already parallelized"):
+        tp.parallelize(model, None)
+    with pytest.raises(InvalidArgumentError, match="loss_parallel applies to plan='auto'"):
+        tp.parallelize(llama(), None, plan={"lm_head": tp.ColumnWise()}, loss_parallel=True)
+    with pytest.raises(InvalidArgumentError, match=r"model.norm \(LlamaRMSNorm\): the plan makes it a Linear"):
+        tp.parallelize(llama(), None, plan={"model.norm": tp.ColumnWise()})
+
+
+def test_a_split_stage_has_the_models_keys_and_runs_it():
+    model, reference = llama(), llama()
+    stage = pp.split(model, hvd.global_process_set)
+    assert list(stage.state_dict()) == list(reference.state_dict())
+    ids = torch.randint(0, 37, (2, 5))
+    assert torch.allclose(stage(ids), reference(input_ids=ids).logits)
+    stage.load_state_dict(reference.state_dict())
+
+
+def test_split_by_named_parts_calls_each_block_on_the_hidden_states():
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(11, 6)
+            self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+            self.head = nn.Linear(6, 11)
+
+    model = Plain()
+    stage = pp.split(model, hvd.global_process_set, blocks="blocks", before=["embed"], after=["head"])
+    ids = torch.randint(0, 11, (2, 4))
+    want = model.head(model.blocks[2](model.blocks[1](model.blocks[0](model.embed(ids)))))
+    assert torch.equal(stage(ids), want)
+    assert set(stage.state_dict()) == set(model.state_dict())
+    with pytest.raises(InvalidArgumentError, match="pp.split does not know this model"):
+        pp.split(Plain(), hvd.global_process_set)
+    with pytest.raises(InvalidArgumentError, match="the model has no module 'norm'"):
+        pp.split(Plain(), hvd.global_process_set, blocks="blocks", before=["embed"], after=["norm"])
+
+
+def test_a_checkpoint_round_trips_through_transformers(tmp_path):
+    model = tp.parallelize(llama(), None)
+    save_pretrained(model, str(tmp_path), config=model.config)
+    again = LlamaForCausalLM.from_pretrained(str(tmp_path))
+    for name, value in llama().state_dict().items():
+        assert torch.equal(again.state_dict()[name], value), name
+    with torch.device("meta"):
+        empty = llama()
+    stage = pp.split(tp.parallelize(empty, None), hvd.global_process_set)
+    report = load_pretrained(stage, str(tmp_path))
+    assert report.bytes_read == report.checkpoint_bytes
+    ids = torch.randint(0, 37, (2, 5))
+    assert torch.allclose(stage(ids), again(input_ids=ids).logits)
+
+
+def test_load_names_what_the_checkpoint_lacks(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="neither model.safetensors nor model.safetensors.index.json"):
+        load_pretrained(llama(), str(tmp_path))
+    llama(num_hidden_layers=2).save_pretrained(str(tmp_path))
+    with pytest.raises(InvalidArgumentError, match=r"lacks .* entries: \['model.layers.2"):
+        load_pretrained(llama(), str(tmp_path))
