@@ -31,6 +31,7 @@ from psrt.grid import ProcessGrid
 from psrt.tp.sharding import Sharding, sharding_of
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+__all__ = ["LoadReport", "load_pretrained", "save_pretrained"]
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ COLLECTIVE = {
     "psrt.tp.sequence_parallel_parameters", "psrt.tp.vocab_parallel_cross_entropy", "psrt.tp.full_state_dict",
     # psrt.cp, psrt.ep, psrt.pp, psrt.full_state
     "psrt.cp.ring_attention", "psrt.ep.MoE.forward", "psrt.ep.all_to_all", "psrt.pp.Pipeline.step",
-    "psrt.full_state.full_state_dict",
+    "psrt.full_state.full_state_dict", "psrt.pretrained.save_pretrained",
     # psrt.elastic
     "psrt.elastic.run", "psrt.elastic.State.commit", "psrt.elastic.State.check_host_updates",
     "psrt.elastic.State.sync", "psrt.elastic.ObjectState.sync", "psrt.elastic.TorchState.sync",
@@ -102,7 +102,8 @@ LOCAL = {
     "psrt.pp.bubble_fraction", "psrt.pp.build", "psrt.pp.check", "psrt.pp.explicit_split", "psrt.pp.gpipe",
     "psrt.pp.in_flight", "psrt.pp.interleaved_one_f_one_b", "psrt.pp.makespan", "psrt.pp.one_f_one_b",
     "psrt.pp.render", "psrt.pp.simulate", "psrt.pp.zero_bubble_h1",
-    "psrt.full_state.load_full_state_dict",
+    "psrt.full_state.load_full_state_dict", "psrt.pretrained.load_pretrained",
+    "psrt.tp.parallelize", "psrt.pp.split", "psrt.pp.SplitStage",
     "psrt.elastic.ElasticSampler", "psrt.elastic.ElasticSampler.set_epoch", "psrt.elastic.ElasticSampler.reset",
     "psrt.elastic.ElasticSampler.record_batch", "psrt.elastic.ElasticSampler.record_indices",
     "psrt.elastic.ElasticSampler.get_indices", "psrt.elastic.ElasticSampler.state_dict",
@@ -111,7 +112,7 @@ LOCAL = {
     "psrt.elastic.ObjectState.save", "psrt.elastic.ObjectState.restore", "psrt.elastic.TorchState",
     "psrt.elastic.TorchState.save", "psrt.elastic.plan_batch",
     "psrt.plan.default_machine", "psrt.plan.describe", "psrt.plan.evaluate", "psrt.plan.from_config",
-    "psrt.plan.from_module", "psrt.plan.layouts", "psrt.plan.load_machine", "psrt.plan.precision", "psrt.plan.table",
+    "psrt.plan.from_module", "psrt.plan.from_hf_config", "psrt.plan.layouts", "psrt.plan.load_machine", "psrt.plan.precision", "psrt.plan.table",
 }
 
 # Types of plain values (descriptions, plans, statistics): they and all their methods are local.
@@ -121,7 +122,9 @@ LOCAL_TYPES = {
     "psrt.grid.GridShape", "psrt.tp.CommStats", "psrt.tp.RNGStatesTracker", "psrt.tp.Sharding", "psrt.pp.Action",
     "psrt.pp.Event", "psrt.pp.Op", "psrt.pp.StepProfile", "psrt.elastic.BatchPlan", "psrt.plan.Layout",
     "psrt.plan.Link", "psrt.plan.Machine", "psrt.plan.MemoryBreakdown", "psrt.plan.ParameterBlocks", "psrt.plan.Plan",
-    "psrt.plan.Precision", "psrt.plan.StepTime", "psrt.plan.Transformer",
+    "psrt.plan.Precision", "psrt.plan.StepTime", "psrt.plan.Transformer", "psrt.tp.ColumnWise", "psrt.tp.RowWise",
+    "psrt.tp.VocabEmbedding", "psrt.tp.SequenceParallel", "psrt.tp.SequenceScatter", "psrt.tp.SequenceGather",
+    "psrt.tp.Replicated", "psrt.tp.TensorParallelism", "psrt.pp.StageLayout", "psrt.pretrained.LoadReport",
 }
 
 #: The sentence: "Collective: every rank of X calls it, in the same order." (or "Collective in
