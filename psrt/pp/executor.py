@@ -120,7 +120,7 @@ class Pipeline:
         error on every stage, so none is left waiting for a message."""
         stage = self.stage
         first, last = stage.rank == 0, stage.rank == stage.stages - 1
-        mine = (self.schedule, self.microbatches, stage.chunks,
+        mine = (self.schedule, self.microbatches, stage.chunks, stage.cut,
                 _rows("inputs", inputs, first), _rows("targets", targets, last))
         everyone = self._host.allgather_object(mine)
         for rank, theirs in enumerate(everyone):
@@ -128,7 +128,12 @@ class Pipeline:
                 raise InvalidArgumentError(
                     f"pipeline stages disagree: stage {stage.rank} runs {mine[0]!r} with {mine[1]} micro-batches "
                     f"and {mine[2]} chunks, stage {rank} runs {theirs[0]!r} with {theirs[1]} and {theirs[2]}")
-        rows, target_rows = everyone[0][3], everyone[-1][4]
+            if theirs[3] != mine[3]:
+                raise InvalidArgumentError(
+                    f"pipeline stages cut the model differently: stage {stage.rank} gives the virtual stages the "
+                    f"blocks {list(mine[3])}, stage {rank} {list(theirs[3])}; give every rank the same split or "
+                    "balance (and the same model)")
+        rows, target_rows = everyone[0][4], everyone[-1][5]
         for what, value in (("first", rows), ("last", target_rows)):
             if isinstance(value, str):
                 raise InvalidArgumentError(f"the {what} pipeline stage {value}")

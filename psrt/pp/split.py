@@ -15,6 +15,7 @@ the caller describes by naming the parts (each block then gets the hidden states
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.pp.partition import balanced_split
 from psrt.pp.stage import PipelineStage
 from psrt.topology import ProcessSet
 
@@ -120,6 +122,7 @@ def _model_keys(module, state_dict, prefix, local_metadata) -> None:
 
 
 def split(model: nn.Module, process_set: ProcessSet, *, chunks: int = 1, split: Sequence[int] | None = None,
+          balance: str | Sequence[float] = "parameters", sample: torch.Tensor | None = None,
           recompute: str | None = None, blocks: str | None = None, before: Sequence[str] = (),
           after: Sequence[str] = ()) -> SplitStage:
     """This rank's pipeline stage of ``model``: its share of the blocks (with ``chunks`` > 1,
@@ -129,10 +132,17 @@ def split(model: nn.Module, process_set: ProcessSet, *, chunks: int = 1, split: 
 
     The model families :func:`psrt.tp.parallelize` knows need nothing more; for another model
     name its block list (``blocks="encoder.layers"``) and the modules before and after it,
-    each then called on one tensor.  The cut balances parameter counts unless ``split``
-    gives the number of blocks per virtual stage.  Every rank builds (or loads, or leaves on
-    the meta device) the whole model first; ``tp.parallelize`` comes before ``split``.
-    ``split`` itself does not communicate.
+    each then called on one tensor.  Every rank builds (or loads, or leaves on the meta
+    device) the whole model first; ``tp.parallelize`` comes before ``split``.
+
+    The cut: ``split`` gives the number of blocks per virtual stage; otherwise ``balance``
+    evens out the blocks' parameter counts (``"parameters"``), costs you give (one number
+    per block, the same on every rank), or ``"measured"`` ones: every rank times each
+    block's forward and backward on ``sample`` (a batch of token ids) and all take world
+    rank 0's times.  The stages check that they cut alike at the pipeline's first step.
+
+    Collective with ``balance="measured"``: every rank of the world calls it, in the same
+    order.  Otherwise ``split`` does not communicate.
     """
     from psrt import models  # the families' layouts
 
@@ -155,7 +165,46 @@ def split(model: nn.Module, process_set: ProcessSet, *, chunks: int = 1, split: 
     tp = getattr(model, "psrt_tp", None)
     sequence_parts = tp.size if tp is not None and tp.sequence_parallel else 1
     pieces = [_piece(model, layout, index, len(block_list), sequence_parts) for index in range(len(block_list))]
+    if not (isinstance(balance, str) and balance == "parameters"):
+        if split is not None:
+            raise InvalidArgumentError("give split (blocks per stage) or balance, not both")
+        costs = _costs(balance, pieces, sample)
+        split = [len(r) for r in balanced_split(costs, virtual)]
     return SplitStage(pieces, process_set, chunks=chunks, split=split, recompute=recompute)
+
+
+def _costs(balance: str | Sequence[float], pieces: Sequence[_Piece], sample: torch.Tensor | None) -> list[float]:
+    """One cost per block: given, or measured here and taken from world rank 0."""
+    if isinstance(balance, str):
+        if balance != "measured":
+            raise InvalidArgumentError(f"balance must be 'parameters', 'measured' or one cost per block, got {balance!r}")
+        if not isinstance(sample, torch.Tensor):
+            raise InvalidArgumentError("balance='measured' needs sample=, a batch of token ids to time the blocks on")
+        import psrt.torch as hvd  # the measurement is agreed like any other object
+        return hvd.broadcast_object(_measure(pieces, sample), root_rank=0, name="psrt.pp.split.costs")
+    costs = list(balance)
+    if len(costs) != len(pieces) or not all(isinstance(c, (int, float)) and c >= 0 for c in costs):
+        raise InvalidArgumentError(f"balance needs one non-negative cost per block ({len(pieces)}), got {balance!r}")
+    return costs
+
+
+def _measure(pieces: Sequence[_Piece], sample: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Each block's fastest forward and backward of ``repeats``, on the previous block's output."""
+    costs, x = [], sample
+    for piece in pieces:
+        x = x.detach().requires_grad_(x.is_floating_point())
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            y = piece(x)
+            y.sum().backward()
+            times.append(time.perf_counter() - start)
+        costs.append(min(times))
+        x = y
+    for piece in pieces:
+        for param in piece.parameters():
+            param.grad = None
+    return costs
 
 
 def _block_list(model: nn.Module, layout: StageLayout) -> list[nn.Module]:

@@ -58,6 +58,7 @@ class PipelineStage(nn.Module):
             if len(ranges) != virtual:
                 raise InvalidArgumentError(f"split has {len(ranges)} entries, expected one per virtual stage "
                                            f"({self.stages} stages × {chunks} chunks = {virtual})")
+        self.cut = tuple((r.start, r.stop) for r in ranges)  # every virtual stage's blocks: the stages must agree
         self.chunk_ranges = [ranges[c * self.stages + self.rank] for c in range(chunks)]
         self.ties, self.tied_aliases = find_ties(blocks, ranges, self.stages, self.rank)
         for chunk in self.chunk_ranges:

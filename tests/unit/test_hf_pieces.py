@@ -159,3 +159,16 @@ def test_load_names_what_the_checkpoint_lacks(tmp_path):
     llama(num_hidden_layers=2).save_pretrained(str(tmp_path))
     with pytest.raises(InvalidArgumentError, match=r"lacks .* entries: \['model.layers.2"):
         load_pretrained(llama(), str(tmp_path))
+
+
+def test_balance_takes_one_cost_per_block_or_measures():
+    stage = pp.split(llama(), hvd.global_process_set, balance=[1.0, 2.0, 3.0])
+    assert stage.cut == ((0, 3),)
+    with pytest.raises(InvalidArgumentError, match=r"one non-negative cost per block \(3\)"):
+        pp.split(llama(), hvd.global_process_set, balance=[1.0, 2.0])
+    with pytest.raises(InvalidArgumentError, match="needs sample="):
+        pp.split(llama(), hvd.global_process_set, balance="measured")
+    with pytest.raises(InvalidArgumentError, match="give split .* or balance, not both"):
+        pp.split(llama(), hvd.global_process_set, split=[3], balance=[1.0, 1.0, 1.0])
+    measured = pp.split(llama(), hvd.global_process_set, balance="measured", sample=torch.randint(0, 37, (2, 5)))
+    assert measured.cut == ((0, 3),) and all(p.grad is None for p in measured.parameters())

@@ -9,7 +9,7 @@ LAYOUTS_2 = [("gpt2", 1, 2, 1, {}), ("llama", 1, 2, 1, {}), ("llama_eager", 1, 2
              ("gpt2", 1, 1, 2, {"chunks": 2}), ("llama", 1, 1, 2, {"chunks": 2}),
              ("llama", 1, 1, 2, {"schedule": "zb-h1"}), ("gpt2", 1, 1, 2, {"schedule": "gpipe"}),
              ("gpt2", 1, 2, 1, {"sequence_parallel": True}), ("llama", 1, 2, 1, {"sequence_parallel": True}),
-             ("llama", 2, 1, 1, {"zero": 2})]
+             ("llama", 2, 1, 1, {"zero": 2}), ("llama", 1, 1, 2, {"balance": "measured"})]
 LAYOUTS_4 = [(model, 1, 2, 2, {}) for model in ("gpt2", "llama")] + \
             [(model, 2, 2, 1, {}) for model in ("gpt2", "llama")] + \
             [("gpt2", 1, 2, 2, {"sequence_parallel": True}), ("llama", 1, 2, 2, {"sequence_parallel": True}),
@@ -28,4 +28,4 @@ def expected(np: int) -> list[str]:
     if np == 4:
         names += [f"checkpoint/{model}/saved_at_122_loads_at_212_and_in_one_process" for model in CHECKPOINT_MODELS]
         names += ["checkpoint/load_reads_only_own_slices"]
-    return names + ["errors/before_communication"]
+    return names + ["errors/before_communication", "errors/stages_cut_differently"]

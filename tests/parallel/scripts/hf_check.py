@@ -95,7 +95,7 @@ class Layout:
 
     def __init__(self, model_name: str, dp: int, tp_size: int, pp_size: int, *, chunks: int = 1,
                  schedule: str | None = None, sequence_parallel: bool = False, zero: int = 0,
-                 recompute: str | None = None, checkpoint: str | None = None) -> None:
+                 recompute: str | None = None, balance: str = "parameters", checkpoint: str | None = None) -> None:
         self.grid = ProcessGrid(dp=dp, tp=tp_size, pp=pp_size)
         if checkpoint is None:
             self.model = MODELS[model_name]()
@@ -105,7 +105,9 @@ class Layout:
         tp.parallelize(self.model, self.grid.tp_set, sequence_parallel=sequence_parallel)
         self.microbatches = 2 * pp_size if chunks > 1 else 2
         if pp_size > 1:
-            self.module = pp.split(self.model, self.grid.pp_set, chunks=chunks, recompute=recompute)
+            sample = batches(dp)[0][0][:ROWS] if balance == "measured" else None
+            self.module = pp.split(self.model, self.grid.pp_set, chunks=chunks, recompute=recompute, balance=balance,
+                                   sample=sample)
             self.pipeline = pp.Pipeline(self.module, loss_fn, microbatches=self.microbatches, schedule=schedule)
         else:
             self.module, self.pipeline = self.model, None
@@ -250,6 +252,19 @@ def check_errors_before_communication(key: str) -> None:
                   f"{size} pipeline stages × 4 chunks", "too few blocks for the chunks")
 
 
+def check_stages_that_cut_differently_are_stopped(key: str) -> None:
+    """A rank-dependent split would run some blocks twice and others never: the first step's
+    agreement refuses it on every stage, naming both cuts."""
+    grid = ProcessGrid(dp=1, tp=1, pp=hvd.size())
+    counts = [1] * (hvd.size() - 1) + [7 - hvd.size()]
+    stage = pp.split(llama(num_hidden_layers=6), grid.pp_set, split=counts if grid.coords.pp % 2 else counts[::-1])
+    pipeline = pp.Pipeline(stage, loss_fn, microbatches=2)
+    ids, targets = batches(1)[0]
+    expect_raises(InvalidArgumentError, lambda: pipeline.step(ids if grid.is_first_stage else None,
+                                                              targets if grid.is_last_stage else None),
+                  "pipeline stages cut the model differently", "different cuts")
+
+
 def main() -> None:
     hvd.init()
     checks = _harness.Checks()
@@ -262,6 +277,7 @@ def main() -> None:
                        check_checkpoint_moves_between_layouts, model)
         checks.add("checkpoint/load_reads_only_own_slices", check_load_reads_only_own_slices)
     checks.add("errors/before_communication", check_errors_before_communication)
+    checks.add("errors/stages_cut_differently", check_stages_that_cut_differently_are_stopped)
     _harness.run(checks, check_timeout_s=60.0)
     hvd.shutdown()
 
