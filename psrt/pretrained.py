@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -28,6 +27,7 @@ import psrt.torch as hvd
 from psrt import tp
 from psrt.errors import InvalidArgumentError
 from psrt.grid import ProcessGrid
+from psrt.safetensors_slices import SafetensorsFile
 from psrt.tp.sharding import Sharding, sharding_of
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -56,8 +56,8 @@ def _weight_files(directory: str) -> dict[str, str]:
     if not os.path.exists(single):
         raise InvalidArgumentError(f"{directory} holds neither {WEIGHTS} nor {INDEX}: not a safetensors checkpoint "
                                    "directory (save it with save_pretrained(..., safe_serialization=True))")
-    with safe_open(single, framework="pt") as reader:
-        return {name: single for name in reader.keys()}
+    with SafetensorsFile(single) as reader:
+        return {name: single for name in reader.entries}
 
 
 def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None = None, *,
@@ -86,7 +86,7 @@ def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
 
         def reader(path):
             if path not in readers:
-                readers[path] = stack.enter_context(safe_open(path, framework="pt"))
+                readers[path] = stack.enter_context(SafetensorsFile(path))
             return readers[path]
         for name, target in {**entries, **copies}.items():
             if id(target) in loaded:
@@ -95,7 +95,7 @@ def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
             if source is None:
                 missing.append(name)
                 continue
-            value = _read(reader(files[source]), source, sharding_of(target), tuple(target.shape))
+            value = _read(reader(files[source]), source, sharding_of(target), target)
             read += value.numel() * value.element_size()
             loaded[id(target)] = _place(target, value, device)
         total, largest = _sizes(files, reader)
@@ -106,36 +106,38 @@ def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
     return LoadReport(read, total, largest, time.perf_counter() - start)
 
 
-def _read(reader, name: str, sharding: Sharding | None, shape: tuple[int, ...]) -> torch.Tensor:
-    """``name``'s full tensor, or only this rank's block of it."""
-    if sharding is None or sharding.parts == 1:
-        value = reader.get_tensor(name)
-    else:
-        slices = reader.get_slice(name)
-        full = slices.get_shape()
-        if full[sharding.dim] != sharding.full_size:
-            raise InvalidArgumentError(f"{name}: the checkpoint's shape {tuple(full)} does not fit the model "
-                                       f"({sharding.full_size} along dim {sharding.dim})")
-        pieces = []
-        for begin, end, length in sharding.source_ranges():
-            index = [slice(None)] * len(full)
-            index[sharding.dim] = slice(begin, end)
-            piece = slices[tuple(index)]
-            if end - begin < length:  # rows past the end of an odd vocabulary: zeros
-                widths = [0, 0] * (len(full) - 1 - sharding.dim) + [0, length - (end - begin)]
-                piece = nn.functional.pad(piece, widths)
-            pieces.append(piece)
-        value = torch.cat(pieces, sharding.dim)
-    if tuple(value.shape) != shape:
-        raise InvalidArgumentError(f"{name}: this rank holds shape {shape}, the checkpoint gives {tuple(value.shape)}")
+def _read(reader: SafetensorsFile, name: str, sharding: Sharding | None, target: torch.Tensor) -> torch.Tensor:
+    """``name``'s full tensor, or only this rank's block of it: read straight into ``target``
+    where it is a real tensor of the file's dtype and the block is one run of rows."""
+    full, shape = reader.shape(name), tuple(target.shape)
+    if not full:  # a scalar
+        return reader.read(name)
+    whole = sharding is None or sharding.parts == 1
+    parts = [(0, full[0], full[0])] if whole else sharding.source_ranges()
+    dim = 0 if whole else sharding.dim
+    if not whole and full[dim] != sharding.full_size:
+        raise InvalidArgumentError(f"{name}: the checkpoint's shape {full} does not fit the model "
+                                   f"({sharding.full_size} along dim {dim})")
+    block = (*full[:dim], sum(length for _, _, length in parts), *full[dim + 1:])
+    if block != shape:
+        raise InvalidArgumentError(f"{name}: this rank holds shape {shape}, the checkpoint gives {block}")
+    if len(parts) == 1 and parts[0][1] - parts[0][0] == parts[0][2]:  # one run of rows, no padding
+        into = not target.is_meta and target.dtype == reader.dtype(name) and target.is_contiguous()
+        return reader.read(name, dim, parts[0][0], parts[0][1], out=target.data if into else None)
+    value = torch.zeros(block, dtype=reader.dtype(name))
+    position = 0
+    for begin, end, length in parts:  # rows past the end of an odd vocabulary stay zero
+        value.narrow(dim, position, end - begin).copy_(reader.read(name, dim, begin, end))
+        position += length
     return value
 
 
 def _place(target: torch.Tensor, value: torch.Tensor, device) -> torch.Tensor:
     """The loaded tensor: ``target`` itself, overwritten, or a new one where it was on meta."""
     if not target.is_meta:
-        with torch.no_grad():
-            target.copy_(value)
+        if value.data_ptr() != target.data_ptr():
+            with torch.no_grad():
+                target.copy_(value)
         return target
     value = value.to(device=device or "cpu", dtype=target.dtype)
     if isinstance(target, nn.Parameter):
@@ -173,20 +175,8 @@ def _rebuild_buffers(name: str, sub: nn.Module, stale: list[str], device) -> Non
 
 def _sizes(files: dict[str, str], reader) -> tuple[int, int]:
     """Bytes of the whole checkpoint and of its largest tensor (from the files' headers)."""
-    total, largest = 0, 0
-    for name, path in files.items():
-        slices = reader(path).get_slice(name)
-        size = _element_size(slices.get_dtype())
-        for extent in slices.get_shape():
-            size *= extent
-        total, largest = total + size, max(largest, size)
-    return total, largest
-
-
-def _element_size(dtype: str) -> int:
-    bits = {"F64": 64, "I64": 64, "F32": 32, "I32": 32, "F16": 16, "BF16": 16, "I16": 16, "U8": 8, "I8": 8,
-            "BOOL": 8}
-    return bits.get(dtype, 32) // 8
+    sizes = [reader(path).nbytes(name) for name, path in files.items()]
+    return sum(sizes), max(sizes, default=0)
 
 
 def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None = None, *,
