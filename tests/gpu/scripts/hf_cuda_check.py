@@ -1,5 +1,7 @@
 """A model psrt did not write, split by ``tp.parallelize`` and ``pp.split`` over two
-pipeline ranks with CUDA parameters, against the same model on the CPU; and a checkpoint
+pipeline ranks with CUDA parameters, against the unsplit model in one process on the same
+device (the Llama layout's rotary tables are float32 even in a float64 model, so the CPU
+would differ by float32 rounding); and a checkpoint
 written from the shards, loaded into a meta model straight onto the GPU.  The model is a
 ``transformers`` Llama-layout model where ``transformers`` is installed, otherwise a plain
 ``nn.Module`` described by a plan and its named parts.  Prints ``hf cuda check ok``.
@@ -67,6 +69,7 @@ def main() -> None:
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     grid = ProcessGrid(dp=1, tp=1, pp=hvd.size())
     reference, how = build()
+    reference.to(device)
     model, _ = build()
     tp.parallelize(model, grid.tp_set, plan=how["plan"])
     stage = pp.split(model.to(device), grid.pp_set, **how["parts"])
@@ -76,15 +79,15 @@ def main() -> None:
     ids, targets = (torch.randint(0, VOCAB, (4, 8), generator=generator) for _ in range(2))
     loss = pipeline.step(ids.to(device) if grid.is_first_stage else None,
                          targets.to(device) if grid.is_last_stage else None)
-    want = loss_fn(logits_of(reference, ids), targets)
+    want = loss_fn(logits_of(reference, ids.to(device)), targets.to(device))
     want.backward()
-    torch.testing.assert_close(loss.cpu(), want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(loss.to(device), want.detach(), rtol=1e-10, atol=1e-12)
     grads = dict(reference.named_parameters())
     for name, param in stage.named_parameters():
         assert param.device.type == device.type, f"{name} left {device}"
     for name, value in stage.state_dict(keep_vars=True).items():
         if isinstance(value, nn.Parameter) and value.grad is not None:
-            torch.testing.assert_close(value.grad.cpu(), grads[name].grad, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(value.grad, grads[name].grad, rtol=1e-10, atol=1e-12)
     directory = hvd.broadcast_object(tempfile.mkdtemp(prefix="psrt-hf-cuda-") if hvd.rank() == 0 else None,
                                      root_rank=0, name="hf_cuda.directory")
     try:
@@ -96,7 +99,7 @@ def main() -> None:
         assert all(t.device.type == device.type for t in again.state_dict().values()), "a tensor left the device"
         full = full_state_dict(again, grid)
         for name, value in reference.state_dict().items():
-            torch.testing.assert_close(full[name], value, rtol=0, atol=0)
+            torch.testing.assert_close(full[name], value.cpu(), rtol=0, atol=0)
     finally:
         hvd.allgather_object(None, name="hf_cuda.done")
         if hvd.rank() == 0:
