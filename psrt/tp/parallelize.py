@@ -107,8 +107,9 @@ def _build(model: nn.Module, styles: dict[str, Style], process_set: ProcessSet |
                 built[name] = make(module, style, process_set, sequence_parallel, adopted)
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"{name} ({type(module).__name__}): {exc}") from None
-            split.update({id(p): name for p in module.parameters(recurse=False)
-                          if id(p) in adopted and sharding_of(adopted[id(p)]) is not None and id(p) not in split})
+            for param in module.parameters(recurse=False):
+                if sharding_of(adopted.get(id(param))) is not None:
+                    split.setdefault(id(param), name)
         elif sequence_parallel and isinstance(style, SequenceParallel) and isinstance(module, nn.Dropout):
             built[name] = _SequenceParallelDropout(module.p, process_set)
     return built, split
@@ -116,7 +117,10 @@ def _build(model: nn.Module, styles: dict[str, Style], process_set: ProcessSet |
 
 def _weight_of(module: nn.Module, kind: str) -> torch.Tensor:
     weight = getattr(module, "weight", None)
-    ok = isinstance(module, nn.Linear) or _is_conv1d(module) if kind == "linear" else isinstance(module, nn.Embedding)
+    if kind == "linear":
+        ok = isinstance(module, nn.Linear) or _is_conv1d(module)
+    else:
+        ok = isinstance(module, nn.Embedding)
     if not ok or not isinstance(weight, torch.Tensor):
         wanted = "a Linear (or transformers' Conv1D)" if kind == "linear" else "an Embedding"
         raise InvalidArgumentError(f"the plan makes it {wanted}'s split, but it is a {type(module).__name__}")
