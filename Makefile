@@ -5,14 +5,16 @@
 #  make demo-ps trains examples/train_digits_ps.py with 1 parameter server and 2 workers;
 #  make demo-zero trains examples/train_digits_zero.py with ZeRO stages 1, 2 and 3;
 #  make demo-elastic trains examples/train_digits_elastic.py on 3 ranks, kills one, goes on with 2;
-#  make demo-gpt trains examples/train_tiny_gpt.py on 4 ranks as TP 2 x PP 2)
+#  make demo-gpt trains examples/train_tiny_gpt.py on 4 ranks as TP 2 x PP 2;
+#  make demo-hf trains a Hugging Face Llama-layout model, examples/finetune_hf.py, on 4 ranks as
+#  TP 2 x PP 2, saves it with save_pretrained and generates with transformers in one process)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
 
-.PHONY: demo demo-collectives demo-ps demo-zero demo-elastic demo-gpt test bench bench-train bench-ps bench-zero \
+.PHONY: demo demo-collectives demo-ps demo-zero demo-elastic demo-gpt demo-hf test bench bench-train bench-ps bench-zero \
         bench-pp bench-tp bench-recompute bench-cp bench-moe bench-peers bench-overhead bench-faults \
         bench-hierarchical bench-elastic clean
 
@@ -43,6 +45,9 @@ demo-elastic: $(STAMP)
 
 demo-gpt: $(STAMP)
 	$(VENV)/bin/psrun -np 4 $(PY) examples/train_tiny_gpt.py --dp 1 --tp 2 --pp 2
+
+demo-hf: $(STAMP)
+	$(VENV)/bin/psrun -np 4 $(PY) examples/finetune_hf.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -5,7 +5,10 @@ trains the digits model against a parameter server (1 server, 2 workers) in
 sync, async and bounded mode, each to at least 90%, and the whole job (server
 included) exits cleanly; ``make demo-zero`` trains it with ZeRO stages 1-3 to at least
 95%, and the model consolidated from each stage's checkpoint scores the same; ``make demo-gpt``
-trains the tiny GPT on 4 ranks as TP 2 × PP 2 and its loss falls by more than 1.5."""
+trains the tiny GPT on 4 ranks as TP 2 × PP 2 and its loss falls by more than 1.5; ``make demo-hf``
+trains a Hugging Face Llama-layout model on 4 ranks as TP 2 × PP 2 to continue repeating token
+patterns, and the checkpoint ``save_pretrained`` writes from the shards, loaded in one process by
+``transformers``, generates continuations that follow the pattern."""
 from __future__ import annotations
 
 import os
@@ -110,3 +113,17 @@ def test_make_demo_gpt_trains_the_tiny_gpt_on_tp2_pp2():
     assert len(found) == 1, f"expected one summary line (rank 0 only):\n{done.stdout}\n{done.stderr[-3000:]}"
     first, last = map(float, found[0])
     assert last < first - 1.5, done.stdout
+
+
+@pytest.mark.parallel
+def test_make_demo_hf_trains_llama_on_tp2_pp2_and_transformers_generates_from_its_checkpoint():
+    done = make("demo-hf")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    losses = [float(loss) for loss in re.findall(r"^step +\d+ +loss (\d+\.\d+)$", done.stdout, flags=re.MULTILINE)]
+    assert len(losses) >= 2, f"expected the loss lines of rank 0:\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert losses[0] > 5 and losses[-1] < 1.0, done.stdout  # from chance (ln 299 = 5.7) to copying the pattern
+    found = re.findall(r"^from_pretrained \+ generate: (\d+)/(\d+) generated tokens follow the pattern$",
+                       done.stdout, flags=re.MULTILINE)
+    assert len(found) == 1, f"expected one generation summary (rank 0 only):\n{done.stdout}"
+    right, total = map(int, found[0])
+    assert total > 0 and right >= 0.9 * total, done.stdout
