@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -60,6 +61,18 @@ def _weight_files(directory: str) -> dict[str, str]:
         return {name: single for name in reader.entries}
 
 
+def _by_model_name(files: dict[str, str], names: list[str]) -> dict[str, tuple[str, str]]:
+    """Each tensor of the checkpoint under the model's name for it: its file and its name
+    there.  The names are the same, or the checkpoint's lack the model's first component (a
+    base model's checkpoint, loaded into the model with a head around it)."""
+    if any(name in files for name in names):
+        return {name: (path, name) for name, path in files.items()}
+    prefix = next((name.split(".", 1)[0] for name in names if "." in name and name.split(".", 1)[1] in files), None)
+    if prefix is None:
+        return {name: (path, name) for name, path in files.items()}
+    return {f"{prefix}.{name}": (path, name) for name, path in files.items()}
+
+
 def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None = None, *,
                     device: torch.device | str | None = None) -> LoadReport:
     """Fill this rank's part of a model (a model after ``tp.parallelize``, a stage from
@@ -67,15 +80,17 @@ def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
     slices this rank holds.  Tensors on the meta device are created on ``device`` (default:
     the CPU) as they load; the others are overwritten in place.  Every entry of this rank's
     ``state_dict`` must be in the checkpoint (a tied duplicate may be left out, as
-    ``save_pretrained`` does).  No communication: ``grid`` is accepted for symmetry with
+    ``save_pretrained`` does); a checkpoint of the base model (``h.0.attn...`` for
+    ``transformer.h.0.attn...``, as GPT-2's are published) is matched by dropping the
+    model's prefix.  No communication: ``grid`` is accepted for symmetry with
     :func:`save_pretrained`.
     """
     del grid  # each rank's shardings already say which slices it holds
     start = time.perf_counter()
-    files = _weight_files(directory)
     entries = module.state_dict(keep_vars=True)
     copies = {name: tie.tensor for tie in getattr(module, "ties", ()) for name in tie.names}
     aliases = getattr(module, "tied_aliases", {})
+    files = _by_model_name(_weight_files(directory), [*entries, *copies])
     first_name = {}
     for name, tensor in {**entries, **copies}.items():
         first_name.setdefault(id(tensor), name)
@@ -95,10 +110,11 @@ def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
             if source is None:
                 missing.append(name)
                 continue
-            value = _read(reader(files[source]), source, sharding_of(target), target)
+            path, stored = files[source]
+            value = _read(reader(path), stored, sharding_of(target), target)
             read += value.numel() * value.element_size()
             loaded[id(target)] = _place(target, value, device)
-        total, largest = _sizes(files, reader)
+        total, largest = _sizes({stored: path for path, stored in files.values()}, reader)
     if missing:
         raise InvalidArgumentError(f"the checkpoint in {directory} lacks {len(missing)} of this rank's entries: "
                                    f"{missing[:5]}")
@@ -122,7 +138,7 @@ def _read(reader: SafetensorsFile, name: str, sharding: Sharding | None, target:
     if block != shape:
         raise InvalidArgumentError(f"{name}: this rank holds shape {shape}, the checkpoint gives {block}")
     if len(parts) == 1 and parts[0][1] - parts[0][0] == parts[0][2]:  # one run of rows, no padding
-        into = not target.is_meta and target.dtype == reader.dtype(name) and target.is_contiguous()
+        into = (target.device.type == "cpu" and target.dtype == reader.dtype(name) and target.is_contiguous())
         return reader.read(name, dim, parts[0][0], parts[0][1], out=target.data if into else None)
     value = torch.zeros(block, dtype=reader.dtype(name))
     position = 0
@@ -142,6 +158,8 @@ def _place(target: torch.Tensor, value: torch.Tensor, device) -> torch.Tensor:
     value = value.to(device=device or "cpu", dtype=target.dtype)
     if isinstance(target, nn.Parameter):
         value = nn.Parameter(value, requires_grad=target.requires_grad)
+    else:  # a pipeline's copy of a parameter another stage owns learns like one
+        value.requires_grad_(target.requires_grad)
     if sharding_of(target) is not None:
         value.tp_sharding = sharding_of(target)
     return value
@@ -179,6 +197,15 @@ def _sizes(files: dict[str, str], reader) -> tuple[int, int]:
     return sum(sizes), max(sizes, default=0)
 
 
+def _remove_weights(directory: str) -> None:
+    """The weight files and index a previous save left in ``directory``."""
+    if not os.path.isdir(directory):
+        return
+    for file in os.listdir(directory):
+        if file in (WEIGHTS, INDEX) or re.fullmatch(r"model-\d+-of-\d+\.safetensors", file):
+            os.remove(os.path.join(directory, file))
+
+
 def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None = None, *,
                     config: object = None) -> None:
     """Write a ``save_pretrained``-style directory from the shards: one safetensors file per
@@ -186,7 +213,8 @@ def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
     and tensor-parallel rank), the index naming each tensor's file, and ``config`` (a
     ``transformers`` config, written with its own ``save_pretrained``).  A parameter tied to
     another (GPT-2's output head) is written once, under its first name, as ``transformers``
-    does.  Returns once the directory is complete.
+    does.  Weight files a previous save left in ``directory`` are removed first (a save at
+    another layout names its files otherwise).  Returns once the directory is complete.
 
     Collective: every rank of the world calls it, in the same order.
     """
@@ -196,6 +224,9 @@ def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
         if id(tensor) not in seen:
             seen.add(id(tensor))
             tensors[name] = full[name].detach().cpu().contiguous()
+    if hvd.rank() == 0:
+        _remove_weights(directory)  # a directory saved at another layout would keep files readers prefer
+    hvd.allgather_object(None, name="psrt.save_pretrained.cleared")
     stages = 1 if grid is None else grid.shape.pp
     stage = 0 if grid is None else grid.coords.pp
     writes = hvd.rank() == 0 if grid is None else (grid.coords.dp, grid.coords.tp, grid.coords.cp) == (0, 0, 0)

@@ -14,7 +14,7 @@ BLOCKS = "transformer.h"
 
 
 def _matches(model: nn.Module) -> bool:
-    return has(model, "transformer.wte", "transformer.wpe", "transformer.ln_f", f"{BLOCKS}.0.attn.c_attn",
+    return getattr(getattr(model, "config", None), "model_type", None) == "gpt2" and has(model, "transformer.wte", "transformer.wpe", "transformer.ln_f", f"{BLOCKS}.0.attn.c_attn",
                f"{BLOCKS}.0.mlp.c_fc")
 
 

@@ -1,5 +1,5 @@
-"""The Llama layout (``transformers``' Llama, Mistral, Qwen2 and the other families with its
-module names): separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (grouped-query attention:
+"""The Llama layout (``transformers``' Llama, Mistral and Qwen2, whose modules have the same
+names and compute the same things): separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (grouped-query attention:
 fewer key/value heads than query heads), gated MLP ``gate_proj``/``up_proj``/``down_proj``,
 RMS norms, rotary positions computed once per forward, sliding-window layers where the
 config asks for them."""
@@ -18,11 +18,17 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+#: The ``config.model_type`` of the families known to compute what Llama's layout computes: no
+#: scaled embeddings (Gemma), no embedding or logit multipliers (Granite), no per-head norms (Qwen3).
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
 def _matches(model: nn.Module) -> bool:
     first = f"{BLOCKS}.0"
-    return (has(model, "model.embed_tokens", "model.norm", "model.rotary_emb",
-                *(f"{first}.self_attn.{n}" for n in _ATTENTION), *(f"{first}.mlp.{n}" for n in _MLP))
-            and not has(model, f"{first}.self_attn.q_norm"))  # per-head norms (Qwen3) need a plan of their own
+    if getattr(getattr(model, "config", None), "model_type", None) not in MODEL_TYPES:
+        return False
+    return has(model, "model.embed_tokens", "model.norm", "model.rotary_emb",
+               *(f"{first}.self_attn.{n}" for n in _ATTENTION), *(f"{first}.mlp.{n}" for n in _MLP))
 
 
 def _check_heads(model: nn.Module, size: int) -> None:

@@ -43,6 +43,8 @@ class Transformer:
     of ``mlp_ratio`` × hidden, a token embedding over ``vocab`` and learned positions up to
     ``sequence_length``, and an untied output projection (``tied_embeddings`` drops it).
 
+    ``kv_heads`` (default: ``heads``) is the number of key/value heads of grouped-query
+    attention: k and v project to ``kv_heads`` heads, and TP must divide them too.
     ``dropout`` says whether the blocks drop out (the tiny GPT's ``dropout`` > 0: on the
     attention probabilities and on both residual branches).  Then psrt computes attention
     unfused and keeps the [batch, heads, sequence, sequence] probabilities and their mask for
@@ -57,6 +59,7 @@ class Transformer:
     mlp_ratio: int = 4
     dropout: bool = False
     tied_embeddings: bool = False
+    kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "sequence_length", "mlp_ratio"):
@@ -64,6 +67,15 @@ class Transformer:
         if self.hidden % self.heads:
             raise InvalidArgumentError(f"hidden size ({self.hidden}) is not divisible by the number of heads "
                                        f"({self.heads})")
+        if self.kv_heads is not None and (_positive_int("kv_heads", self.kv_heads) > self.heads
+                                          or self.heads % self.kv_heads):
+            raise InvalidArgumentError(f"kv_heads ({self.kv_heads}) must divide the number of heads ({self.heads})")
+
+    @property
+    def _qkv(self) -> int:
+        """Output features of the q, k and v projections together."""
+        kv = self.hidden // self.heads * (self.kv_heads or self.heads)
+        return self.hidden + 2 * kv
 
     @property
     def block_names(self) -> list[str]:
@@ -77,7 +89,7 @@ class Transformer:
         weights of the two row-parallel projections are split; LayerNorms and the
         row-parallel biases are replicated."""
         h, f = self.hidden, self.mlp_ratio * self.hidden
-        split = 3 * h * h + 3 * h + h * h + f * h + f + h * f
+        split = self._qkv * h + self._qkv + h * h + f * h + f + h * f
         return split // tp + 2 * h + h + 2 * h + h
 
     def embedding_params(self, tp: int = 1) -> int:
@@ -94,7 +106,7 @@ class Transformer:
     def largest_unit(self, tp: int = 1) -> int:
         """Parameters of the largest module owning parameters directly (what ZeRO-3 gathers at once)."""
         h, f, v = self.hidden, self.mlp_ratio * self.hidden, padded(self.vocab, tp) // tp
-        return max((3 * h * h + 3 * h) // tp, h * h // tp + h, (f * h + f) // tp, h * f // tp + h, v * h,
+        return max((self._qkv * h + self._qkv) // tp, h * h // tp + h, (f * h + f) // tp, h * f // tp + h, v * h,
                    self.sequence_length * h)
 
     @property
@@ -105,6 +117,8 @@ class Transformer:
         """Why the blocks cannot be split over ``tp`` ranks, or None."""
         if self.heads % tp:
             return f"tp={tp} does not divide the {self.heads} attention heads"
+        if (self.kv_heads or self.heads) % tp:
+            return f"tp={tp} does not divide the {self.kv_heads} key/value heads"
         if self.mlp_ratio * self.hidden % tp:
             return f"tp={tp} does not divide the MLP width ({self.mlp_ratio * self.hidden})"
         return None
@@ -237,7 +251,8 @@ def from_hf_config(path: str, sequence_length: int) -> Transformer:
                        heads=field("num_attention_heads", "n_head"), vocab=field("vocab_size"),
                        sequence_length=sequence_length, mlp_ratio=max(1, round((3 if gated else 2) * intermediate
                                                                                / (2 * hidden))),
-                       tied_embeddings=bool(config.get("tie_word_embeddings", True)))
+                       tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+                       kv_heads=config.get("num_key_value_heads"))
 
 
 def from_module(module: object) -> ParameterBlocks:

@@ -118,12 +118,15 @@ def _build(model: nn.Module, styles: dict[str, Style], process_set: ProcessSet |
 def _weight_of(module: nn.Module, kind: str) -> torch.Tensor:
     weight = getattr(module, "weight", None)
     if kind == "linear":
-        ok = isinstance(module, nn.Linear) or _is_conv1d(module)
+        ok = type(module) is nn.Linear or _is_conv1d(module)
     else:
-        ok = isinstance(module, nn.Embedding)
+        ok = type(module) is nn.Embedding
     if not ok or not isinstance(weight, torch.Tensor):
         wanted = "a Linear (or transformers' Conv1D)" if kind == "linear" else "an Embedding"
-        raise InvalidArgumentError(f"the plan makes it {wanted}'s split, but it is a {type(module).__name__}")
+        subclass = (" (a subclass, whose forward may do more than the split layer would: leave it out of the plan)"
+                    if isinstance(module, (nn.Linear, nn.Embedding)) else "")
+        raise InvalidArgumentError(f"the plan makes it {wanted}'s split, but it is a {type(module).__name__}"
+                                   f"{subclass}")
     return weight
 
 
@@ -231,8 +234,7 @@ def _add_sequence_hooks(model: nn.Module, styles: dict[str, Style], process_set:
             module.register_forward_pre_hook(_on_input(regions.gather_from_sequence_parallel_region, process_set),
                                              with_kwargs=True)
         elif isinstance(style, SequenceParallel):
-            for param in module.parameters(recurse=False):
-                param.register_hook(_summed_over(process_set))
+            module.register_forward_pre_hook(_sums_gradients(process_set))
             if style.gather_output:
                 module.register_forward_hook(_on_output(regions.gather_from_sequence_parallel_region, process_set))
 
@@ -241,9 +243,16 @@ def _on_input(region, process_set):
     """A pre-hook applying ``region`` to the module's hidden states (its first positional
     argument, or ``hidden_states=`` as Hugging Face layers pass it)."""
     def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        size = comm.group_size(process_set)
+        if region is regions.scatter_to_sequence_parallel_region and hidden.shape[1] % size:
+            raise InvalidArgumentError(
+                f"sequence parallelism splits the sequence over the {size} TP ranks, so its length must be a "
+                f"multiple of {size}, got {hidden.shape[1]}; to generate one token at a time, parallelize without "
+                "sequence_parallel")
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": region(kwargs["hidden_states"], process_set)}
-        return (region(args[0], process_set), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": region(hidden, process_set)}
+        return (region(hidden, process_set), *args[1:]), kwargs
     return hook
 
 
@@ -255,9 +264,18 @@ def _on_output(region, process_set):
     return hook
 
 
-def _summed_over(process_set: ProcessSet):
-    """A parameter's gradient from this rank's block of the sequence, summed over the TP set."""
-    def hook(grad: torch.Tensor) -> torch.Tensor:
+def _sums_gradients(process_set: ProcessSet):
+    """A pre-hook making sure each of the module's own parameters has its gradient summed over
+    the TP set (each rank saw its block of the sequence).  Looked at on every forward, since a
+    parameter may be replaced after ``parallelize`` (a meta model filled by ``load_pretrained``)
+    and a tensor hook stays with the object it was put on."""
+    def sum_over_set(grad: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce_(grad.contiguous().clone(), process_set)
+
+    def hook(module, args):
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and getattr(param, "_psrt_summed_over", None) is not process_set:
+                param.register_hook(sum_over_set)
+                param._psrt_summed_over = process_set
     return hook
 

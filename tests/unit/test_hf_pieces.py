@@ -204,3 +204,49 @@ def test_blocks_read_from_a_safetensors_file_equal_its_slices(tmp_path):
         handle.truncate(100)
     with pytest.raises(InvalidArgumentError, match="is not a safetensors file"):
         SafetensorsFile(path)
+
+
+def test_a_save_replaces_the_weight_files_of_an_earlier_layout(tmp_path):
+    for stale in ("model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                  "model-00002-of-00002.safetensors"):
+        (tmp_path / stale).write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    model = llama()
+    save_pretrained(model, str(tmp_path), config=model.config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    load_pretrained(llama(num_hidden_layers=3), str(tmp_path))
+
+
+def test_a_base_models_checkpoint_loads_into_the_model_with_a_head(tmp_path):
+    from transformers import GPT2Model
+
+    torch.manual_seed(0)
+    base = GPT2Model(gpt2().config)
+    base.save_pretrained(str(tmp_path))  # keys "h.0.attn...", as GPT-2's published checkpoints
+    model = tp.parallelize(gpt2(), None)
+    load_pretrained(model, str(tmp_path))
+    for name, value in base.state_dict().items():
+        assert torch.equal(model.state_dict()[f"transformer.{name}"], value), name
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_auto_refuses_families_that_compute_more_than_their_module_names_say():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=4))
+    with pytest.raises(InvalidArgumentError, match=r"does not know this model \(GemmaForCausalLM\)"):
+        tp.parallelize(gemma, None)
+    with pytest.raises(InvalidArgumentError, match="a subclass, whose forward may do more"):
+        tp.parallelize(gemma, None, plan={"model.embed_tokens": tp.VocabEmbedding()})
+
+
+def test_grouped_query_attention_is_planned_with_its_key_value_heads():
+    from psrt.plan.model import Transformer
+
+    full = Transformer(layers=2, hidden=64, heads=8, vocab=100, sequence_length=16)
+    grouped = Transformer(layers=2, hidden=64, heads=8, vocab=100, sequence_length=16, kv_heads=2)
+    assert full.layer_params() - grouped.layer_params() == 2 * (64 * 64 + 64) - 2 * (64 * 16 + 16)
+    assert grouped.tp_problem(4) == "tp=4 does not divide the 2 key/value heads"
+    assert grouped.tp_problem(2) is None

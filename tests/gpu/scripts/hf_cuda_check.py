@@ -2,7 +2,8 @@
 pipeline ranks with CUDA parameters, against the unsplit model in one process on the same
 device (the Llama layout's rotary tables are float32 even in a float64 model, so the CPU
 would differ by float32 rounding); and a checkpoint
-written from the shards, loaded into a meta model straight onto the GPU.  The model is a
+written from the shards, loaded into a meta model straight onto the GPU and into a model
+already there.  The model is a
 ``transformers`` Llama-layout model where ``transformers`` is installed, otherwise a plain
 ``nn.Module`` described by a plan and its named parts.  Prints ``hf cuda check ok``.
 ``--device cpu`` runs the same checks on the host."""
@@ -98,6 +99,16 @@ def main() -> None:
         load_pretrained(again, directory, grid, device=device)
         assert all(t.device.type == device.type for t in again.state_dict().values()), "a tensor left the device"
         full = full_state_dict(again, grid)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(full[name], value.cpu(), rtol=0, atol=0)
+        placed, _ = build()  # a model already on the device is overwritten in place
+        tp.parallelize(placed, grid.tp_set, plan=how["plan"])
+        there = pp.split(placed.to(device), grid.pp_set, **how["parts"])
+        with torch.no_grad():
+            for param in there.parameters():
+                param.zero_()
+        load_pretrained(there, directory, grid)
+        full = full_state_dict(there, grid)
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(full[name], value.cpu(), rtol=0, atol=0)
     finally:

@@ -173,7 +173,8 @@ def shared_directory() -> str:
 
 def check_checkpoint_moves_between_layouts(key: str, model_name: str) -> None:
     """Trained at (1,2,2) and saved from the shards; loaded at (2,1,2) from a model on the meta
-    device, and in one process with transformers' from_pretrained: the same logits."""
+    device, and in one process with transformers' from_pretrained: the same logits; resumed at
+    (1,2,2) with sequence parallelism from the meta device, it trains like one process."""
     directory = shared_directory()
     try:
         trained = Layout(model_name, 1, 2, 2)
@@ -193,6 +194,18 @@ def check_checkpoint_moves_between_layouts(key: str, model_name: str) -> None:
         loss, _ = moved.step(inputs, targets)
         expected = loss_fn(one(input_ids=inputs).logits, targets).item()
         assert abs(loss - expected) < TOLERANCE, f"loss at (2,1,2) after loading {loss!r}, one process {expected!r}"
+        # and resumed at (1,2,2) with sequence parallelism, from the meta device: trains like one process
+        resumed = Layout(model_name, 1, 2, 2, sequence_parallel=True, checkpoint=directory)
+        alone = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64)
+        optimizer = torch.optim.AdamW(alone.parameters(), lr=LR)
+        for step, (inputs, targets) in enumerate(batches(1)):
+            loss, _ = resumed.step(inputs, targets)
+            expected = loss_fn(alone(input_ids=inputs).logits, targets)
+            expected.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert abs(loss - expected.item()) < TOLERANCE, f"resumed step {step}: {loss!r} against {expected.item()!r}"
+        assert_state_equal(resumed.full_state(), alone.state_dict(), "resumed at (1,2,2) with sequence parallelism")
     finally:
         hvd.allgather_object(None, name="hf_check.done")
         if hvd.rank() == 0:
@@ -251,6 +264,9 @@ def check_errors_before_communication(key: str) -> None:
     expect_raises(InvalidArgumentError,
                   lambda: tp.parallelize(llama(), grid.tp_set, plan={"model.layers.*.self_attn.qkv": tp.ColumnWise()}),
                   "plan entry 'model.layers.*.self_attn.qkv' matches no module", "a plan naming no module")
+    split_sequence = tp.parallelize(llama(num_key_value_heads=4), grid.tp_set, sequence_parallel=True)
+    expect_raises(InvalidArgumentError, lambda: split_sequence(input_ids=torch.zeros(2, size + 1, dtype=torch.long)),
+                  f"its length must be a multiple of {size}, got {size + 1}", "a sequence SP cannot split")
     pipeline_grid = ProcessGrid(dp=1, tp=1, pp=size)
     expect_raises(InvalidArgumentError, lambda: pp.split(llama(num_hidden_layers=size - 1), pipeline_grid.pp_set),
                   f"the model has {size - 1} blocks (model.layers), fewer than the {size} pipeline stages",
