@@ -52,6 +52,7 @@ from psrt.pretrained import load_pretrained
 
 # isort: off
 from _gloo import init_gloo
+from _timing import timed_window
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI
 # isort: on
 
@@ -149,19 +150,6 @@ def torch_setup(config, mesh, cut: dict[int, range], m: int, x, y):
     return step
 
 
-def timed_window(step, steps: int, warmup: int) -> float:
-    """Seconds per step over ``steps`` steps after ``warmup`` untimed ones, the slowest rank's."""
-    for _ in range(warmup):
-        step()
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    # allgather, not mpi4py's pickled allreduce: that one holds the GIL while it waits, and psrt's
-    # engine thread here must answer the negotiation round of a slower stage's optimizer
-    return max(comm.allgather((time.perf_counter() - start) / steps))
-
-
 def train(args, grid: ProcessGrid, mesh) -> dict:
     config = llama_config()
     ids = torch.randint(0, config.vocab_size, (args.rows, args.seq + 1), generator=torch.Generator().manual_seed(1))
@@ -181,7 +169,7 @@ def train(args, grid: ProcessGrid, mesh) -> dict:
         names = list(steps)[round_ % 3:] + list(steps)[:round_ % 3]
         for name in names:
             tp.stats().reset()
-            windows[name].append(timed_window(steps[name], args.steps, args.warmup))
+            windows[name].append(timed_window(comm, steps[name], args.steps, args.warmup))
             if name == "psrt":  # the last step's schedule on this rank; TP collectives per step
                 tp_s = tp.stats().seconds / (args.steps + args.warmup)
                 profiles.append((pipeline.profile.compute / pipeline.profile.wall, tp_s / windows[name][-1]))

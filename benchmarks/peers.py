@@ -51,7 +51,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -66,6 +65,7 @@ from psrt.zero import ZeroOptimizer
 
 # isort: off
 from _gloo import init_gloo
+from _timing import timed_window
 from _peers_gpt import Block, Embedding, GPTConfig, Head, build_blocks, loss_fn, synthetic_batch
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI
 # isort: on
@@ -230,17 +230,6 @@ def checked(build: Callable[[], Step], check_steps: int, *, mean_over_ranks: boo
     return step, comm.bcast(mine, root=comm.size - 1)
 
 
-def timed_window(step: Step, steps: int, warmup: int) -> float:
-    """Seconds per step over ``steps`` steps after ``warmup`` untimed ones, the slowest rank's."""
-    for _ in range(warmup):
-        step()
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return comm.allreduce((time.perf_counter() - start) / steps, op=MPI.MAX)
-
-
 def measure(steps: dict[str, Step], args: argparse.Namespace) -> dict[str, list[float]]:
     """Per implementation, seconds per step of each round's window; the implementations take
     turns and the first of each round rotates."""
@@ -249,7 +238,7 @@ def measure(steps: dict[str, Step], args: argparse.Namespace) -> dict[str, list[
     for round_ in range(args.rounds):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            windows[name].append(timed_window(steps[name], args.steps, args.warmup))
+            windows[name].append(timed_window(comm, steps[name], args.steps, args.warmup))
     return windows
 
 
