@@ -3,7 +3,7 @@
 A family is a small value (:class:`Family`): how to recognise it from module names, the
 head counts tensor parallelism must divide, its tensor-parallel plan, the fix-ups its
 modules need once split, and where its parts are for the pipeline.  The generic machinery
-lives in :mod:`psrt.tp.parallelize` and :mod:`psrt.pp.split`; a new family is a new module
+lives in :mod:`psrt.tp.rewrite` and :mod:`psrt.pp.cut`; a new family is a new module
 here, not a new code path there.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable
 
 from torch import nn
 
-from psrt.pp.split import StageLayout
+from psrt.pp.cut import StageLayout
 from psrt.tp.plan import Plan
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from psrt.errors import InvalidArgumentError
 from psrt.models import Family, has
-from psrt.pp.split import StageLayout
+from psrt.pp.cut import StageLayout
 from psrt.tp import plan as tp
 
 BLOCKS = "transformer.h"

@@ -6,7 +6,7 @@ from psrt.pp.step import StepProfile
 from psrt.pp.partition import balanced_split, explicit_split
 from psrt.pp.schedule import Action, Op, build, gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
 from psrt.pp.simulate import Event, bubble_fraction, check, in_flight, makespan, simulate
-from psrt.pp.split import SplitStage, StageLayout, split
+from psrt.pp.cut import SplitStage, StageLayout, split
 from psrt.pp.stage import PipelineStage
 from psrt.pp.timeline import render
 

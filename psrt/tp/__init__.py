@@ -4,7 +4,7 @@ dropout inside and outside TP regions, activation recomputation, and conversion 
 from a full single-process ``state_dict``."""
 from psrt.tp.comm import CommStats, stats
 from psrt.tp.cross_entropy import vocab_parallel_cross_entropy
-from psrt.tp.parallelize import TensorParallelism, parallelize
+from psrt.tp.rewrite import TensorParallelism, parallelize
 from psrt.tp.plan import (ColumnWise, Replicated, RowWise, SequenceGather, SequenceParallel, SequenceScatter,
                           VocabEmbedding)
 from psrt.tp.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
