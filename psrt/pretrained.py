@@ -65,12 +65,12 @@ def _by_model_name(files: dict[str, str], names: list[str]) -> dict[str, tuple[s
     """Each tensor of the checkpoint under the model's name for it: its file and its name
     there.  The names are the same, or the checkpoint's lack the model's first component (a
     base model's checkpoint, loaded into the model with a head around it)."""
-    if any(name in files for name in names):
-        return {name: (path, name) for name, path in files.items()}
-    prefix = next((name.split(".", 1)[0] for name in names if "." in name and name.split(".", 1)[1] in files), None)
-    if prefix is None:
-        return {name: (path, name) for name, path in files.items()}
-    return {f"{prefix}.{name}": (path, name) for name, path in files.items()}
+    prefix = None
+    if not any(name in files for name in names):
+        prefix = next((name.split(".", 1)[0] for name in names if name.split(".", 1)[-1] in files and "." in name),
+                      None)
+    lead = f"{prefix}." if prefix else ""
+    return {lead + name: (path, name) for name, path in files.items()}
 
 
 def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None = None, *,
@@ -90,9 +90,10 @@ def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
     entries = module.state_dict(keep_vars=True)
     copies = {name: tie.tensor for tie in getattr(module, "ties", ()) for name in tie.names}
     aliases = getattr(module, "tied_aliases", {})
-    files = _by_model_name(_weight_files(directory), [*entries, *copies])
+    wanted = {**entries, **copies}
+    files = _by_model_name(_weight_files(directory), list(wanted))
     first_name = {}
-    for name, tensor in {**entries, **copies}.items():
+    for name, tensor in wanted.items():
         first_name.setdefault(id(tensor), name)
     loaded: dict[int, torch.Tensor] = {}
     missing, read = [], 0
@@ -103,7 +104,7 @@ def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
             if path not in readers:
                 readers[path] = stack.enter_context(SafetensorsFile(path))
             return readers[path]
-        for name, target in {**entries, **copies}.items():
+        for name, target in wanted.items():
             if id(target) in loaded:
                 continue
             source = next((n for n in (name, aliases.get(name), first_name[id(target)]) if n in files), None)

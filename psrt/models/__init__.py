@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from psrt.pp.cut import StageLayout
@@ -53,3 +54,33 @@ def has(model: nn.Module, *paths: str) -> bool:
     """Whether every one of ``paths`` names a submodule of ``model``."""
     names = dict(model.named_modules())
     return all(path in names for path in paths)
+
+
+class BlockInputs:
+    """What a decoder block needs besides the hidden states (positions, attention masks,
+    rotary tables), recomputed on a pipeline stage from the activation's shape as the model's
+    own forward computes them once per forward.  They hold no gradient and depend only on the
+    shape, so each is made once per (kind, batch, length, dtype, device), not once per block."""
+
+    _KEEP = 16  # shapes remembered; a training run uses one or two
+
+    def __init__(self) -> None:
+        self._made: dict[tuple, object] = {}
+
+    def get(self, kind: str, hidden: torch.Tensor, length: int, make: Callable[[torch.Tensor], object]):
+        """``make(positions)`` for this shape, made the first time it is asked for."""
+        key = (kind, hidden.shape[0], length, hidden.dtype, hidden.device)
+        if key not in self._made:
+            if len(self._made) >= self._KEEP:
+                self._made.clear()
+            with torch.no_grad():
+                self._made[key] = make(torch.arange(length, device=hidden.device).unsqueeze(0))
+        return self._made[key]
+
+
+def causal_mask(make_mask: Callable, config: object, hidden: torch.Tensor, length: int,
+                positions: torch.Tensor) -> object:
+    """The model's own causal mask (``transformers.masking_utils``) for ``length`` tokens
+    without padding; None where its attention needs none."""
+    return make_mask(config=config, inputs_embeds=hidden.new_empty((hidden.shape[0], length, 0)),
+                     attention_mask=None, past_key_values=None, position_ids=positions)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from psrt.errors import InvalidArgumentError
-from psrt.models import Family, has
+from psrt.models import BlockInputs, Family, causal_mask, has
 from psrt.pp.cut import StageLayout
 from psrt.tp import plan as tp
 
@@ -54,6 +54,7 @@ def _after_tp(model: nn.Module, size: int) -> None:
 def _layout(model: nn.Module) -> StageLayout:
     from transformers.masking_utils import create_causal_mask
     config = model.config
+    inputs = BlockInputs()
 
     def embed(piece, ids):
         positions = torch.arange(ids.shape[1], device=ids.device)
@@ -61,9 +62,9 @@ def _layout(model: nn.Module) -> StageLayout:
         return piece.get_submodule("transformer.drop")(hidden)
 
     def run_block(piece, block, hidden, length):
-        positions = torch.arange(length, device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=config, inputs_embeds=hidden.new_empty((hidden.shape[0], length, 0)),
-                                  attention_mask=None, past_key_values=None, position_ids=positions)
+        positions = inputs.get("positions", hidden, length, lambda positions: positions)
+        mask = inputs.get("mask", hidden, length,
+                          lambda positions: causal_mask(create_causal_mask, config, hidden, length, positions))
         return block(hidden, None, mask, position_ids=positions)
 
     def head(piece, hidden):

@@ -5,11 +5,10 @@ RMS norms, rotary positions computed once per forward, sliding-window layers whe
 config asks for them."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from psrt.errors import InvalidArgumentError
-from psrt.models import Family, has
+from psrt.models import BlockInputs, Family, causal_mask, has
 from psrt.pp.cut import StageLayout
 from psrt.tp import plan as tp
 
@@ -68,16 +67,18 @@ def _layout(model: nn.Module) -> StageLayout:
     masks = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
     layer_types = getattr(config, "layer_types", None)  # per layer (Qwen2); else one kind for all (Mistral)
     every_layer = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+    inputs = BlockInputs()
 
     def embed(piece, ids):
         return piece.get_submodule("model.embed_tokens")(ids)
 
     def run_block(piece, block, hidden, length):
-        positions = torch.arange(length, device=hidden.device).unsqueeze(0)
-        rotary = piece.get_submodule("model.rotary_emb")(hidden, positions)
-        make_mask = masks[layer_types[block.self_attn.layer_idx] if layer_types else every_layer]
-        mask = make_mask(config=config, inputs_embeds=hidden.new_empty((hidden.shape[0], length, 0)),
-                         attention_mask=None, past_key_values=None, position_ids=positions)
+        kind = layer_types[block.self_attn.layer_idx] if layer_types else every_layer
+        positions = inputs.get("positions", hidden, length, lambda positions: positions)
+        rotary = inputs.get("rotary", hidden, length,
+                            lambda positions: piece.get_submodule("model.rotary_emb")(hidden, positions))
+        mask = inputs.get(kind, hidden, length,
+                          lambda positions: causal_mask(masks[kind], config, hidden, length, positions))
         return block(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
 
     def head(piece, hidden):

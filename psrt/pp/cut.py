@@ -92,8 +92,7 @@ class SplitStage(PipelineStage):
 
     def __init__(self, pieces: Sequence[_Piece], process_set: ProcessSet, **options) -> None:
         super().__init__(pieces, process_set, **options)
-        own = _strip(super().state_dict(keep_vars=True))
-        self._indexed = {name: indexed for indexed, name in own}
+        self._indexed = {_unindexed(indexed): indexed for indexed in super().state_dict(keep_vars=True)}
         self.tied_aliases = {_unindexed(copy): _unindexed(owner) for copy, owner in self.tied_aliases.items()}
         for tie in self.ties:
             tie.names = [_unindexed(name) for name in tie.names]
@@ -108,10 +107,6 @@ class SplitStage(PipelineStage):
 
 def _unindexed(key: str) -> str:
     return key.split(".", 1)[1]
-
-
-def _strip(entries) -> list[tuple[str, str]]:
-    return [(indexed, _unindexed(indexed)) for indexed in entries]
 
 
 def _model_keys(module, state_dict, prefix, local_metadata) -> None:

@@ -46,9 +46,10 @@ def parallelize(model: nn.Module, process_set: ProcessSet | None, plan: Plan | s
     """Split ``model``'s planned modules over the TP set ``process_set``, in place; returns it.
 
     Every rank of the set must start from the same weights (same seed, or the same checkpoint;
-    a model on the meta device is split as it is and filled by :func:`psrt.load_pretrained`).
-    With ``plan="auto"`` the family is recognised from the module names (GPT-2; the Llama
-    layout: Llama, Mistral, Qwen2 and others sharing its names); the output head then returns
+    a model on the meta device is split as it is and filled by
+    :func:`psrt.pretrained.load_pretrained`).  With ``plan="auto"`` the family is recognised from
+    ``config.model_type`` and the module names (GPT-2; the Llama layout: Llama, Mistral,
+    Qwen2); the output head then returns
     full-vocabulary logits, or this rank's split of them with ``loss_parallel`` (for
     :func:`psrt.tp.vocab_parallel_cross_entropy`).  Call it on the whole model, before
     :func:`psrt.pp.split`.
@@ -228,8 +229,7 @@ def _add_sequence_hooks(model: nn.Module, styles: dict[str, Style], process_set:
     for name, style in styles.items():
         module = model.get_submodule(name)
         if isinstance(style, SequenceScatter):
-            module.register_forward_pre_hook(_on_input(regions.scatter_to_sequence_parallel_region, process_set),
-                                             with_kwargs=True)
+            module.register_forward_pre_hook(_on_input(_scatter_sequence, process_set), with_kwargs=True)
         elif isinstance(style, SequenceGather):
             module.register_forward_pre_hook(_on_input(regions.gather_from_sequence_parallel_region, process_set),
                                              with_kwargs=True)
@@ -243,17 +243,22 @@ def _on_input(region, process_set):
     """A pre-hook applying ``region`` to the module's hidden states (its first positional
     argument, or ``hidden_states=`` as Hugging Face layers pass it)."""
     def hook(module, args, kwargs):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        size = comm.group_size(process_set)
-        if region is regions.scatter_to_sequence_parallel_region and hidden.shape[1] % size:
-            raise InvalidArgumentError(
-                f"sequence parallelism splits the sequence over the {size} TP ranks, so its length must be a "
-                f"multiple of {size}, got {hidden.shape[1]}; to generate one token at a time, parallelize without "
-                "sequence_parallel")
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": region(hidden, process_set)}
-        return (region(hidden, process_set), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": region(kwargs["hidden_states"], process_set)}
+        return (region(args[0], process_set), *args[1:]), kwargs
     return hook
+
+
+def _scatter_sequence(hidden: torch.Tensor, process_set: ProcessSet) -> torch.Tensor:
+    """The sequence-split region starts: this rank's block of the sequence, with the reason a
+    length the TP size does not divide cannot be split (generation feeds one token at a time)."""
+    size = comm.group_size(process_set)
+    if hidden.shape[1] % size:
+        raise InvalidArgumentError(
+            f"sequence parallelism splits the sequence over the {size} TP ranks, so its length must be a "
+            f"multiple of {size}, got {hidden.shape[1]}; to generate one token at a time, parallelize without "
+            "sequence_parallel")
+    return regions.scatter_to_sequence_parallel_region(hidden, process_set)
 
 
 def _on_output(region, process_set):
