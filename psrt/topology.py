@@ -94,6 +94,7 @@ class Topology:
         # Direct groups, for traffic the caller's thread runs itself (tensor and pipeline
         # parallelism), by process set id
         self._direct: dict[int, DirectGroup] = {}
+        self._made_for_others: list[DirectGroup] = []  # by direct_over
         self._direct[GLOBAL_PROCESS_SET_ID] = self._direct_group(self._registry.split(0, key=world.rank),
                                                                  global_set, GLOBAL_PROCESS_SET_ID)
         # The engine's communicator for the global set's host tensors (see transport()).
@@ -221,6 +222,17 @@ class Topology:
         collectives on one communicator)."""
         return self._direct[self._registered_id(process_set)]
 
+    def direct_over(self, ranks: Sequence[int], *, key: str, name: str) -> DirectGroup:
+        """A direct group of world ``ranks`` (the caller among them) made by those ranks
+        alone, for groups (``torch.distributed.new_group``'s) whose non-members never call
+        in; collective over ``ranks``, every member passing the same ``key`` (see
+        :class:`DirectGroup`).  Freed with the topology."""
+        with self._watchdog.waiting("a process-set registration",
+                                    f"rank {self.world.rank}'s creation of a group of ranks {list(ranks)}", ranks):
+            group = DirectGroup(self._registry.subgroup(ranks), ranks, self._watchdog, key=key, name=name)
+        self._made_for_others.append(group)
+        return group
+
     def _direct_group(self, host: Communicator, process_set: ProcessSet, set_id: int) -> DirectGroup:
         """Direct traffic's group over ``host``, with this topology's watchdog."""
         return DirectGroup(host, self.ranks_of(process_set), self._watchdog, key=f"process set {set_id}",
@@ -238,6 +250,8 @@ class Topology:
 
     def free(self) -> None:
         self._free_device_communicators(None)
+        for group in self._made_for_others:
+            group.free()
         for set_id, comm in list(self._communicators.items()):
             if set_id != GLOBAL_PROCESS_SET_ID and comm is not None:
                 comm.free()

@@ -60,6 +60,10 @@ class Kind(enum.IntEnum):
     ALL_REDUCE = 1
     ALL_GATHER = 2
     REDUCE_SCATTER = 3
+    BROADCAST = 4
+    GATHER = 5
+    SCATTER = 6
+    BARRIER = 7
 
 
 class Header:
@@ -116,7 +120,12 @@ class Header:
         kind = Kind(self.kind).name.lower() if self.kind in Kind._value2member_map_ else f"kind {self.kind}"
         name = "another dtype" if self.dtype is None else str(self.dtype).removeprefix("torch.")
         dims = ", ".join(map(str, self.shape[:MAX_DIMS])) + (", ..." if self.ndim > MAX_DIMS else "")
-        return f"{kind} of a {name} tensor of shape ({dims}{',' if self.ndim == 1 else ''})"
+        root = f" from rank {self.args[0]}" if self.kind in _ROOTED and self.args else ""
+        return f"{kind}{root} of a {name} tensor of shape ({dims}{',' if self.ndim == 1 else ''})"
+
+
+#: Collectives whose header's first arg is the root (as a rank of the group)
+_ROOTED = (Kind.BROADCAST, Kind.GATHER, Kind.SCATTER)
 
 
 def _rows(row: Header) -> str:
@@ -222,25 +231,26 @@ class DirectGroup:
             request.wait()
 
     # -- agreement --------------------------------------------------------------------------
-    def _prepare(self, kind: Kind, tensor: torch.Tensor, label: str, check: bool) -> None:
+    def _prepare(self, kind: Kind, tensor: torch.Tensor, label: str, check: bool, args: tuple[int, ...] = ()) -> None:
         """What every collective does first, inside its marked wait."""
         if not self._settled:
             self._settle(label, check)
         if check:
-            self._agree_on(kind, tensor, label)
+            self._agree_on(kind, tensor, label, args)
 
-    def _agree_on(self, kind: Kind, tensor: torch.Tensor, label: str) -> None:
-        """:meth:`agree` on a call of ``kind`` over ``tensor``, whose header is made only
-        should the members disagree: the digest of a (kind, dtype, shape) is kept (a few per
-        layer), as working it out is most of a small collective's Python."""
-        key = (kind, tensor.dtype, tensor.shape)
+    def _agree_on(self, kind: Kind, tensor: torch.Tensor, label: str, args: tuple[int, ...] = ()) -> None:
+        """:meth:`agree` on a call of ``kind`` over ``tensor`` (and ``args``: a root), whose
+        header is made only should the members disagree: the digest of a (kind, dtype,
+        shape, args) is kept (a few per layer), as working it out is most of a small
+        collective's Python."""
+        key = (kind, tensor.dtype, tensor.shape, args)
         digest = self._digests.get(key)
         if digest is None:
-            digest = Header.of(kind, tensor).digest()
+            digest = Header.of(kind, tensor, args=args).digest()
             if len(self._digests) < _KEPT_DIGESTS:
                 self._digests[key] = digest
         if not self._agreed(digest):
-            self._disagreement(Header.of(kind, tensor), label)
+            self._disagreement(Header.of(kind, tensor, args=args), label)
 
     def _settle(self, label: str, check: bool) -> None:
         theirs = self.host.allgather_object(check)
@@ -284,45 +294,86 @@ class DirectGroup:
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, label: str,
-                    check: bool = True) -> torch.Tensor:
-        """Reduce a contiguous ``tensor`` in place over the group; returns it."""
+                    check: bool = True, scale: float = 1.0) -> torch.Tensor:
+        """Reduce a contiguous ``tensor`` in place over the group, then multiply it by
+        ``scale`` (an average's 1/size, folded into the reduction where the transport can);
+        returns it."""
         with self._collective(label, "all_reduce"):
             self._prepare(Kind.ALL_REDUCE, tensor, label, check)
-            self.transport(tensor.device).allreduce(tensor, op)
+            self.transport(tensor.device).allreduce(tensor, op, scale)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True) -> torch.Tensor:
         """Every member's ``tensor`` concatenated along ``dim``, in group-rank order."""
+        send = tensor.contiguous()
+        out = torch.empty((self.size, *send.shape), dtype=send.dtype, device=send.device)
+        self.all_gather_into(out, send, label=label, check=check)
+        return out.flatten(0, 1) if dim == 0 else torch.cat(out.unbind(0), dim=dim)
+
+    def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor, *, label: str, check: bool = True) -> None:
+        """Every member's contiguous ``tensor``, one after another in group-rank order, into
+        the contiguous ``out`` of ``size`` times its elements."""
         with self._collective(label, "all_gather"):
             self._prepare(Kind.ALL_GATHER, tensor, label, check)
             comm = self.transport(tensor.device)
-            send = tensor.contiguous()
-            out = torch.empty((self.size, *send.shape), dtype=send.dtype, device=send.device)
-            self._complete(comm, comm.allgatherv(send.view(-1), out.view(-1), [send.numel()] * self.size))
-        return out.flatten(0, 1) if dim == 0 else torch.cat(out.unbind(0), dim=dim)
+            self._complete(comm, comm.allgatherv(tensor.view(-1), out.view(-1), [tensor.numel()] * self.size))
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True,
                        op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """Reduce over the group, then keep this member's block of ``dim`` (which the group's
         size must divide: checked after the agreement, so every member raises alike)."""
-        with self._collective(label, "reduce_scatter"):
-            self._prepare(Kind.REDUCE_SCATTER, tensor, label, check)
-            check_divisible(tensor, dim, self.size, label)
-            comm = self.transport(tensor.device)
-            send = torch.stack(tensor.chunk(self.size, dim)) if dim != 0 else tensor.contiguous()
-            block = send.shape[1:] if dim != 0 else (tensor.shape[0] // self.size, *tensor.shape[1:])
-            out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
-            self._complete(comm, comm.reduce_scatter(send.reshape(-1), out.view(-1), [out.numel()] * self.size, op))
+        send = torch.stack(tensor.chunk(self.size, dim)) if dim != 0 and not tensor.shape[dim] % self.size else tensor
+        block = (tensor.shape[0] // self.size, *tensor.shape[1:]) if dim == 0 else send.shape[1:]
+        out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
+        self.reduce_scatter_into(out, send.contiguous(), label=label, check=check, op=op,
+                                 divisible=(tensor, dim))
         return out
 
+    def reduce_scatter_into(self, out: torch.Tensor, tensor: torch.Tensor, *, label: str, check: bool = True,
+                            op: ReduceOp = ReduceOp.SUM, divisible: tuple[torch.Tensor, int] | None = None) -> None:
+        """Reduce the contiguous ``tensor`` over the group and keep this member's block (its
+        ``size``-th part, in group-rank order) in the contiguous ``out``; ``divisible``
+        names a tensor and dim that must split evenly (checked after the agreement)."""
+        with self._collective(label, "reduce_scatter"):
+            self._prepare(Kind.REDUCE_SCATTER, tensor, label, check)
+            if divisible is not None:
+                check_divisible(*divisible, self.size, label)
+            if tensor.numel() != out.numel() * self.size:
+                raise InvalidArgumentError(f"{label} reduce_scatter: the input has {tensor.numel()} elements, "
+                                           f"not {self.size} times the output's {out.numel()}")
+            comm = self.transport(tensor.device)
+            self._complete(comm, comm.reduce_scatter(tensor.view(-1), out.view(-1), [out.numel()] * self.size, op))
+
+    def broadcast_(self, tensor: torch.Tensor, root: int, *, label: str, check: bool = True) -> torch.Tensor:
+        """Copy member ``root``'s contiguous ``tensor`` into every member's, in place."""
+        with self._collective(label, "broadcast"):
+            self._prepare(Kind.BROADCAST, tensor, label, check, (root,))
+            comm = self.transport(tensor.device)
+            self._complete(comm, comm.broadcast(tensor, root))
+        return tensor
+
+    def agree_on_call(self, kind: Kind, tensor: torch.Tensor, root: int, *, label: str, check: bool = True) -> None:
+        """The agreement check alone, for a rooted call the caller then makes of other
+        calls (a gather as an all-to-all): every member raises alike unless all passed the
+        same kind, dtype, shape and root."""
+        with self._collective(label, kind.name.lower()):
+            self._prepare(kind, tensor, label, check, (root,))
+
+    def barrier(self, *, label: str) -> None:
+        """Return once every member has entered the barrier."""
+        with self._collective(label, "barrier"):
+            self.host.barrier().wait()
+
     def all_to_all(self, tensor: torch.Tensor, send_rows: Sequence[int], *, label: str,
-                   received: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+                   received: Sequence[int] | None = None, out: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, list[int]]:
         """Send ``send_rows[r]`` consecutive rows of ``tensor`` to member r; returns the rows
-        received (in member order) and how many came from each member.  The members first
-        exchange their row counts and row shapes and dtypes, so one that sends rows of another
-        shape is an error on every member, naming both, never a misread buffer.  A caller that
-        has already agreed on both with the members passes ``received`` (the rows coming from
-        each) and skips that exchange."""
+        received (in member order, in ``out`` when given) and how many came from each member.
+        The members first exchange their row counts and row shapes and dtypes, so one that
+        sends rows of another shape is an error on every member, naming both, never a misread
+        buffer, and rows that do not fit ``out`` are an error naming their sender.  A caller
+        that has already agreed on both with the members passes ``received`` (the rows coming
+        from each) and skips that exchange."""
         with self._collective(label, "all_to_all"):
             if len(send_rows) != self.size or sum(send_rows) != tensor.shape[0]:
                 raise InvalidArgumentError(f"{label} all_to_all: send_rows {list(send_rows)} must give one count "
@@ -331,8 +382,13 @@ class DirectGroup:
             if received is None:
                 received = self._agree_on_rows(send, send_rows, label)
             received = list(received)
+            if out is None:
+                out = torch.empty((sum(received), *send.shape[1:]), dtype=send.dtype, device=send.device)
+            elif out.shape[0] != sum(received):
+                raise CollectiveMismatchError(
+                    f"{label} all_to_all over {self.name}: rank {self.ranks[self.rank]} has room for "
+                    f"{out.shape[0]} rows but the members send it {received} (rank r sends the r-th count)")
             row = math.prod(send.shape[1:])
-            out = torch.empty((sum(received), *send.shape[1:]), dtype=send.dtype, device=send.device)
             comm = self.transport(send.device)
             self._complete(comm, comm.alltoallv(send.view(-1), [r * row for r in send_rows], out.view(-1),
                                                 [r * row for r in received]))
@@ -395,6 +451,16 @@ class DirectGroup:
             wait_politely(self.host.irecv(tensor, source, tag))
         return header, tensor
 
+    def irecv_into(self, tensor: torch.Tensor, source: int, tag: int, *, kind: str, what: Text) -> Request:
+        """Start receiving the next message :meth:`send` sent from member ``source`` on
+        ``tag`` into the contiguous host ``tensor``.  Waiting on the request (marked as
+        ``kind``/``what``) raises, naming the sender, if the message is not a tensor of
+        ``tensor``'s dtype and shape."""
+        words = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        header = self.host.irecv(words, source, tag)
+        data = self.host.irecv(tensor, source, tag)  # matched after the header: MPI keeps their order
+        return _ReceiveInto(self, header, data, words, tensor, source, tag, kind, what)
+
     def free(self) -> None:
         """Release the group's communicators (device ones first: they sit on the host one)."""
         for comm in self._devices.values():
@@ -404,3 +470,48 @@ class DirectGroup:
             self._agreement.free()
             self._agreement = None
         self.host.free()
+
+
+class _ReceiveInto(Request):
+    """A receive into a caller's tensor whose wait checks what was sent (:meth:`DirectGroup.irecv_into`)."""
+
+    def __init__(self, group: DirectGroup, header: Request, data: Request, words: torch.Tensor,
+                 tensor: torch.Tensor, source: int, tag: int, kind: str, what: Text) -> None:
+        self._group, self._header, self._data, self._words = group, header, data, words
+        self._tensor, self._source, self._tag, self._kind, self._what = tensor, source, tag, kind, what
+        self._checked = False
+
+    def _check(self) -> None:
+        if self._checked:
+            return
+        group, sender = self._group, self._group.ranks[self._source]
+        with group.waiting(self._kind, self._what, (sender,), ident=(RECEIVE, group._ident, self._source, self._tag)):
+            wait_politely(self._header)
+        got, room = Header.decode(self._words.tolist()), Header.of(Kind.MESSAGE, self._tensor)
+        if (got.dtype, got.shape) != (room.dtype, room.shape):
+            raise CollectiveMismatchError(
+                f"a receive on rank {group.ranks[group.rank]} from rank {sender} over {group.name} (tag {self._tag}) "
+                f"expects a {_tensor_text(room)} but rank {sender} sent a {_tensor_text(got)}")
+        self._checked = True
+
+    def test(self) -> bool:
+        if not self._checked and not self._header.test():
+            return False
+        self._check()
+        return self._data.test()
+
+    def wait(self) -> None:
+        self._check()
+        if not self._data.test():
+            with self._group.waiting(self._kind, self._what, (self._group.ranks[self._source],)):
+                wait_politely(self._data)
+
+    def cancel(self) -> None:
+        self._header.cancel()
+        self._data.cancel()
+
+
+def _tensor_text(header: Header) -> str:
+    """``float32 tensor of shape (4, 16)``."""
+    name = "tensor of another dtype" if header.dtype is None else str(header.dtype).removeprefix("torch.") + " tensor"
+    return f"{name} of shape {tuple(header.shape)}"

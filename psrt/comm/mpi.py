@@ -9,6 +9,7 @@ can never match a user's point-to-point message.
 from __future__ import annotations
 
 import itertools
+import zlib
 from typing import Sequence
 
 import numpy as np
@@ -266,6 +267,20 @@ class MpiCommunicator(Communicator):
         with _Translated("communicator split"):
             sub = self._comm.Split(MPI.UNDEFINED if color is None else color, key)
         return None if sub == MPI.COMM_NULL else MpiCommunicator(sub, self._config)
+
+    def subgroup(self, ranks: Sequence[int]) -> MpiCommunicator:
+        """A communicator of ``ranks`` (ranks of this one; the caller among them, each
+        calling with the same list) made by those ranks alone (``MPI_Comm_create_group``),
+        for groups whose other ranks never take part in making them."""
+        members = list(ranks)
+        tag = zlib.crc32(np.array(members, dtype=np.int64).tobytes()) % (self.max_tag + 1)
+        with _Translated("creation of a communicator of ranks {}", members):
+            group = self._comm.Get_group()
+            included = group.Incl(members)
+            sub = self._comm.Create_group(included, tag)
+            included.Free()
+            group.Free()
+        return MpiCommunicator(sub, self._config)
 
     def split_by_host(self) -> MpiCommunicator:
         """Sub-communicator of the ranks sharing this host's memory (``MPI_COMM_TYPE_SHARED``,

@@ -30,6 +30,9 @@ from psrt.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from psrt.torch.optimizer import Bucketing, DistributedOptimizer
 from psrt.torch.sync_batch_norm import SyncBatchNorm
 from psrt.torch import elastic  # noqa: E402  (hvd.elastic, as in Horovod)
+from psrt.torch.c10d import process_group, register as _register_torch_backend
+
+_register_torch_backend()  # dist.init_process_group("psrt") from here on
 
 __all__ = [
     "Adasum", "Average", "Bucketing", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
@@ -42,7 +45,7 @@ __all__ = [
     "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
     "grouped_reducescatter_async", "init", "is_initialized", "join", "local_rank", "local_size",
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "process_group", "rank",
     "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown",
     "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]
