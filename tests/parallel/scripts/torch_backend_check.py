@@ -1,0 +1,422 @@
+"""torch.distributed's consumers on psrt's backend against one process and against gloo
+(``psrun -np 2|4 python torch_backend_check.py``).
+
+The default group is started by ``dist.init_process_group("psrt")`` with no variables set
+(psrt's ``env://`` start-up from MPI); a gloo group over the same ranks, made from its store,
+runs the same collectives for comparison.  Every collective, in float32, float64, bfloat16,
+float16 and int32 where torch allows, must give gloo's result (an average: gloo's sum over
+the size; gloo has no average).  DDP (several buckets, ``no_sync``), FSDP2 (full precision
+and bf16 parameters with fp32 reductions), DTensor tensor parallelism (on 4 ranks a 2-D
+mesh of FSDP × TP, whose sub-groups psrt makes for their members only),
+``torch.distributed.pipelining`` with ``Schedule1F1B``, distributed checkpoints (saved at
+this size, loaded here and in one process) and a Lightning ``Trainer`` with
+``DDPStrategy(process_group_backend="psrt")`` each train a few steps and must match the same
+computation in one process.
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import psrt.torch as hvd
+from psrt.errors import CollectiveMismatchError, UnsupportedOperationError
+
+import _harness
+from _training_common import expect_raises
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed *_into_tensor calls
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32)
+STEPS, LR = 3, 0.05
+
+
+def values(shape: tuple[int, ...], dtype: torch.dtype, salt: int) -> torch.Tensor:
+    """Small integers, different on every rank: exact in every dtype, whatever the order of a sum."""
+    generator = torch.Generator().manual_seed(1000 * dist.get_rank() + salt)
+    return torch.randint(-3, 4, shape, generator=generator).to(dtype)
+
+
+def against_gloo(gloo: dist.ProcessGroup, dtypes: tuple[torch.dtype, ...], run) -> None:
+    """``run(group, dtype)`` returns tensors; psrt's default group must give gloo's."""
+    for dtype in dtypes:
+        mine, theirs = run(None, dtype), run(gloo, dtype)
+        for got, want in zip(mine, theirs):
+            assert got.dtype == want.dtype and got.shape == want.shape, f"{dtype}: {got.dtype}{tuple(got.shape)}"
+            assert torch.equal(got, want), f"{dtype}: psrt {got.flatten()[:6]} gloo {want.flatten()[:6]}"
+
+
+def collective_checks(gloo: dist.ProcessGroup) -> dict:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    floats = DTYPES[:4]
+
+    def all_reduce(op):
+        def run(group, dtype):
+            t = values((5, 3), dtype, 1)
+            dist.all_reduce(t, op=op, group=group)
+            return [t]
+        return run
+
+    def average(group, dtype):
+        t = values((6,), dtype, 2)
+        if group is None:
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        else:
+            dist.all_reduce(t, group=group)
+            t = t / n
+        return [t]
+
+    def broadcast(group, dtype):
+        t = values((3, 2), dtype, 3)
+        dist.broadcast(t, src=n - 1, group=group)
+        return [t]
+
+    def all_gather(group, dtype):
+        parts = [torch.empty((2, 3), dtype=dtype) for _ in range(n)]
+        dist.all_gather(parts, values((2, 3), dtype, 4), group=group)
+        return parts
+
+    def all_gather_into_tensor(group, dtype):
+        out = torch.empty((2 * n, 3), dtype=dtype)
+        dist.all_gather_into_tensor(out, values((2, 3), dtype, 5), group=group)
+        return [out]
+
+    def reduce_scatter_tensor(group, dtype):
+        out = torch.empty((2, 3), dtype=dtype)
+        dist.reduce_scatter_tensor(out, values((2 * n, 3), dtype, 6), group=group)
+        return [out]
+
+    def reduce_scatter_tensor_average(group, dtype):  # what FSDP2 sends its fp32/bf16 gradients through
+        out = torch.empty((4,), dtype=dtype)
+        if group is None:
+            dist.reduce_scatter_tensor(out, values((4 * n,), dtype, 7), op=dist.ReduceOp.AVG)
+            return [out]
+        dist.reduce_scatter_tensor(out, values((4 * n,), dtype, 7), group=group)
+        return [out / n]
+
+    def reduce_scatter(group, dtype):
+        out = torch.empty((3,), dtype=dtype)
+        dist.reduce_scatter(out, [values((3,), dtype, 8 + r) for r in range(n)], group=group)
+        return [out]
+
+    def all_to_all_single_uneven(group, dtype):
+        sends = [1 + (rank + r) % 3 for r in range(n)]  # rows to member r
+        receives = [1 + (r + rank) % 3 for r in range(n)]  # rows from member r
+        out = torch.empty((sum(receives), 2), dtype=dtype)
+        dist.all_to_all_single(out, values((sum(sends), 2), dtype, 9), receives, sends, group=group)
+        return [out]
+
+    def all_to_all(group, dtype):  # gloo's takes equal sizes only
+        outs = [torch.empty((2,), dtype=dtype) for r in range(n)]
+        dist.all_to_all(outs, [values((2,), dtype, 10 + r) for r in range(n)], group=group)
+        return outs
+
+    def gather(group, dtype):
+        parts = [torch.empty((3,), dtype=dtype) for _ in range(n)] if rank == 1 else None
+        dist.gather(values((3,), dtype, 11), parts, dst=1, group=group)
+        return parts or []
+
+    def scatter(group, dtype):
+        out = torch.empty((2, 2), dtype=dtype)
+        dist.scatter(out, [values((2, 2), dtype, 12 + r) for r in range(n)] if rank == 0 else None, src=0, group=group)
+        return [out]
+
+    def reduce(group, dtype):
+        t = values((4,), dtype, 13)
+        dist.reduce(t, dst=n - 1, group=group)
+        if rank != n - 1:  # gloo leaves partial results there; psrt leaves the tensor as it was
+            assert group is not None or torch.equal(t, values((4,), dtype, 13)), "reduce changed a non-root tensor"
+            return []
+        return [t]
+
+    def send_recv_ring(group, dtype):
+        into = torch.empty((2, 2), dtype=dtype)
+        ops = [dist.P2POp(dist.isend, values((2, 2), dtype, 14), (rank + 1) % n, group),
+               dist.P2POp(dist.irecv, into, (rank - 1) % n, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return [into]
+
+    def asynchronous(group, dtype):
+        t, out = values((8,), dtype, 15), torch.empty((n * 8,), dtype=dtype)
+        works = [dist.all_reduce(t, group=group, async_op=True),
+                 dist.all_gather_into_tensor(out, values((8,), dtype, 16), group=group, async_op=True)]
+        for work in works:
+            work.wait()
+        return [t, out]
+
+    def coalesced(group, dtype):
+        tensors = [values((3,), dtype, 17), values((2, 2), dtype, 18)]
+        with dist._coalescing_manager(group=group):
+            for t in tensors:
+                dist.all_reduce(t, group=group)
+        return tensors
+
+    return {"all_reduce/sum": (all_reduce(dist.ReduceOp.SUM), DTYPES),
+            "all_reduce/min": (all_reduce(dist.ReduceOp.MIN), DTYPES),
+            "all_reduce/max": (all_reduce(dist.ReduceOp.MAX), DTYPES),
+            "all_reduce/product": (all_reduce(dist.ReduceOp.PRODUCT), (torch.float64, torch.int32)),
+            "all_reduce/avg": (average, floats), "broadcast": (broadcast, DTYPES),
+            "all_gather": (all_gather, DTYPES), "all_gather_into_tensor": (all_gather_into_tensor, DTYPES),
+            "reduce_scatter_tensor/sum": (reduce_scatter_tensor, DTYPES),
+            "reduce_scatter_tensor/avg": (reduce_scatter_tensor_average, (torch.float32, torch.bfloat16)),
+            "reduce_scatter": (reduce_scatter, DTYPES), "all_to_all_single/uneven": (all_to_all_single_uneven, DTYPES),
+            "all_to_all": (all_to_all, DTYPES), "gather": (gather, DTYPES), "scatter": (scatter, DTYPES),
+            "reduce": (reduce, DTYPES), "send_recv/batch_isend_irecv_ring": (send_recv_ring, DTYPES),
+            "async_op/wait": (asynchronous, floats), "coalescing_manager": (coalesced, floats)}
+
+
+def check_collective(name: str, gloo: dist.ProcessGroup, run, dtypes) -> None:
+    against_gloo(gloo, dtypes, run)
+
+
+def check_barrier_and_objects(name: str) -> None:
+    dist.barrier()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"rank": dist.get_rank()})
+    assert everyone == [{"rank": r} for r in range(dist.get_world_size())], everyone
+
+
+def check_mismatched_shapes_name_the_ranks(name: str) -> None:
+    """gloo would fail with a size error on some ranks (or not at all); psrt names both."""
+    shape = (4,) if dist.get_rank() == 0 else (5,)
+    expect_raises(CollectiveMismatchError, lambda: dist.all_reduce(torch.ones(shape)),
+                  "rank 0 has all_reduce of a float32 tensor of shape (4,)" if dist.get_rank() else
+                  "has all_reduce of a float32 tensor of shape (5,)", "mismatched shapes")
+    dist.barrier()  # the group goes on after the error
+
+
+def check_unsupported_reduction(name: str) -> None:
+    expect_raises(UnsupportedOperationError, lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
+                                                                   op=dist.ReduceOp.BAND), "no BAND", "BAND")
+
+
+# -- consumers ---------------------------------------------------------------------------
+def mlp(width: int = 8, depth: int = 4, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def batches(rows: int, width: int = 8, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    return [(torch.randn(rows, width, generator=generator), torch.randn(rows, width, generator=generator))
+            for _ in range(steps)]
+
+
+def local_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def reference(model: nn.Module, data) -> nn.Module:
+    """The same steps in one process on the global batches."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def assert_close(got: dict, want: dict, tol: float, what: str) -> None:
+    for key, value in want.items():
+        mine = got[key]
+        mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
+        error = (mine.detach().float() - value.detach().float()).abs().max().item()
+        assert error <= tol, f"{what}: {key} differs by {error:.3g} (tolerance {tol:g})"
+
+
+def check_ddp(name: str, gloo: dist.ProcessGroup) -> None:
+    """Several buckets, and every other step accumulated under no_sync; psrt and gloo alike."""
+    n = dist.get_world_size()
+    data = batches(4 * n, steps=2 * STEPS)
+    merged = [(torch.cat([x, x2]), torch.cat([y, y2])) for (x, y), (x2, y2) in zip(data[::2], data[1::2])]
+    want = reference(mlp(), merged).state_dict()
+    for group in (None, gloo):
+        model = nn.parallel.DistributedDataParallel(mlp(), process_group=group, bucket_cap_mb=0.0005)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(STEPS):
+            opt.zero_grad()
+            (x, y), (x2, y2) = data[2 * step], data[2 * step + 1]
+            with model.no_sync():
+                (nn.functional.mse_loss(model(local_rows(x)), local_rows(y)) / 2).backward()
+            (nn.functional.mse_loss(model(local_rows(x2)), local_rows(y2)) / 2).backward()
+            opt.step()
+        assert_close(model.module.state_dict(), want, 1e-5, f"DDP over {'gloo' if group else 'psrt'}")
+
+
+def check_fsdp2(name: str, gloo: dist.ProcessGroup, mixed: bool) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    n = dist.get_world_size()
+    data = batches(2 * n)
+    want = reference(mlp(), data).state_dict()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
+        else MixedPrecisionPolicy()
+    results = []
+    for group in (None, gloo):
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+        model = mlp()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for x, y in data:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(local_rows(x)).float(), local_rows(y)).backward()
+            opt.step()
+        state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        results.append(state)
+        assert_close(state, want, 5e-2 if mixed else 1e-5, f"FSDP2 over {'gloo' if group else 'psrt'}")
+    assert_close(results[0], results[1], 1e-6, "FSDP2 over psrt against gloo")  # sums in another order
+
+
+def check_dtensor_tp(name: str) -> None:
+    """ColwiseParallel then RowwiseParallel on each pair of layers; on 4 ranks a 2-D mesh
+    shards the same model with FSDP2 over "dp" (sub-groups made by their members only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    n = dist.get_world_size()
+    dp = 2 if n == 4 else 1
+    mesh = init_device_mesh("cpu", (dp, n // dp), mesh_dim_names=("dp", "tp"))
+    data = batches(4)
+    want = reference(mlp(), data).state_dict()
+    model = mlp()
+    plan = {str(i): ColwiseParallel() if i % 4 == 0 else RowwiseParallel() for i in range(0, 7, 2)}
+    parallelize_module(model, mesh["tp"], plan)
+    if dp > 1:
+        fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for x, y in data:
+        opt.zero_grad()
+        rows = x.chunk(dp)[mesh.get_local_rank("dp")], y.chunk(dp)[mesh.get_local_rank("dp")]
+        nn.functional.mse_loss(model(rows[0]), rows[1]).backward()
+        opt.step()
+    assert_close(model.state_dict(), want, 1e-5, "DTensor TP")
+
+
+def check_pipelining_1f1b(name: str) -> None:
+    """One stage per rank (two layers each), four micro-batches."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    full = mlp(depth=2 * n)
+    data = batches(8)
+    want = reference(full, data).state_dict()
+    layers = [m for m in full if isinstance(m, nn.Linear)]
+    mine = nn.Sequential(layers[2 * rank], nn.Tanh(), layers[2 * rank + 1], *([nn.Tanh()] if rank < n - 1 else []))
+    stage = PipelineStage(mine, rank, n, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(mine.parameters(), lr=LR)
+    for x, y in data:
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == n - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        opt.step()
+    names = {id(p): k for k, p in full.named_parameters()}
+    got = {names[id(p)]: p for p in mine.parameters()}
+    assert_close(got, {k: v for k, v in want.items() if k in got}, 1e-5, "pipelining 1F1B")
+
+
+def check_dcp(name: str) -> None:
+    """An FSDP2 model saved by every rank loads into another FSDP2 model and, in one
+    process (no_dist), into a plain one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    path = tempfile.mkdtemp(prefix="psrt-dcp-") if dist.get_rank() == 0 else None
+    holder = [path]
+    dist.broadcast_object_list(holder, src=0)
+    path = holder[0]
+    trained = mlp(seed=3)
+    want = copy.deepcopy(trained).state_dict()
+    fully_shard(trained)
+    dcp.save(trained.state_dict(), checkpoint_id=path)
+    fresh = mlp(seed=4)
+    fully_shard(fresh)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    assert_close(fresh.state_dict(), want, 0.0, "dcp load at the same size")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        alone = mlp(seed=5).state_dict()
+        dcp.load(alone, checkpoint_id=path, no_dist=True)
+        assert_close(alone, want, 0.0, "dcp load in one process")
+        shutil.rmtree(path)
+    dist.barrier()
+
+
+def check_lightning(name: str) -> None:
+    """A Trainer with DDPStrategy(process_group_backend="psrt"), found through Lightning's
+    MPIEnvironment; Lightning starts its own default group (env:// with its address)."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    n = dist.get_world_size()
+    data = batches(2 * n)
+    want = reference(mlp(), data).state_dict()
+    # this rank's rows of each global batch, in order (Lightning's sampler would shuffle)
+    xs, ys = torch.cat([local_rows(x) for x, _ in data]), torch.cat([local_rows(y) for _, y in data])
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    dist.destroy_process_group()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=2)
+    module = Module()
+    trainer = L.Trainer(accelerator="cpu", devices=n, strategy=DDPStrategy(process_group_backend="psrt"),
+                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(module, loader)
+    assert dist.get_backend() == "psrt", dist.get_backend()
+    assert_close({k.removeprefix("net."): v for k, v in module.state_dict().items()}, want, 1e-5, "Lightning DDP")
+
+
+def main() -> None:
+    dist.init_process_group("psrt")  # no RANK/MASTER_ADDR: psrt's env:// start-up from MPI
+    assert hvd.is_initialized() and dist.get_rank() == hvd.rank() and dist.get_world_size() == hvd.size()
+    gloo = dist.new_group(backend="gloo")
+    checks = _harness.Checks()
+    for collective, (run, dtypes) in collective_checks(gloo).items():
+        checks.add(f"collectives/{collective}", check_collective, gloo, run, dtypes)
+    checks.add("collectives/barrier_and_objects", check_barrier_and_objects)
+    checks.add("errors/mismatched_shapes_name_the_ranks", check_mismatched_shapes_name_the_ranks)
+    checks.add("errors/unsupported_reduction", check_unsupported_reduction)
+    checks.add("ddp/buckets_and_no_sync_match_single_process", check_ddp, gloo)
+    checks.add("fsdp2/matches_single_process", check_fsdp2, gloo, False)
+    checks.add("fsdp2/mixed_precision_matches_gloo", check_fsdp2, gloo, True)
+    checks.add("dtensor/parallelize_module_matches_single_process", check_dtensor_tp)
+    checks.add("pipelining/1f1b_matches_single_process", check_pipelining_1f1b)
+    checks.add("dcp/saves_and_loads_here_and_in_one_process", check_dcp)
+    checks.add("lightning/ddp_strategy_matches_single_process", check_lightning)
+    _harness.run(checks, check_timeout_s=90.0)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
