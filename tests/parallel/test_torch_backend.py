@@ -4,9 +4,12 @@ and 4 ranks (the checks are in ``scripts/torch_backend_check.py``); a rank that 
 freezes inside a DDP step ends the job with a named error."""
 from __future__ import annotations
 
+import re
+import signal
+
 import pytest
 
-from conftest import launch  # noqa: F401  (the fixture's launcher, for the fault tests below)
+from faults import run_with_fault
 
 pytestmark = pytest.mark.parallel
 
@@ -32,3 +35,32 @@ def test_torch_distributed_on_psrt_matches_gloo_and_one_process(parallel_jobs, n
 @pytest.mark.parametrize("np", [2, 4])
 def test_torch_backend_job_reports_every_check_and_ends_cleanly(parallel_jobs, np):
     parallel_jobs.get("torch_backend_check.py", np).assert_complete(CHECKS)
+
+
+CHECK_S, SHUTDOWN_S = 3, 8
+STALL_ENV = {"PSRT_STALL_CHECK_TIME": str(CHECK_S), "PSRT_STALL_SHUTDOWN_TIME": str(SHUTDOWN_S)}
+MARGIN_S = 8  # probing, the abort, start-up of the ranks' exit
+
+
+def test_a_frozen_rank_inside_a_ddp_step_is_named_and_the_job_ends():
+    """gloo would wait out its 30-minute timeout; psrt's watchdog names the rank DDP waits for."""
+    job = run_with_fault("frozen_training.py", 2, ("ddp",), STALL_ENV, after="step 3", rank=1,
+                         signum=signal.SIGSTOP)
+    assert job.returncode not in (0, None), job.diagnosis()
+    assert job.seconds_after_fault < SHUTDOWN_S + MARGIN_S, job.diagnosis()
+    summary = job.stderr.strip().splitlines()[-1]
+    assert re.match(r"psrun: rank 1 is to blame: stopped answering while torch\.distributed all_reduce on rank 0 "
+                    r"over torch\.distributed group 0 of ranks \[0, 1\] waited \d+ s \(reported by rank 0\)$",
+                    summary), job.diagnosis()
+    assert "rank 1 does not respond" in job.stderr, job.diagnosis()
+    assert not job.left_behind, job.diagnosis()
+
+
+def test_a_killed_rank_inside_a_ddp_step_ends_the_job_naming_it():
+    job = run_with_fault("frozen_training.py", 2, ("ddp",), STALL_ENV, after="step 3", rank=1,
+                         signum=signal.SIGKILL)
+    assert job.returncode not in (0, None), job.diagnosis()
+    assert job.seconds_after_fault < 10, job.diagnosis()
+    assert job.stderr.strip().splitlines()[-1] == "psrun: rank 1 failed first: killed by signal 9 (SIGKILL)", \
+        job.diagnosis()
+    assert not job.left_behind, job.diagnosis()

@@ -4,6 +4,7 @@ ends.  ``python frozen_training.py MODE`` where MODE is:
 
 ``dp``         data-parallel training with DistributedOptimizer (every rank a worker);
 ``ps``         parameter-server training (launch with PSRT_NUM_SERVERS=1): ps.DistributedOptimizer;
+``ddp``        torch's DistributedDataParallel on ``dist.init_process_group("psrt")``;
 ``late_init R``  as ``dp``, but rank R sleeps instead of calling ``hvd.init()`` (a rank stuck
                  before start-up).
 
@@ -26,7 +27,13 @@ def main(mode: str, late_rank: str = "") -> None:
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    if mode != "ps":
+    if mode == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("psrt")
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    elif mode != "ps":
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters())
     else:
