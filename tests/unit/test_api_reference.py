@@ -39,7 +39,7 @@ COLLECTIVE = {
     "psrt.torch.grouped_allreduce_async_", "psrt.torch.sparse_allreduce_async",
     "psrt.torch.allgather", "psrt.torch.allgather_async", "psrt.torch.allgather_into_async",
     "psrt.torch.grouped_allgather", "psrt.torch.grouped_allgather_async",
-    "psrt.torch.alltoall", "psrt.torch.alltoall_async", "psrt.torch.barrier",
+    "psrt.torch.alltoall", "psrt.torch.alltoall_async", "psrt.torch.barrier", "psrt.torch.process_group",
     "psrt.torch.broadcast", "psrt.torch.broadcast_", "psrt.torch.broadcast_async", "psrt.torch.broadcast_async_",
     "psrt.torch.reducescatter", "psrt.torch.reducescatter_async", "psrt.torch.grouped_reducescatter",
     "psrt.torch.grouped_reducescatter_async",

@@ -1,0 +1,78 @@
+"""The torch.distributed backend's pieces in one process: how torch's reductions map onto
+psrt's, when psrt's env:// start-up takes over from torch's, and a one-rank job on it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import psrt.torch  # noqa: F401  (registers the backend)
+from psrt.comm.base import ReduceOp
+from psrt.errors import InvalidArgumentError, UnsupportedOperationError
+from psrt.torch.c10d import rendezvous
+from psrt.torch.c10d.group import reduction
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("op,expected", [(dist.ReduceOp.SUM, (ReduceOp.SUM, 1.0)),
+                                         (dist.ReduceOp.MIN, (ReduceOp.MIN, 1.0)),
+                                         (dist.ReduceOp.MAX, (ReduceOp.MAX, 1.0)),
+                                         (dist.ReduceOp.PRODUCT, (ReduceOp.PRODUCT, 1.0)),
+                                         (dist.ReduceOp.AVG, (ReduceOp.SUM, 0.25))])
+def test_torch_reductions_map_to_a_psrt_reduction_and_a_scale(op, expected):
+    assert reduction(dist.ReduceOp(op), 4, torch.float32) == expected
+
+
+def test_a_premultiplied_sum_is_a_sum_scaled_by_its_factor():
+    assert reduction(dist._make_nccl_premul_sum(0.125), 4, torch.bfloat16) == (ReduceOp.SUM, 0.125)
+
+
+def test_an_integer_average_and_bitwise_reductions_are_refused_by_name():
+    with pytest.raises(InvalidArgumentError, match="AVG of a torch.int64 tensor"):
+        reduction(dist.ReduceOp(dist.ReduceOp.AVG), 2, torch.int64)
+    with pytest.raises(UnsupportedOperationError, match="no BXOR reduction"):
+        reduction(dist.ReduceOp(dist.ReduceOp.BXOR), 2, torch.int32)
+
+
+def test_the_env_handler_leaves_a_complete_environment_to_torch(monkeypatch):
+    """With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun, Lightning), torch's
+    own handler runs, even under an MPI launcher."""
+    seen = []
+
+    def torch_env(url, **kwargs):
+        seen.append(url)
+        yield "store", 3, 4
+
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert next(rendezvous._from_mpi(torch_env)("env://")) == ("store", 3, 4)
+    assert seen == ["env://"]
+
+
+def test_init_process_group_psrt_runs_a_one_rank_job_without_variables():
+    """After psrt.init(), in a process no launcher started: rank 0 of 1, a collective and DDP."""
+    script = """
+import torch, torch.distributed as dist
+import psrt.torch as hvd
+hvd.init()
+dist.init_process_group("psrt")
+t = torch.ones(3)
+dist.all_reduce(t, op=dist.ReduceOp.AVG)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+model(torch.ones(1, 2)).sum().backward()
+print(dist.get_backend(), dist.get_rank(), dist.get_world_size(), t.tolist())
+dist.destroy_process_group()
+"""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "psrt 0 1 [1.0, 1.0, 1.0]", done.stdout
