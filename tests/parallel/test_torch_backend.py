@@ -19,7 +19,8 @@ COLLECTIVES = ["all_reduce/sum", "all_reduce/min", "all_reduce/max", "all_reduce
                "scatter", "reduce", "send_recv/batch_isend_irecv_ring", "async_op/wait", "coalescing_manager",
                "barrier_and_objects"]
 CHECKS = [f"collectives/{name}" for name in COLLECTIVES] + [
-    "errors/mismatched_shapes_name_the_ranks", "errors/unsupported_reduction",
+    "errors/mismatched_shapes_name_the_ranks", "errors/different_collectives_name_the_ranks",
+    "errors/unsupported_reduction", "process_group/over_a_process_set",
     "ddp/buckets_and_no_sync_match_single_process", "fsdp2/matches_single_process",
     "fsdp2/mixed_precision_matches_gloo", "dtensor/parallelize_module_matches_single_process",
     "pipelining/1f1b_matches_single_process", "dcp/saves_and_loads_here_and_in_one_process",

@@ -190,6 +190,34 @@ def check_mismatched_shapes_name_the_ranks(name: str) -> None:
     dist.barrier()  # the group goes on after the error
 
 
+def check_different_collectives_name_the_ranks(name: str) -> None:
+    """Rank 0 broadcasts while the others all-reduce: an error on every rank, never a
+    broadcast matched with an all-reduce."""
+    t = torch.ones(3)
+    call = (lambda: dist.broadcast(t, src=0)) if dist.get_rank() == 0 else (lambda: dist.all_reduce(t))
+    expect_raises(CollectiveMismatchError, call, "broadcast from rank 0 of a float32 tensor of shape (3,)",
+                  "different collectives")
+    dist.barrier()
+
+
+def check_process_group_over_a_process_set(name: str) -> None:
+    """psrt.torch.process_group over the even ranks: torch's collectives and a DeviceMesh on
+    it, and NON_GROUP_MEMBER elsewhere."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    evens = hvd.add_process_set(list(range(0, dist.get_world_size(), 2)))
+    group = hvd.process_group(evens)
+    assert hvd.process_group() is dist.group.WORLD
+    if dist.get_rank() % 2:
+        assert group is dist.GroupMember.NON_GROUP_MEMBER, group
+        return
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t, group=group)
+    assert t.item() == sum(range(0, dist.get_world_size(), 2)), t
+    mesh = DeviceMesh.from_group(group, "cpu")
+    assert mesh.size() == evens.size() and dist.get_world_size(mesh.get_group()) == evens.size()
+
+
 def check_unsupported_reduction(name: str) -> None:
     expect_raises(UnsupportedOperationError, lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
                                                                    op=dist.ReduceOp.BAND), "no BAND", "BAND")
@@ -406,7 +434,9 @@ def main() -> None:
         checks.add(f"collectives/{collective}", check_collective, gloo, run, dtypes)
     checks.add("collectives/barrier_and_objects", check_barrier_and_objects)
     checks.add("errors/mismatched_shapes_name_the_ranks", check_mismatched_shapes_name_the_ranks)
+    checks.add("errors/different_collectives_name_the_ranks", check_different_collectives_name_the_ranks)
     checks.add("errors/unsupported_reduction", check_unsupported_reduction)
+    checks.add("process_group/over_a_process_set", check_process_group_over_a_process_set)
     checks.add("ddp/buckets_and_no_sync_match_single_process", check_ddp, gloo)
     checks.add("fsdp2/matches_single_process", check_fsdp2, gloo, False)
     checks.add("fsdp2/mixed_precision_matches_gloo", check_fsdp2, gloo, True)
