@@ -92,64 +92,75 @@ def sgd_step(model: nn.Module, loss: Callable, x: torch.Tensor, y: torch.Tensor)
     return step
 
 
-def ddp_mlp(group: dist.ProcessGroup) -> Step:
+def ddp_mlp(group: dist.ProcessGroup | None) -> Step:
+    """DDP over ``group``; without one, the same step with no communication (``local``)."""
     torch.manual_seed(0)
-    x, y = mlp_batch()
-    return sgd_step(DistributedDataParallel(mlp(), process_group=group), F.cross_entropy, x, y)
+    model, (x, y) = mlp(), mlp_batch()
+    return sgd_step(model if group is None else DistributedDataParallel(model, process_group=group),
+                    F.cross_entropy, x, y)
 
 
 def gpt(config: GPTConfig) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
     return nn.Sequential(*build_blocks(config)), *gpt_batch(config, 4, seed=1000 + comm.rank)
 
 
-def ddp_gpt(group: dist.ProcessGroup, config: GPTConfig) -> Step:
+def ddp_gpt(group: dist.ProcessGroup | None, config: GPTConfig) -> Step:
     model, x, y = gpt(config)
-    return sgd_step(DistributedDataParallel(model, process_group=group), loss_fn, x, y)
+    return sgd_step(model if group is None else DistributedDataParallel(model, process_group=group),
+                    loss_fn, x, y)
 
 
-def fsdp2_gpt(group: dist.ProcessGroup, config: GPTConfig) -> Step:
+def fsdp2_gpt(group: dist.ProcessGroup | None, config: GPTConfig) -> Step:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     model, x, y = gpt(config)
-    mesh = DeviceMesh.from_group(group, "cpu")
-    for block in model:
-        fully_shard(block, mesh=mesh)
-    return sgd_step(fully_shard(model, mesh=mesh), loss_fn, x, y)
+    if group is not None:
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return sgd_step(model, loss_fn, x, y)
 
 
-def compare_training(name: str, build: Callable[[dist.ProcessGroup], Step], groups: dict,
+def compare_training(name: str, build: Callable[[dist.ProcessGroup | None], Step], groups: dict,
                      args: argparse.Namespace) -> dict:
-    """Build on both groups, compare the check steps' losses, then time in turns."""
-    steps, losses = {}, {}
+    """Build on both groups and without one (``local``: every rank computes, nothing is
+    communicated, the floor of any backend), compare psrt's and gloo's losses over the check
+    steps, then time the three in turns."""
+    steps, losses = {"local": build(None)}, {}
     for backend, group in groups.items():
         steps[backend] = build(group)
         losses[backend] = [comm.allreduce(steps[backend]()) / comm.size for _ in range(args.check_steps)]
     delta = max(abs(a - b) for a, b in zip(losses["psrt"], losses["gloo"]))
     probe = timed_window(comm, steps["psrt"], 2, warmup=1)
     per_window = max(2, round(args.window_s / probe))
-    windows: dict[str, list[float]] = {backend: [] for backend in groups}
-    order = list(groups)
+    order = list(steps)
+    windows: dict[str, list[float]] = {impl: [] for impl in order}
     for round_ in range(args.rounds):
-        for backend in order[round_ % 2:] + order[:round_ % 2]:
-            windows[backend].append(timed_window(comm, steps[backend], per_window, args.warmup))
-    psrt_s, gloo_s = statistics.median(windows["psrt"]), statistics.median(windows["gloo"])
+        shift = round_ % len(order)
+        for impl in order[shift:] + order[:shift]:
+            windows[impl].append(timed_window(comm, steps[impl], per_window, args.warmup))
+    ms = {impl: statistics.median(times) * 1e3 for impl, times in windows.items()}
     paired = [g / p for p, g in zip(windows["psrt"], windows["gloo"])]
-    return {"name": name, "psrt_ms": psrt_s * 1e3, "gloo_ms": gloo_s * 1e3, "speedup": gloo_s / psrt_s,
+    return {"name": name, "step_ms": ms, "speedup": ms["gloo"] / ms["psrt"], "ceiling": ms["gloo"] / ms["local"],
+            "psrt_over_local": ms["psrt"] / ms["local"],
             "per_round": [min(paired), statistics.median(paired), max(paired)], "steps_per_window": per_window,
             "losses": losses, "max_loss_delta": delta, "agrees": delta <= args.tolerance,
-            "met": gloo_s / psrt_s >= SPEEDUP_TARGET, "windows_s": windows}
+            "met": ms["gloo"] / ms["psrt"] >= SPEEDUP_TARGET, "windows_s": windows}
 
 
 def print_training(rows: list[dict], args: argparse.Namespace) -> None:
-    say(f"\n## training: median of {args.rounds} windows per group; gloo/psrt above 1: psrt is faster")
-    say("| model | psrt step ms | gloo step ms | gloo/psrt | per round min / median / max | "
-        "max loss diff (check steps) | >= 1.5 |")
-    say("| --- | ---: | ---: | ---: | --- | --- | --- |")
+    say(f"\n## training: median of {args.rounds} windows each; gloo/psrt above 1: psrt is faster; "
+        "local: the same step with no communication; gloo/local: the most any backend could gain")
+    say("| model | local ms | psrt ms | gloo ms | gloo/psrt | per round min / median / max | gloo/local | "
+        "psrt/local | loss diff (check steps) | >= 1.5 |")
+    say("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | --- |")
     for r in rows:
         low, middle, high = r["per_round"]
-        say(f"| {r['name']} | {r['psrt_ms']:.2f} | {r['gloo_ms']:.2f} | {r['speedup']:.2f} | "
-            f"{low:.2f} / {middle:.2f} / {high:.2f} | {r['max_loss_delta']:.1e} "
-            f"({'agrees' if r['agrees'] else 'DIFFERS'}) | {'yes' if r['met'] else 'no'} |")
+        ms = r["step_ms"]
+        say(f"| {r['name']} | {ms['local']:.2f} | {ms['psrt']:.2f} | {ms['gloo']:.2f} | {r['speedup']:.2f} | "
+            f"{low:.2f} / {middle:.2f} / {high:.2f} | {r['ceiling']:.2f} | {r['psrt_over_local']:.2f} | "
+            f"{r['max_loss_delta']:.1e} ({'agrees' if r['agrees'] else 'DIFFERS'}) | {'yes' if r['met'] else 'no'} |")
 
 
 # -- collectives -----------------------------------------------------------------------------
@@ -193,12 +204,16 @@ def calls(collective: str, numel: int, groups: dict, tag: str, values: bool) -> 
     return made
 
 
-def time_calls(made: dict[str, Callable[[], torch.Tensor]], iters: int, blocks: int = 5) -> dict[str, float]:
+def time_calls(made: dict[str, Callable[[], torch.Tensor]], iters: int, blocks: int = 6) -> dict[str, float]:
     """Median over ``iters`` calls of the slowest rank's seconds, per implementation; they take
-    turns in ``blocks`` blocks, each after two untimed calls, each call after a barrier."""
+    turns in ``blocks`` blocks (the first rotating), each after two untimed calls, each call
+    after a barrier."""
     mine: dict[str, list[float]] = {impl: [] for impl in made}
-    for block in np.array_split(np.arange(iters), blocks):
-        for impl, call in made.items():
+    order = list(made)
+    for index, block in enumerate(np.array_split(np.arange(iters), blocks)):
+        shift = index % len(order)
+        for impl in order[shift:] + order[:shift]:
+            call = made[impl]
             call()
             call()
             for _ in block:
