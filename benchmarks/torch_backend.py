@@ -20,15 +20,17 @@ groups:
   fsdp2/gpt ``fully_shard`` on each block and then the root, mesh
             ``DeviceMesh.from_group(group, "cpu")``, same GPT and batch.
 
-Each pair first runs ``--check-steps`` steps and compares the losses (mean over ranks); then
-psrt and gloo take turns for ``--rounds`` rounds (the first rotating), each a few untimed
-steps, a barrier and a window whose time is the slowest rank's (``_timing.timed_window``).
-The figures are the medians; ``gloo/psrt`` is the speed-up (above 1: psrt is faster).
+psrt's and gloo's losses over ``--check-steps`` steps (mean over ranks) must agree first.
+``local`` is the same step on both ranks at once with no wrapper and no communication: the
+floor of any backend, so ``gloo/local`` is the most a backend could gain over gloo.  The
+three take turns for ``--rounds`` rounds (the first rotating), each a few untimed steps, a
+barrier and a window whose time is the slowest rank's (``_timing.timed_window``).  The
+figures are medians; ``gloo/psrt`` is the speed-up (above 1: psrt is faster).
 
 Collectives (``--parts collectives``): all_reduce (sum), all_gather_into_tensor,
 reduce_scatter_tensor, broadcast (root 0) and all_to_all_single of float32, the whole buffer
 4 KiB to 16 MiB, through (i) torch.distributed on the psrt group, (ii) torch.distributed on
-the gloo group and (iii) psrt's own API on the same tensor: ``hvd.allreduce_`` (in place,
+the gloo group and (iii) psrt's own API, all three on the same tensors: ``hvd.allreduce_`` (in place,
 as ``dist.all_reduce`` is), ``hvd.allgather``, ``hvd.reducescatter``, ``hvd.broadcast_``,
 ``hvd.alltoall``, each under a name that repeats, so the engine's response cache serves
 it (its fast path, what DistributedOptimizer's hooks get).  The three give the same bytes
@@ -168,39 +170,40 @@ def busbw_factor(collective: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(collective, (n - 1) / n)
 
 
-def calls(collective: str, numel: int, groups: dict, tag: str, values: bool) -> dict[str, Callable[[], torch.Tensor]]:
-    """One call per implementation on tensors made here (whole buffer ``numel`` float32):
-    small integers different on each rank to check, else zeros (repeated in-place sums stay
-    finite); each call returns its result."""
-    n, rank, name = comm.size, comm.rank, f"bench.{collective}.{tag}"
+#: Each collective through torch.distributed on a group, and through psrt's own API, on the
+#: same input ``src`` (and, for torch's, output ``out``; in place: ``src`` is ``out``)
+TORCH_CALLS = {
+    "all_reduce": lambda src, out, g: dist.all_reduce(src, group=g),
+    "all_gather_into_tensor": lambda src, out, g: dist.all_gather_into_tensor(out, src, group=g),
+    "reduce_scatter_tensor": lambda src, out, g: dist.reduce_scatter_tensor(out, src, group=g),
+    "broadcast": lambda src, out, g: dist.broadcast(src, src=0, group=g),
+    "all_to_all_single": lambda src, out, g: dist.all_to_all_single(out, src, group=g),
+}
+OWN_CALLS = {
+    "all_reduce": lambda src, name: hvd.allreduce_(src, op=hvd.Sum, name=name),
+    "all_gather_into_tensor": lambda src, name: hvd.allgather(src, name=name),
+    "reduce_scatter_tensor": lambda src, name: hvd.reducescatter(src, op=hvd.Sum, name=name),
+    "broadcast": lambda src, name: hvd.broadcast_(src, root_rank=0, name=name),
+    "all_to_all_single": lambda src, name: hvd.alltoall(src, name=name),
+}
 
-    def filled(k: int) -> torch.Tensor:
-        return (torch.arange(k, dtype=torch.float32) % 251 + 1000 * rank) if values else torch.zeros(k)
-    made: dict[str, Callable[[], torch.Tensor]] = {}
-    for backend, group in groups.items():
-        if collective == "all_reduce":
-            t = filled(numel)
-            made[backend] = lambda t=t, g=group: (dist.all_reduce(t, group=g), t)[1]
-        elif collective == "all_gather_into_tensor":
-            src, out = filled(numel // n), torch.empty(numel)
-            made[backend] = lambda s=src, o=out, g=group: (dist.all_gather_into_tensor(o, s, group=g), o)[1]
-        elif collective == "reduce_scatter_tensor":
-            src, out = filled(numel), torch.empty(numel // n)
-            made[backend] = lambda s=src, o=out, g=group: (dist.reduce_scatter_tensor(o, s, group=g), o)[1]
-        elif collective == "broadcast":
-            t = filled(numel)
-            made[backend] = lambda t=t, g=group: (dist.broadcast(t, src=0, group=g), t)[1]
-        else:
-            src, out = filled(numel), torch.empty(numel)
-            made[backend] = lambda s=src, o=out, g=group: (dist.all_to_all_single(o, s, group=g), o)[1]
-    own = filled(numel // n if collective == "all_gather_into_tensor" else numel)
-    made["own"] = {
-        "all_reduce": lambda: hvd.allreduce_(own, op=hvd.Sum, name=name),
-        "all_gather_into_tensor": lambda: hvd.allgather(own, name=name),
-        "reduce_scatter_tensor": lambda: hvd.reducescatter(own, op=hvd.Sum, name=name),
-        "broadcast": lambda: hvd.broadcast_(own, root_rank=0, name=name),
-        "all_to_all_single": lambda: hvd.alltoall(own, name=name),
-    }[collective]
+
+def buffers(collective: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) for a whole buffer of ``numel`` float32, shared by the implementations."""
+    part = numel // comm.size
+    if collective in ("all_reduce", "broadcast"):
+        t = torch.zeros(numel)
+        return t, t
+    return torch.zeros(part if collective == "all_gather_into_tensor" else numel), \
+        torch.zeros(part if collective == "reduce_scatter_tensor" else numel)
+
+
+def calls(collective: str, src: torch.Tensor, out: torch.Tensor, groups: dict,
+          name: str) -> dict[str, Callable[[], torch.Tensor]]:
+    """One call per implementation, each returning its result."""
+    made: dict[str, Callable[[], torch.Tensor]] = {
+        backend: lambda g=group: (TORCH_CALLS[collective](src, out, g), out)[1] for backend, group in groups.items()}
+    made["own"] = lambda: OWN_CALLS[collective](src, name)
     return made
 
 
@@ -230,13 +233,20 @@ def time_calls(made: dict[str, Callable[[], torch.Tensor]], iters: int, blocks: 
 
 
 def bench_collective(collective: str, groups: dict) -> list[dict]:
+    """Per size: check that the three give the same result (small integers, different on each
+    rank), then time them on zeros (repeated in-place sums stay finite)."""
     rows = []
     for tag, nbytes in SIZES.items():
-        numel = nbytes // 4
-        results = {impl: call().clone() for impl, call in calls(collective, numel, groups, tag, True).items()}
+        src, out = buffers(collective, nbytes // 4)
+        made = calls(collective, src, out, groups, name=f"bench.{collective}.{tag}")
+        results = {}
+        for impl, call in made.items():
+            src.copy_(torch.arange(src.numel()) % 251 + 1000 * comm.rank)
+            results[impl] = call().clone()
         if not all(torch.equal(results[impl], results["gloo"]) for impl in results):
             raise RuntimeError(f"{collective} of {tag}: the implementations disagree on rank {comm.rank}")
-        seconds = time_calls(calls(collective, numel, groups, tag, False), CALLS[tag])
+        src.zero_()
+        seconds = time_calls(made, CALLS[tag])
         bus = {impl: nbytes * busbw_factor(collective, comm.size) / s / 1e9 for impl, s in seconds.items()}
         rows.append({"collective": collective, "size": tag, "us": {k: v * 1e6 for k, v in seconds.items()},
                      "busbw_GBps": bus, "psrt_over_own": seconds["psrt"] / seconds["own"],
