@@ -274,13 +274,12 @@ def print_collectives(rows: list[dict]) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", nargs="+", choices=("train", "collectives"), default=["train", "collectives"])
-    p.add_argument("--rounds", type=int, default=7, help="timed windows per group and model")
+    p.add_argument("--rounds", type=int, default=7, help="timed windows per implementation and model")
     p.add_argument("--window-s", type=float, default=0.6, help="about how long a training window lasts")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each window")
     p.add_argument("--check-steps", type=int, default=3, help="steps whose losses are compared first")
     p.add_argument("--tolerance", type=float, default=1e-5, help="largest loss difference that agrees")
-    p.add_argument("--collectives", nargs="+", default=["all_reduce", "all_gather_into_tensor",
-                   "reduce_scatter_tensor", "broadcast", "all_to_all_single"])
+    p.add_argument("--collectives", nargs="+", choices=list(TORCH_CALLS), default=list(TORCH_CALLS))
     return p.parse_args()
 
 
