@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
 
 .PHONY: demo demo-collectives demo-ps demo-zero demo-elastic demo-gpt demo-hf test bench bench-train bench-ps bench-zero \
-        bench-pp bench-tp bench-recompute bench-cp bench-moe bench-peers bench-hf bench-overhead bench-faults \
+        bench-pp bench-tp bench-recompute bench-cp bench-moe bench-peers bench-torch-backend bench-hf bench-overhead bench-faults \
         bench-hierarchical bench-elastic clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
@@ -94,6 +94,10 @@ bench-plan: $(STAMP)
 
 bench-peers: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/peers.py
+
+# torch.distributed on psrt's backend against gloo (DDP, FSDP2, each collective) and psrt's own API.
+bench-torch-backend: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/torch_backend.py
 
 # A Hugging Face Llama at TP 2 x PP 2 against torch's DTensor TP + pipelining; checkpoint load by slices.
 bench-hf: $(STAMP)
