@@ -29,6 +29,14 @@ def test_torch_reductions_map_to_a_psrt_reduction_and_a_scale(op, expected):
     assert reduction(dist.ReduceOp(op), 4, torch.float32) == expected
 
 
+def test_a_bare_reduction_type_maps_too():
+    """``dist.ReduceOp.SUM`` itself (a ``RedOpType``), as a direct call of the group's
+    methods without options passes it."""
+    assert reduction(dist.ReduceOp.SUM, 2, torch.float32) == (ReduceOp.SUM, 1.0)
+    assert reduction(dist.ReduceOp.MAX, 2, torch.float32) == (ReduceOp.MAX, 1.0)
+    assert reduction(dist.ReduceOp.AVG, 2, torch.float32) == (ReduceOp.SUM, 0.5)
+
+
 def test_a_premultiplied_sum_is_a_sum_scaled_by_its_factor():
     assert reduction(dist._make_nccl_premul_sum(0.125), 4, torch.bfloat16) == (ReduceOp.SUM, 0.125)
 

@@ -39,11 +39,13 @@ _OPS = {_RedOpType.SUM: ReduceOp.SUM, _RedOpType.MIN: ReduceOp.MIN, _RedOpType.M
         _RedOpType.PRODUCT: ReduceOp.PRODUCT}
 
 
-def reduction(op: dist.ReduceOp, size: int, dtype: torch.dtype) -> tuple[ReduceOp, float]:
+def reduction(op: dist.ReduceOp | _RedOpType, size: int, dtype: torch.dtype) -> tuple[ReduceOp, float]:
     """psrt's reduction and the factor to scale its result by, for torch's ``op``: an
     average is a sum times 1/size, and a pre-multiplied sum a sum times its factor (both
     linear, so scaling after the reduction gives the same result)."""
-    kind, factor = op.__getstate__() if isinstance(op, dist.ReduceOp) else (op, None)
+    if op == _RedOpType.SUM:  # most calls: a comparison costs a fifth of unpacking the op
+        return ReduceOp.SUM, 1.0
+    kind, factor = (op, None) if isinstance(op, _RedOpType) else op.__getstate__()
     if kind in _OPS:
         return _OPS[kind], 1.0
     if kind in (_RedOpType.AVG, _RedOpType.PREMUL_SUM):
@@ -57,29 +59,34 @@ def reduction(op: dist.ReduceOp, size: int, dtype: torch.dtype) -> tuple[ReduceO
                                     "PREMUL_SUM, MIN, MAX and PRODUCT)")
 
 
-def completed(outputs: list[torch.Tensor], device: torch.device) -> dist.Work:
-    """A finished ``Work`` holding ``outputs``; on CUDA its future records the current
-    stream, and waiting on it makes the waiting stream wait for that point."""
-    future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+def completed(outputs: list[torch.Tensor], tensor: torch.Tensor | None) -> dist.Work:
+    """The ``Work`` of a collective that ran on this thread over ``tensor`` (None: no data).
+    On the host it is finished; on CUDA its future records the current stream, and waiting
+    on it makes the waiting stream wait for that point."""
+    if tensor is None or not tensor.is_cuda:
+        return HostWork((), outputs)
+    future = torch.futures.Future(devices=[tensor.device])
     future.set_result(outputs)
     return _create_work_from_future(future)
 
 
-class PendingWork(dist.Work):
-    """Sends and receives not yet complete: ``wait()`` waits for their MPI requests
-    (each marked for the watchdog by whoever made it)."""
+class HostWork(dist.Work):
+    """Host work: finished when made (a collective), or until MPI's ``requests`` complete (a
+    send or a receive, each request marked for the watchdog by whoever made it), then
+    ``after`` runs.  A Python ``Work`` costs a fifth of one made from a future, which
+    matters on every small collective; the future is made only when asked for."""
 
-    def __init__(self, requests: Sequence[Request], outputs: list[torch.Tensor], after: list) -> None:
+    def __init__(self, requests: Sequence[Request], outputs: list[torch.Tensor], after: Sequence = ()) -> None:
         super().__init__()
-        self._requests, self._outputs, self._after = list(requests), outputs, after
+        self._requests, self._outputs, self._after = requests, outputs, after
 
     def wait(self, timeout: object = None) -> bool:
-        for request in self._requests:
-            request.wait()
-        self._requests = []
-        for finish in self._after:
-            finish()
-        self._after = []
+        if self._requests or self._after:
+            for request in self._requests:
+                request.wait()
+            for finish in self._after:
+                finish()
+            self._requests, self._after = (), ()
         return True
 
     def is_completed(self) -> bool:
@@ -146,7 +153,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
         tensor = _single(tensors, "all_reduce")
         self._all_reduce(tensor, _op(opts))
-        return completed(tensors, tensor.device)
+        return completed(tensors, tensor)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
         """One all-reduce per dtype over the tensors packed together."""
@@ -157,7 +164,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
             self._all_reduce(packed, op)
             for tensor, part in zip(group, packed.split([t.numel() for t in group])):
                 tensor.copy_(part.view_as(tensor))
-        return completed(tensors, tensors[0].device if tensors else torch.device("cpu"))
+        return completed(tensors, tensors[0] if tensors else None)
 
     def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
         reduce, scale = reduction(op, self.direct.size, tensor.dtype)
@@ -171,7 +178,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
         tensor = _single(tensors, "reduce")
         target = tensor if self.direct.rank == opts.rootRank else tensor.clone()
         self._all_reduce(target, opts.reduceOp)
-        return completed(tensors, tensor.device)
+        return completed(tensors, tensor)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: object = None) -> dist.Work:
         reduce, scale = reduction(_op(opts), self.direct.size, input.dtype)
@@ -181,7 +188,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
             out.mul_(scale)
         if out is not output:
             output.copy_(out)
-        return completed([output], output.device)
+        return completed([output], output)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -190,13 +197,13 @@ class PsrtProcessGroup(dist.ProcessGroup):
         output = _single(outputs, "reduce_scatter")
         blocks = _single(inputs, "reduce_scatter")
         self._reduce_scatter_base(output, torch.cat([b.reshape(-1) for b in blocks]).view(-1), opts)
-        return completed(outputs, output.device)
+        return completed(outputs, output)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: object = None) -> dist.Work:
         for output, input in zip(outputs, inputs):
             self._reduce_scatter_base(output, input, opts)
-        return completed(outputs, outputs[0].device if outputs else torch.device("cpu"))
+        return completed(outputs, outputs[0] if outputs else None)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -209,7 +216,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
         self.direct.all_gather_into(out, _flat(input), label=LABEL, check=self.check)
         if out is not output:
             output.copy_(out)
-        return completed([output], output.device)
+        return completed([output], output)
 
     all_gather_single = _allgather_base
 
@@ -220,13 +227,13 @@ class PsrtProcessGroup(dist.ProcessGroup):
         self.direct.all_gather_into(gathered, _flat(input), label=LABEL, check=self.check)
         for part, value in zip(parts, gathered.unbind(0)):
             part.copy_(value.view_as(part))
-        return completed(parts, input.device)
+        return completed(parts, input)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: object = None) -> dist.Work:
         for output, input in zip(outputs, inputs):
             self._allgather_base(output, input, opts)
-        return completed(outputs, outputs[0].device if outputs else torch.device("cpu"))
+        return completed(outputs, outputs[0] if outputs else None)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -234,7 +241,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
                             opts: object = None) -> dist.Work:
         for parts, input in zip(outputs, inputs):
             self.allgather([parts], [input], opts)
-        return completed([t for parts in outputs for t in parts], inputs[0].device if inputs else torch.device("cpu"))
+        return completed([t for parts in outputs for t in parts], inputs[0] if inputs else None)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
         tensor = _single(tensors, "broadcast")
@@ -242,7 +249,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
         self.direct.broadcast_(flat, opts.rootRank, label=LABEL, check=self.check)
         if flat is not tensor:
             tensor.copy_(flat)
-        return completed(tensors, tensor.device)
+        return completed(tensors, tensor)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: object = None) -> dist.Work:
         """Every member's tensor to the root, as an all-to-all that sends to the root only."""
@@ -255,7 +262,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
         if mine:
             for part, value in zip(_single(outputs, "gather"), got.unbind(0)):
                 part.copy_(value.view_as(part))
-        return completed(outputs[0] if mine else [], input.device)
+        return completed(outputs[0] if mine else [], input)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: object = None) -> dist.Work:
         """The root's i-th tensor to member i, as an all-to-all that only the root sends in."""
@@ -271,7 +278,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
                                received=[int(r == root) for r in range(size)], out=out.view(1, -1))
         if out is not output:
             output.copy_(out)
-        return completed(outputs, output.device)
+        return completed(outputs, output)
 
     # -- all-to-all --------------------------------------------------------------------------
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
@@ -289,7 +296,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
                                        f"output_split_sizes {expected} but the members send {got}")
         if out is not output:
             output.copy_(out)
-        return completed([output], output.device)
+        return completed([output], output)
 
     all_to_all_single = alltoall_base
 
@@ -301,18 +308,18 @@ class PsrtProcessGroup(dist.ProcessGroup):
         self.direct.all_to_all(send, [t.numel() for t in inputs], label=LABEL, received=received, out=out)
         for output, part in zip(outputs, out.view(-1).split([t.numel() for t in outputs])):
             output.copy_(part.view_as(output))
-        return completed(outputs, send.device)
+        return completed(outputs, send)
 
     def barrier(self, opts: object = None) -> dist.Work:
         self.direct.barrier(label=LABEL)
-        return completed([], torch.device("cpu"))
+        return completed([], None)
 
     # -- coalescing: every call above has completed on return ----------------------------------
     def _start_coalescing(self, device: torch.device) -> None:
         return None
 
     def _end_coalescing(self, device: torch.device) -> dist.Work:
-        return completed([], torch.device(device) if device is not None else torch.device("cpu"))
+        return completed([], None)
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
@@ -321,7 +328,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
         tensor = _single(tensors, "send")
         request = self.direct.send(tensor.detach().cpu(), dst, tag)
         peer = self.direct.ranks[dst]
-        return PendingWork([_Marked(self.direct, request, f"a {LABEL} send", f"{LABEL} send to rank {peer}", peer)],
+        return HostWork([_Marked(self.direct, request, f"a {LABEL} send", f"{LABEL} send to rank {peer}", peer)],
                            tensors, [])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
@@ -332,7 +339,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
         request = self.direct.irecv_into(into, src, tag, kind=f"a {LABEL} receive",
                                          what=f"{LABEL} receive from rank {self.direct.ranks[src]}")
         after = [] if into is tensor else [lambda: tensor.copy_(into)]
-        return PendingWork([request], tensors, after)
+        return HostWork([request], tensors, after)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
         raise UnsupportedOperationError(f"{LABEL} recv without a source: psrt's backend receives from a named "
@@ -355,8 +362,8 @@ class _Marked(Request):
         self._request.cancel()
 
 
-def _op(opts: object) -> dist.ReduceOp:
-    return dist.ReduceOp.SUM if opts is None else opts.reduceOp
+def _op(opts: object) -> dist.ReduceOp | _RedOpType:
+    return _RedOpType.SUM if opts is None else opts.reduceOp
 
 
 def _even(tensor: torch.Tensor, size: int, which: str) -> list[int]:
