@@ -162,10 +162,16 @@ class Communicator(abc.ABC):
 
 class Persistent:
     """An operation set up once and started many times; each start returns the request
-    to wait on, and a start may follow only once the previous one completed."""
+    to wait on, and a start may follow only once the previous one completed.  ``run()``
+    starts it and waits, for a caller with nothing to do meanwhile (a backend may do that
+    in one blocking call)."""
 
     def __init__(self, start: Callable[[], Request]) -> None:
         self.start = start
+
+    def run(self) -> None:
+        """Start the operation and return once it has completed."""
+        self.start().wait()
 
     def free(self) -> None:
         """Release the operation (not while a start is under way)."""

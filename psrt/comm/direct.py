@@ -168,8 +168,8 @@ class DirectGroup:
         self._watchdog, self._name, self._job_ranks = watchdog, name, job_ranks
         self._devices: dict[int, Communicator] = {}
         self._settled = False  # whether the members compared their ``check`` setting
-        # The agreement's all-reduce of a digest and its negation, set up once (a persistent
-        # MPI collective: a start costs about a microsecond, a fresh call several).
+        # The agreement's all-reduce of a digest and its negation, set up once (one blocking
+        # MPI call on a buffer spec made once: about a microsecond, a fresh call several).
         self._agreement: Persistent | None = None
         self._words: memoryview | None = None  # the digest and its negation, as the all-reduce sees them
         self._digests: dict[tuple, int] = {}  # by (kind, dtype, shape): see _agree_on
@@ -278,7 +278,7 @@ class DirectGroup:
             self._words = memoryview(extremes.numpy())
         words = self._words
         words[0], words[1] = digest, -digest
-        self._agreement.start().wait()
+        self._agreement.run()
         return words[0] == -words[1]
 
     def _disagreement(self, header: Header, label: str) -> None:

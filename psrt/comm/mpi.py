@@ -105,6 +105,37 @@ class _MpiPersistent(Persistent):
         self._request.Free()
 
 
+class _MpiRepeatedAllreduce(Persistent):
+    """One in-place allreduce of ``tensor``, again and again, its buffer spec made once.
+    ``start()`` is MPI's persistent collective where the library has MPI-4's (else a fresh
+    non-blocking call); ``run()`` is one blocking call, the fastest when the caller only
+    waits: 1.1 µs for a few words on 2 ranks, against 1.35 for a persistent start and wait
+    and several for a fresh non-blocking call."""
+
+    def __init__(self, comm: MPI.Comm, tensor: torch.Tensor, op: ReduceOp) -> None:
+        self._comm, self._tensor = comm, tensor  # the tensor stays alive with the operation
+        self._spec, self._op = mpi_buffer(tensor), mpi_op(op, tensor.dtype)
+        self._what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
+        self._persistent = (_MpiPersistent(comm.Allreduce_init(MPI.IN_PLACE, self._spec, self._op), self._what,
+                                           tensor) if PERSISTENT_COLLECTIVES else None)
+
+    def start(self) -> Request:
+        if self._persistent is not None:
+            return self._persistent.start()
+        with _Translated(self._what):
+            return MpiRequest(self._comm.Iallreduce(MPI.IN_PLACE, self._spec, self._op), self._what, self._tensor)
+
+    def run(self) -> None:
+        try:
+            self._comm.Allreduce(MPI.IN_PLACE, self._spec, self._op)
+        except MPI.Exception as exc:
+            raise _failure(exc, self._what) from exc
+
+    def free(self) -> None:
+        if self._persistent is not None:
+            self._persistent.free()
+
+
 class MpiCommunicator(Communicator):
     """A group of MPI ranks carrying host tensors."""
 
@@ -170,11 +201,9 @@ class MpiCommunicator(Communicator):
         return request if scale == 1.0 else then(request, lambda: _scale(tensor, scale))
 
     def persistent_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Persistent:
-        if self.size == 1 or tensor.dtype in WIDENED_FOR_REDUCTION or not PERSISTENT_COLLECTIVES:
+        if self.size == 1 or tensor.dtype in WIDENED_FOR_REDUCTION:
             return super().persistent_allreduce(tensor, op)
-        return _MpiPersistent(self._comm.Allreduce_init(MPI.IN_PLACE, mpi_buffer(tensor),
-                                                        mpi_op(op, tensor.dtype)),
-                              f"allreduce of {tensor.numel()} {tensor.dtype} elements", tensor)
+        return _MpiRepeatedAllreduce(self._comm, tensor, op)
 
     # -- other collectives -----------------------------------------------------
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor,
