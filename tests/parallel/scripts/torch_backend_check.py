@@ -98,6 +98,14 @@ def collective_checks(gloo: dist.ProcessGroup) -> dict:
         dist.reduce_scatter_tensor(out, values((4 * n,), dtype, 7), group=group)
         return [out / n]
 
+    def reduce_scatter_tensor_premul_sum(group, dtype):  # FSDP2's, with a gradient divide factor
+        out = torch.empty((4,), dtype=dtype)
+        if group is None:
+            dist.reduce_scatter_tensor(out, values((4 * n,), dtype, 19), op=dist._make_nccl_premul_sum(0.5))
+            return [out]
+        dist.reduce_scatter_tensor(out, values((4 * n,), dtype, 19), group=group)
+        return [out * 0.5]
+
     def reduce_scatter(group, dtype):
         out = torch.empty((3,), dtype=dtype)
         dist.reduce_scatter(out, [values((3,), dtype, 8 + r) for r in range(n)], group=group)
@@ -164,6 +172,7 @@ def collective_checks(gloo: dist.ProcessGroup) -> dict:
             "all_gather": (all_gather, DTYPES), "all_gather_into_tensor": (all_gather_into_tensor, DTYPES),
             "reduce_scatter_tensor/sum": (reduce_scatter_tensor, DTYPES),
             "reduce_scatter_tensor/avg": (reduce_scatter_tensor_average, (torch.float32, torch.bfloat16)),
+            "reduce_scatter_tensor/premul_sum": (reduce_scatter_tensor_premul_sum, (torch.float32, torch.bfloat16)),
             "reduce_scatter": (reduce_scatter, DTYPES), "all_to_all_single/uneven": (all_to_all_single_uneven, DTYPES),
             "all_to_all": (all_to_all, DTYPES), "gather": (gather, DTYPES), "scatter": (scatter, DTYPES),
             "reduce": (reduce, DTYPES), "send_recv/batch_isend_irecv_ring": (send_recv_ring, DTYPES),
@@ -308,57 +317,68 @@ def check_fsdp2(name: str, gloo: dist.ProcessGroup, mixed: bool) -> None:
     assert_close(results[0], results[1], 1e-6, "FSDP2 over psrt against gloo")  # sums in another order
 
 
-def check_dtensor_tp(name: str) -> None:
-    """ColwiseParallel then RowwiseParallel on each pair of layers; on 4 ranks a 2-D mesh
-    shards the same model with FSDP2 over "dp" (sub-groups made by their members only)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def check_dtensor_tp(name: str, gloo: dist.ProcessGroup) -> None:
+    """ColwiseParallel then RowwiseParallel on each pair of layers, over every rank on psrt
+    and on gloo; on 4 ranks also a 2-D mesh that shards the same model with FSDP2 over "dp"
+    (sub-groups made by their members only)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     n = dist.get_world_size()
-    dp = 2 if n == 4 else 1
-    mesh = init_device_mesh("cpu", (dp, n // dp), mesh_dim_names=("dp", "tp"))
     data = batches(4)
     want = reference(mlp(), data).state_dict()
-    model = mlp()
-    plan = {str(i): ColwiseParallel() if i % 4 == 0 else RowwiseParallel() for i in range(0, 7, 2)}
-    parallelize_module(model, mesh["tp"], plan)
-    if dp > 1:
-        fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for x, y in data:
-        opt.zero_grad()
-        rows = x.chunk(dp)[mesh.get_local_rank("dp")], y.chunk(dp)[mesh.get_local_rank("dp")]
-        nn.functional.mse_loss(model(rows[0]), rows[1]).backward()
-        opt.step()
-    assert_close(model.state_dict(), want, 1e-5, "DTensor TP")
+    meshes = {"psrt": init_device_mesh("cpu", (n,)), "gloo": DeviceMesh.from_group(gloo, "cpu")}
+    if n == 4:
+        meshes["psrt 2-D"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    results = {}
+    for label, mesh in meshes.items():
+        two_d = mesh.ndim == 2
+        model = mlp()
+        plan = {str(i): ColwiseParallel() if i % 4 == 0 else RowwiseParallel() for i in range(0, 7, 2)}
+        parallelize_module(model, mesh["tp"] if two_d else mesh, plan)
+        dp, dp_rank = (2, mesh.get_local_rank("dp")) if two_d else (1, 0)
+        if two_d:
+            fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for x, y in data:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x.chunk(dp)[dp_rank]), y.chunk(dp)[dp_rank]).backward()
+            opt.step()
+        results[label] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        assert_close(results[label], want, 1e-5, f"DTensor TP over {label}")
+    assert_close(results["psrt"], results["gloo"], 1e-6, "DTensor TP over psrt against gloo")
 
 
-def check_pipelining_1f1b(name: str) -> None:
-    """One stage per rank (two layers each), four micro-batches."""
+def check_pipelining_1f1b(name: str, gloo: dist.ProcessGroup) -> None:
+    """One stage per rank (two layers each), four micro-batches, on psrt and on gloo."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     n, rank = dist.get_world_size(), dist.get_rank()
-    full = mlp(depth=2 * n)
     data = batches(8)
-    want = reference(full, data).state_dict()
-    layers = [m for m in full if isinstance(m, nn.Linear)]
-    mine = nn.Sequential(layers[2 * rank], nn.Tanh(), layers[2 * rank + 1], *([nn.Tanh()] if rank < n - 1 else []))
-    stage = PipelineStage(mine, rank, n, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.functional.mse_loss)
-    opt = torch.optim.SGD(mine.parameters(), lr=LR)
-    for x, y in data:
-        opt.zero_grad()
-        if rank == 0:
-            schedule.step(x)
-        elif rank == n - 1:
-            schedule.step(target=y)
-        else:
-            schedule.step()
-        opt.step()
-    names = {id(p): k for k, p in full.named_parameters()}
-    got = {names[id(p)]: p for p in mine.parameters()}
-    assert_close(got, {k: v for k, v in want.items() if k in got}, 1e-5, "pipelining 1F1B")
+    want = reference(mlp(depth=2 * n), data).state_dict()
+    results = []
+    for group in (None, gloo):
+        full = mlp(depth=2 * n)
+        layers = [m for m in full if isinstance(m, nn.Linear)]
+        mine = nn.Sequential(layers[2 * rank], nn.Tanh(), layers[2 * rank + 1], *([nn.Tanh()] if rank < n - 1 else []))
+        stage = PipelineStage(mine, rank, n, torch.device("cpu"), group=group)
+        schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=nn.functional.mse_loss)
+        opt = torch.optim.SGD(mine.parameters(), lr=LR)
+        for x, y in data:
+            opt.zero_grad()
+            if rank == 0:
+                schedule.step(x)
+            elif rank == n - 1:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+            opt.step()
+        names = {id(p): k for k, p in full.named_parameters()}
+        results.append({names[id(p)]: p.detach().clone() for p in mine.parameters()})
+        assert_close(results[-1], {k: v for k, v in want.items() if k in results[-1]}, 1e-5,
+                     f"pipelining 1F1B over {'gloo' if group else 'psrt'}")
+    assert_close(results[0], results[1], 0.0, "pipelining 1F1B over psrt against gloo")
 
 
 def check_dcp(name: str) -> None:
@@ -440,8 +460,8 @@ def main() -> None:
     checks.add("ddp/buckets_and_no_sync_match_single_process", check_ddp, gloo)
     checks.add("fsdp2/matches_single_process", check_fsdp2, gloo, False)
     checks.add("fsdp2/mixed_precision_matches_gloo", check_fsdp2, gloo, True)
-    checks.add("dtensor/parallelize_module_matches_single_process", check_dtensor_tp)
-    checks.add("pipelining/1f1b_matches_single_process", check_pipelining_1f1b)
+    checks.add("dtensor/parallelize_module_matches_single_process_and_gloo", check_dtensor_tp, gloo)
+    checks.add("pipelining/1f1b_matches_single_process_and_gloo", check_pipelining_1f1b, gloo)
     checks.add("dcp/saves_and_loads_here_and_in_one_process", check_dcp)
     checks.add("lightning/ddp_strategy_matches_single_process", check_lightning)
     _harness.run(checks, check_timeout_s=90.0)
