@@ -49,11 +49,9 @@ import json
 import os
 import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 import psrt.torch as hvd
 
 # isort: off
-from _timing import timed_window
+from _timing import median_call_seconds, timed_window
 from _peers_gpt import GPTConfig, build_blocks, loss_fn, synthetic_batch as gpt_batch
 from train_dp import mlp, synthetic_batch as mlp_batch
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI
@@ -211,31 +209,6 @@ def calls(collective: str, src: torch.Tensor, out: torch.Tensor, groups: dict,
     return made
 
 
-def time_calls(made: dict[str, Callable[[], torch.Tensor]], iters: int, blocks: int = 6) -> dict[str, float]:
-    """Median over ``iters`` calls of the slowest rank's seconds, per implementation; they take
-    turns in ``blocks`` blocks (the first rotating), each after two untimed calls, each call
-    after a barrier."""
-    mine: dict[str, list[float]] = {impl: [] for impl in made}
-    order = list(made)
-    for index, block in enumerate(np.array_split(np.arange(iters), blocks)):
-        shift = index % len(order)
-        for impl in order[shift:] + order[:shift]:
-            call = made[impl]
-            call()
-            call()
-            for _ in block:
-                comm.Barrier()
-                start = time.perf_counter()
-                call()
-                mine[impl].append(time.perf_counter() - start)
-    result = {}
-    for impl, samples in mine.items():
-        times = np.array(samples)
-        comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-        result[impl] = float(np.median(times))
-    return result
-
-
 def bench_collective(collective: str, groups: dict) -> list[dict]:
     """Per size: check that the three give the same result (small integers, different on each
     rank), then time them on zeros (repeated in-place sums stay finite)."""
@@ -250,7 +223,7 @@ def bench_collective(collective: str, groups: dict) -> list[dict]:
         if not all(torch.equal(results[impl], results["gloo"]) for impl in results):
             raise RuntimeError(f"{collective} of {tag}: the implementations disagree on rank {comm.rank}")
         src.zero_()
-        seconds = time_calls(made, CALLS[tag])
+        seconds = median_call_seconds(comm, made, CALLS[tag], blocks=6)
         bus = {impl: nbytes * busbw_factor(collective, comm.size) / s / 1e9 for impl, s in seconds.items()}
         rows.append({"collective": collective, "size": tag, "us": {k: v * 1e6 for k, v in seconds.items()},
                      "busbw_GBps": bus, "psrt_over_own": seconds["psrt"] / seconds["own"],

@@ -73,6 +73,7 @@ import psrt.torch as hvd
 from psrt.torch.optimizer import Bucketing
 
 from _gloo import init_gloo  # noqa: E402
+from _timing import median_call_seconds  # noqa: E402
 import _plots  # noqa: E402
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI  # noqa: E402
 
@@ -266,24 +267,8 @@ def model_table(name: str, record: dict) -> str:
 
 # -- fusion and per-step overhead ------------------------------------------------------
 def time_calls(calls: dict[str, Callable[[], None]], iters: int, rounds: int = 10) -> dict[str, float]:
-    """Median over ``iters`` calls of the slowest rank's microseconds, per call; the calls
-    take turns in ``rounds`` blocks, each block after two untimed calls."""
-    mine: dict[str, list[float]] = {name: [] for name in calls}
-    for block in np.array_split(np.arange(iters), rounds):
-        for name, call in calls.items():
-            call()
-            call()
-            for _ in block:
-                comm.Barrier()
-                start = time.perf_counter()
-                call()
-                mine[name].append(time.perf_counter() - start)
-    result = {}
-    for name, samples in mine.items():
-        times = np.array(samples)
-        comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-        result[name] = round(float(np.median(times)) * 1e6, 1)
-    return result
+    """Median over ``iters`` calls of the slowest rank's microseconds, per call, in ``rounds`` blocks."""
+    return {name: round(seconds * 1e6, 1) for name, seconds in median_call_seconds(comm, calls, iters, rounds).items()}
 
 
 def psrt_many(tensors: list[torch.Tensor], prefix: str) -> Callable[[], None]:

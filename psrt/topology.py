@@ -233,6 +233,12 @@ class Topology:
         self._made_for_others.append(group)
         return group
 
+    def release(self, group: DirectGroup) -> None:
+        """Free a group :meth:`direct_over` made (once; a group already freed is left alone)."""
+        if group in self._made_for_others:
+            self._made_for_others.remove(group)
+            group.free()
+
     def _direct_group(self, host: Communicator, process_set: ProcessSet, set_id: int) -> DirectGroup:
         """Direct traffic's group over ``host``, with this topology's watchdog."""
         return DirectGroup(host, self.ranks_of(process_set), self._watchdog, key=f"process set {set_id}",

@@ -64,6 +64,7 @@ class Kind(enum.IntEnum):
     GATHER = 5
     SCATTER = 6
     BARRIER = 7
+    REDUCE = 8
 
 
 class Header:
@@ -120,12 +121,16 @@ class Header:
         kind = Kind(self.kind).name.lower() if self.kind in Kind._value2member_map_ else f"kind {self.kind}"
         name = "another dtype" if self.dtype is None else str(self.dtype).removeprefix("torch.")
         dims = ", ".join(map(str, self.shape[:MAX_DIMS])) + (", ..." if self.ndim > MAX_DIMS else "")
+        if self.kind == Kind.BARRIER:
+            return "barrier"
         root = f" from rank {self.args[0]}" if self.kind in _ROOTED and self.args else ""
         return f"{kind}{root} of a {name} tensor of shape ({dims}{',' if self.ndim == 1 else ''})"
 
 
 #: Collectives whose header's first arg is the root (as a rank of the group)
-_ROOTED = (Kind.BROADCAST, Kind.GATHER, Kind.SCATTER)
+_ROOTED = (Kind.BROADCAST, Kind.GATHER, Kind.SCATTER, Kind.REDUCE)
+#: What a barrier agrees on: no data
+_NO_DATA = torch.empty(0)
 
 
 def _rows(row: Header) -> str:
@@ -325,19 +330,19 @@ class DirectGroup:
         send = torch.stack(tensor.chunk(self.size, dim)) if dim != 0 and not tensor.shape[dim] % self.size else tensor
         block = (tensor.shape[0] // self.size, *tensor.shape[1:]) if dim == 0 else send.shape[1:]
         out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
-        self.reduce_scatter_into(out, send.contiguous(), label=label, check=check, op=op,
-                                 divisible=(tensor, dim))
+        self.reduce_scatter_into(out, send.contiguous(), label=label, check=check, op=op, given=(tensor, dim))
         return out
 
     def reduce_scatter_into(self, out: torch.Tensor, tensor: torch.Tensor, *, label: str, check: bool = True,
-                            op: ReduceOp = ReduceOp.SUM, divisible: tuple[torch.Tensor, int] | None = None) -> None:
+                            op: ReduceOp = ReduceOp.SUM, given: tuple[torch.Tensor, int] | None = None) -> None:
         """Reduce the contiguous ``tensor`` over the group and keep this member's block (its
-        ``size``-th part, in group-rank order) in the contiguous ``out``; ``divisible``
-        names a tensor and dim that must split evenly (checked after the agreement)."""
+        ``size``-th part, in group-rank order) in the contiguous ``out``.  ``given`` is the
+        caller's tensor ``tensor`` was laid out from and the dim it splits: the agreement
+        names its shape, and that dim must split evenly (checked after the agreement)."""
         with self._collective(label, "reduce_scatter"):
-            self._prepare(Kind.REDUCE_SCATTER, tensor, label, check)
-            if divisible is not None:
-                check_divisible(*divisible, self.size, label)
+            self._prepare(Kind.REDUCE_SCATTER, tensor if given is None else given[0], label, check)
+            if given is not None:
+                check_divisible(*given, self.size, label)
             if tensor.numel() != out.numel() * self.size:
                 raise InvalidArgumentError(f"{label} reduce_scatter: the input has {tensor.numel()} elements, "
                                            f"not {self.size} times the output's {out.numel()}")
@@ -359,9 +364,11 @@ class DirectGroup:
         with self._collective(label, kind.name.lower()):
             self._prepare(kind, tensor, label, check, (root,))
 
-    def barrier(self, *, label: str) -> None:
-        """Return once every member has entered the barrier."""
+    def barrier(self, *, label: str, check: bool = True) -> None:
+        """Return once every member has entered the barrier (after agreeing that every member
+        called a barrier)."""
         with self._collective(label, "barrier"):
+            self._prepare(Kind.BARRIER, _NO_DATA, label, check)
             self.host.barrier().wait()
 
     def all_to_all(self, tensor: torch.Tensor, send_rows: Sequence[int], *, label: str,
@@ -379,6 +386,10 @@ class DirectGroup:
                 raise InvalidArgumentError(f"{label} all_to_all: send_rows {list(send_rows)} must give one count "
                                            f"per member ({self.size}) summing to the {tensor.shape[0]} rows")
             send = tensor.contiguous()
+            row = math.prod(send.shape[1:])
+            if out is not None and (out.dtype != send.dtype or math.prod(out.shape[1:]) != row):
+                raise InvalidArgumentError(f"{label} all_to_all: rows of {out.dtype} of shape {tuple(out.shape[1:])} "
+                                           f"cannot hold rows of {send.dtype} of shape {tuple(send.shape[1:])}")
             if received is None:
                 received = self._agree_on_rows(send, send_rows, label)
             received = list(received)
@@ -388,7 +399,6 @@ class DirectGroup:
                 raise CollectiveMismatchError(
                     f"{label} all_to_all over {self.name}: rank {self.ranks[self.rank]} has room for "
                     f"{out.shape[0]} rows but the members send it {received} (rank r sends the r-th count)")
-            row = math.prod(send.shape[1:])
             comm = self.transport(send.device)
             self._complete(comm, comm.alltoallv(send.view(-1), [r * row for r in send_rows], out.view(-1),
                                                 [r * row for r in received]))
@@ -489,6 +499,7 @@ class _ReceiveInto(Request):
             wait_politely(self._header)
         got, room = Header.decode(self._words.tolist()), Header.of(Kind.MESSAGE, self._tensor)
         if (got.dtype, got.shape) != (room.dtype, room.shape):
+            self._data.cancel()  # so that it never takes the sender's next message
             raise CollectiveMismatchError(
                 f"a receive on rank {group.ranks[group.rank]} from rank {sender} over {group.name} (tag {self._tag}) "
                 f"expects a {_tensor_text(room)} but rank {sender} sent a {_tensor_text(got)}")

@@ -16,11 +16,15 @@ pytestmark = pytest.mark.parallel
 COLLECTIVES = ["all_reduce/sum", "all_reduce/min", "all_reduce/max", "all_reduce/product", "all_reduce/avg",
                "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor/sum",
                "reduce_scatter_tensor/avg", "reduce_scatter_tensor/premul_sum", "reduce_scatter",
-               "all_to_all_single/uneven", "all_to_all", "gather", "scatter", "reduce",
-               "send_recv/batch_isend_irecv_ring", "async_op/wait", "coalescing_manager", "barrier_and_objects"]
+               "all_to_all_single/uneven", "all_to_all_single/zero_rows", "all_to_all_single/even_without_sizes",
+               "non_contiguous_in_place", "all_to_all", "gather", "scatter", "reduce",
+               "send_recv/batch_isend_irecv_ring", "async_op/wait", "coalescing_manager", "barrier_and_objects",
+               "rooted_on_a_subgroup"]
 CHECKS = [f"collectives/{name}" for name in COLLECTIVES] + [
     "errors/mismatched_shapes_name_the_ranks", "errors/different_collectives_name_the_ranks",
-    "errors/unsupported_reduction", "process_group/over_a_process_set",
+    "errors/unsupported_reduction", "errors/wrong_outputs_refused_before_communication",
+    "errors/different_roots_and_a_lone_barrier_name_the_ranks", "process_group/over_a_process_set",
+    "process_group/destroyed_groups_are_freed",
     "ddp/buckets_and_no_sync_match_single_process", "fsdp2/matches_single_process",
     "fsdp2/mixed_precision_matches_gloo", "dtensor/parallelize_module_matches_single_process_and_gloo",
     "pipelining/1f1b_matches_single_process_and_gloo", "dcp/saves_and_loads_here_and_in_one_process",

@@ -65,11 +65,21 @@ def test_the_env_handler_leaves_a_complete_environment_to_torch(monkeypatch):
 
 
 def test_init_process_group_psrt_runs_a_one_rank_job_without_variables():
-    """After psrt.init(), in a process no launcher started: rank 0 of 1, a collective and DDP."""
+    """After psrt.init(), in a process no launcher started: a rank or size other than MPI's is
+    refused by name; then rank 0 of 1, a collective and DDP."""
     script = """
-import torch, torch.distributed as dist
+import os, torch, torch.distributed as dist
 import psrt.torch as hvd
 hvd.init()
+for kwargs, env in (({"rank": 0, "world_size": 2}, {}), ({}, {"RANK": "1"})):
+    os.environ.update(env)
+    try:
+        dist.init_process_group("psrt", **kwargs)
+    except ValueError as exc:  # psrt's InvalidArgumentError
+        print("refused:", exc)
+    for name in env:
+        del os.environ[name]
+os.environ["MASTER_ADDR"] = "127.0.0.1"  # one variable of four: psrt's start-up still takes over
 dist.init_process_group("psrt")
 t = torch.ones(3)
 dist.all_reduce(t, op=dist.ReduceOp.AVG)
@@ -83,4 +93,9 @@ dist.destroy_process_group()
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "psrt 0 1 [1.0, 1.0, 1.0]", done.stdout
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == ("refused: init_process_group was given world_size=2 but MPI says 1 on this process "
+                        "(under mpirun, leave world_size out)"), done.stdout
+    assert lines[1] == ("refused: init_process_group was given RANK=1 in the environment but MPI says 0 on this "
+                        "process (under mpirun, leave rank out)"), done.stdout
+    assert lines[-1] == "psrt 0 1 [1.0, 1.0, 1.0]", done.stdout

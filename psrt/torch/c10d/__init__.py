@@ -35,7 +35,8 @@ def _create(options: object, backend_options: object) -> PsrtProcessGroup:
         raise InvalidArgumentError(f"torch.distributed's world has {options.group_size} ranks but MPI's has "
                                    f"{psrt.runtime.size()}")
     name = f"torch.distributed group {options.group_id} of ranks {ranks}"
-    return PsrtProcessGroup(runtime.topology.direct_over(ranks, key=str(options.group_id), name=name))
+    topology = runtime.topology
+    return PsrtProcessGroup(topology.direct_over(ranks, key=str(options.group_id), name=name), topology.release)
 
 
 def process_group(process_set: ProcessSet | None = None) -> dist.ProcessGroup:

@@ -45,10 +45,12 @@ def _from_mpi(torch_env: _Handler) -> _Handler:
             return
         psrt.runtime.init()
         rank, size = psrt.runtime.rank(), psrt.runtime.size()
-        for key, mine in (("rank", rank), ("world_size", size)):
-            if key in query and int(query[key][0]) != mine:
-                raise InvalidArgumentError(f"init_process_group was given {key}={query[key][0]} but MPI says "
-                                           f"{mine} on this process (under mpirun, leave {key} out)")
+        for key, variable, mine in (("rank", "RANK", rank), ("world_size", "WORLD_SIZE", size)):
+            given = query[key][0] if key in query else os.environ.get(variable)
+            if given and int(given) != mine:
+                where = f"{key}={given}" if key in query else f"{variable}={given} in the environment"
+                raise InvalidArgumentError(f"init_process_group was given {where} but MPI says {mine} on this "
+                                           f"process (under mpirun, leave {key} out)")
         yield _store(rank, size, timeout), rank, size
         raise RuntimeError("env:// rendezvous under MPI cannot run again in one process group")
 

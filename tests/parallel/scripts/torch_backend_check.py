@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import psrt.runtime
 import psrt.torch as hvd
-from psrt.errors import CollectiveMismatchError, UnsupportedOperationError
+from psrt.errors import CollectiveMismatchError, InvalidArgumentError, UnsupportedOperationError
 
 import _harness
 from _training_common import expect_raises
@@ -45,6 +46,7 @@ def against_gloo(gloo: dist.ProcessGroup, dtypes: tuple[torch.dtype, ...], run) 
     """``run(group, dtype)`` returns tensors; psrt's default group must give gloo's."""
     for dtype in dtypes:
         mine, theirs = run(None, dtype), run(gloo, dtype)
+        assert len(mine) == len(theirs), f"{dtype}: {len(mine)} results against gloo's {len(theirs)}"
         for got, want in zip(mine, theirs):
             assert got.dtype == want.dtype and got.shape == want.shape, f"{dtype}: {got.dtype}{tuple(got.shape)}"
             assert torch.equal(got, want), f"{dtype}: psrt {got.flatten()[:6]} gloo {want.flatten()[:6]}"
@@ -118,6 +120,31 @@ def collective_checks(gloo: dist.ProcessGroup) -> dict:
         dist.all_to_all_single(out, values((sum(sends), 2), dtype, 9), receives, sends, group=group)
         return [out]
 
+    def all_to_all_single_zero_rows(group, dtype):  # rank 0 sends nothing to the last rank, which sends it none
+        sends = [0 if {rank, r} == {0, n - 1} else 2 for r in range(n)]
+        out = torch.empty((sum(sends), 3), dtype=dtype)  # what a rank sends r, r sends it (symmetric)
+        dist.all_to_all_single(out, values((sum(sends), 3), dtype, 20), sends, sends, group=group)
+        return [out]
+
+    def all_to_all_single_even(group, dtype):  # no split sizes: dim 0 split evenly
+        out = torch.empty((2 * n, 2), dtype=dtype)
+        dist.all_to_all_single(out, values((2 * n, 2), dtype, 21), group=group)
+        return [out]
+
+    def non_contiguous(group, dtype):
+        """Columns of a matrix, reduced and broadcast in place; gloo (which reads such a
+        view as if it were contiguous, and gets it wrong) gets contiguous copies."""
+        a, b = values((4, 6), dtype, 22), values((4, 6), dtype, 23)
+        for view, call in ((a[:, 1::2], lambda t: dist.all_reduce(t, group=group)),
+                           (b.t()[2:], lambda t: dist.broadcast(t, src=n - 1, group=group))):
+            if group is None:
+                call(view)
+            else:
+                copy = view.contiguous()
+                call(copy)
+                view.copy_(copy)
+        return [a, b]
+
     def all_to_all(group, dtype):  # gloo's takes equal sizes only
         outs = [torch.empty((2,), dtype=dtype) for r in range(n)]
         dist.all_to_all(outs, [values((2,), dtype, 10 + r) for r in range(n)], group=group)
@@ -174,6 +201,9 @@ def collective_checks(gloo: dist.ProcessGroup) -> dict:
             "reduce_scatter_tensor/avg": (reduce_scatter_tensor_average, (torch.float32, torch.bfloat16)),
             "reduce_scatter_tensor/premul_sum": (reduce_scatter_tensor_premul_sum, (torch.float32, torch.bfloat16)),
             "reduce_scatter": (reduce_scatter, DTYPES), "all_to_all_single/uneven": (all_to_all_single_uneven, DTYPES),
+            "all_to_all_single/zero_rows": (all_to_all_single_zero_rows, DTYPES),
+            "all_to_all_single/even_without_sizes": (all_to_all_single_even, DTYPES),
+            "non_contiguous_in_place": (non_contiguous, DTYPES),
             "all_to_all": (all_to_all, DTYPES), "gather": (gather, DTYPES), "scatter": (scatter, DTYPES),
             "reduce": (reduce, DTYPES), "send_recv/batch_isend_irecv_ring": (send_recv_ring, DTYPES),
             "async_op/wait": (asynchronous, floats), "coalescing_manager": (coalesced, floats)}
@@ -181,6 +211,70 @@ def collective_checks(gloo: dist.ProcessGroup) -> dict:
 
 def check_collective(name: str, gloo: dist.ProcessGroup, run, dtypes) -> None:
     against_gloo(gloo, dtypes, run)
+
+
+def check_rooted_on_a_subgroup(name: str, gloo_world: dist.ProcessGroup) -> None:
+    """Roots and peers are global ranks in torch's calls and group ranks inside the backend:
+    on rank 0 and the odd ranks, with the last member (global rank n - 1) as the root,
+    broadcast, gather, scatter, reduce and a send to the root must give gloo's result."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    members = [0, *range(1, n, 2)]
+    groups = {"psrt": dist.new_group(members), "gloo": dist.new_group(members, backend="gloo")}
+    if rank not in members:
+        return
+    root, first = members[-1], members[1] if len(members) > 2 else 0
+    results = {}
+    for label, group in groups.items():
+        b, t, out = values((3,), torch.float32, 30), values((3,), torch.float32, 31), torch.empty(3)
+        dist.broadcast(b, src=root, group=group)
+        parts = [torch.empty(3) for _ in members] if rank == root else None
+        dist.gather(values((3,), torch.float32, 32), parts, dst=root, group=group)
+        dist.scatter(out, [values((3,), torch.float32, 33 + i) for i in members] if rank == root else None,
+                     src=root, group=group)
+        dist.reduce(t, dst=root, group=group)
+        got = torch.empty(3)
+        if rank == first:
+            dist.send(values((3,), torch.float32, 40), dst=root, group=group)
+        elif rank == root:
+            dist.recv(got, src=first, group=group)
+        results[label] = [b, out, *(parts or []), *([t, got] if rank == root else [])]
+    for mine, theirs in zip(results["psrt"], results["gloo"], strict=True):
+        assert torch.equal(mine, theirs), f"psrt {mine} gloo {theirs}"
+
+
+def check_wrong_outputs_refused_before_communication(name: str) -> None:
+    """Outputs that cannot hold the result are an error on this rank before any
+    communication (gloo raises likewise); the group goes on afterwards."""
+    n = dist.get_world_size()
+    expect_raises(InvalidArgumentError, lambda: dist.all_gather([torch.empty(2)], torch.ones(2)),
+                  "tensor_list holds 1 tensors", "short all_gather list")
+    expect_raises(InvalidArgumentError, lambda: dist.all_gather([torch.empty(3)] * n, torch.ones(2)),
+                  "tensor_list[0] is a torch.float32 tensor of shape (3,)", "wrong all_gather sizes")
+    expect_raises(InvalidArgumentError, lambda: dist.all_to_all_single(torch.empty(2 * n, 1), torch.ones(2 * n, 2)),
+                  "cannot hold rows of torch.float32 of shape (2,)", "narrow all_to_all_single output")
+    expect_raises(InvalidArgumentError, lambda: dist.all_gather_into_tensor(torch.empty(n, dtype=torch.int32),
+                                                                            torch.ones(1)),
+                  "the output holds", "all_gather_into_tensor of another dtype")
+    dist.barrier()
+
+
+def check_different_roots_and_a_lone_barrier_name_the_ranks(name: str) -> None:
+    rank = dist.get_rank()
+    expect_raises(CollectiveMismatchError, lambda: dist.reduce(torch.ones(2), dst=0 if rank else 1),
+                  "reduce from rank", "different roots")
+    call = dist.barrier if rank == 0 else (lambda: dist.all_reduce(torch.ones(2)))
+    expect_raises(CollectiveMismatchError, call, "has barrier", "a barrier against an all_reduce")
+    dist.barrier()
+
+
+def check_destroyed_groups_are_freed(name: str) -> None:
+    topology = psrt.runtime.current().topology
+    before = len(topology._made_for_others)
+    for _ in range(3):
+        group = dist.new_group(list(range(dist.get_world_size())))
+        dist.all_reduce(torch.ones(1), group=group)
+        dist.destroy_process_group(group)
+    assert len(topology._made_for_others) == before, (before, len(topology._made_for_others))
 
 
 def check_barrier_and_objects(name: str) -> None:
@@ -453,6 +547,11 @@ def main() -> None:
     for collective, (run, dtypes) in collective_checks(gloo).items():
         checks.add(f"collectives/{collective}", check_collective, gloo, run, dtypes)
     checks.add("collectives/barrier_and_objects", check_barrier_and_objects)
+    checks.add("collectives/rooted_on_a_subgroup", check_rooted_on_a_subgroup, gloo)
+    checks.add("errors/wrong_outputs_refused_before_communication", check_wrong_outputs_refused_before_communication)
+    checks.add("errors/different_roots_and_a_lone_barrier_name_the_ranks",
+               check_different_roots_and_a_lone_barrier_name_the_ranks)
+    checks.add("process_group/destroyed_groups_are_freed", check_destroyed_groups_are_freed)
     checks.add("errors/mismatched_shapes_name_the_ranks", check_mismatched_shapes_name_the_ranks)
     checks.add("errors/different_collectives_name_the_ranks", check_different_collectives_name_the_ranks)
     checks.add("errors/unsupported_reduction", check_unsupported_reduction)
