@@ -13,6 +13,7 @@ from psrt.comm.base import ReduceOp
 from psrt.comm.direct import DirectGroup
 from psrt.errors import InvalidArgumentError, UnsupportedOperationError
 
+#: Who runs these collectives, in psrt's errors and stall reports
 LABEL = "torch.distributed"
 
 _RedOpType = dist.ReduceOp.RedOpType
@@ -46,6 +47,7 @@ def contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def single(tensors: Sequence, call: str):
+    """The one tensor (or list) of a call: psrt's backend serves one device per process."""
     if len(tensors) != 1:
         raise UnsupportedOperationError(f"{LABEL} {call}: psrt's backend takes one tensor per rank "
                                         f"(one device per process), got {len(tensors)}")

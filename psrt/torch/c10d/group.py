@@ -34,7 +34,7 @@ from psrt.torch.c10d.arguments import (LABEL, check_like, contiguous, even_split
                                        rows_of, single)
 from psrt.torch.c10d.work import HostWork, Marked, completed
 
-#: Who runs these collectives, in psrt's errors and stall reports
+
 class PsrtProcessGroup(dist.ProcessGroup):
     """A process group of ``direct``'s members (``direct.ranks`` are their psrt world
     ranks).  Collective like any process group: every member makes the same calls in the
