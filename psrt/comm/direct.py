@@ -118,13 +118,17 @@ class Header:
 
     def describe(self) -> str:
         """``all_reduce of a float32 tensor of shape (4, 16)``."""
-        kind = Kind(self.kind).name.lower() if self.kind in Kind._value2member_map_ else f"kind {self.kind}"
-        name = "another dtype" if self.dtype is None else str(self.dtype).removeprefix("torch.")
-        dims = ", ".join(map(str, self.shape[:MAX_DIMS])) + (", ..." if self.ndim > MAX_DIMS else "")
         if self.kind == Kind.BARRIER:
             return "barrier"
+        kind = Kind(self.kind).name.lower() if self.kind in Kind._value2member_map_ else f"kind {self.kind}"
+        dims = ", ".join(map(str, self.shape[:MAX_DIMS])) + (", ..." if self.ndim > MAX_DIMS else "")
         root = f" from rank {self.args[0]}" if self.kind in _ROOTED and self.args else ""
-        return f"{kind}{root} of a {name} tensor of shape ({dims}{',' if self.ndim == 1 else ''})"
+        return f"{kind}{root} of a {self.dtype_name} tensor of shape ({dims}{',' if self.ndim == 1 else ''})"
+
+    @property
+    def dtype_name(self) -> str:
+        """``float32``, or ``another dtype`` for one this psrt cannot name."""
+        return "another dtype" if self.dtype is None else str(self.dtype).removeprefix("torch.")
 
 
 #: Collectives whose header's first arg is the root (as a rank of the group)
@@ -135,8 +139,7 @@ _NO_DATA = torch.empty(0)
 
 def _rows(row: Header) -> str:
     """``rows of float32 of shape (16,)``: what an all-to-all's rows are."""
-    name = "another dtype" if row.dtype is None else str(row.dtype).removeprefix("torch.")
-    return f"rows of {name} of shape {tuple(row.shape)}"
+    return f"rows of {row.dtype_name} of shape {tuple(row.shape)}"
 
 
 def _int64s(values: list[int]) -> torch.Tensor:
@@ -447,19 +450,24 @@ class DirectGroup:
         """The next message :meth:`send` sent from member ``source`` on ``tag``: its header
         and a new host tensor holding its data.  The wait is marked as ``kind``/``what``."""
         words = torch.empty(HEADER_WORDS, dtype=torch.int64)
-        sender = (self.ranks[source],)
-        # A receive needs its sender until the header is in (a call, for deadlock detection);
-        # the data then follows by itself.
-        with self.waiting(kind, what, sender, ident=(RECEIVE, self._ident, source, tag)):
-            wait_politely(self.host.irecv(words, source, tag))
-        with self.waiting(kind, what, sender):
-            header = Header.decode(words.tolist())
-            if not header.complete:
-                raise CommunicationError(f"rank {self.ranks[source]} sent a header this psrt cannot read "
-                                         f"({words.tolist()}): are all ranks running the same psrt?")
+        header = self._header_of(self.host.irecv(words, source, tag), words, source, tag, kind, what)
+        with self.waiting(kind, what, (self.ranks[source],)):
             tensor = torch.empty(header.shape, dtype=header.dtype)
             wait_politely(self.host.irecv(tensor, source, tag))
         return header, tensor
+
+    def _header_of(self, request: Request, words: torch.Tensor, source: int, tag: int, kind: str,
+                   what: Text) -> Header:
+        """The header ``request`` receives into ``words`` from member ``source``, once in.  A
+        receive needs its sender until the header is in (a call, for deadlock detection); the
+        data then follows by itself."""
+        with self.waiting(kind, what, (self.ranks[source],), ident=(RECEIVE, self._ident, source, tag)):
+            wait_politely(request)
+        header = Header.decode(words.tolist())
+        if not header.complete:
+            raise CommunicationError(f"rank {self.ranks[source]} sent a header this psrt cannot read "
+                                     f"({words.tolist()}): are all ranks running the same psrt?")
+        return header
 
     def irecv_into(self, tensor: torch.Tensor, source: int, tag: int, *, kind: str, what: Text) -> Request:
         """Start receiving the next message :meth:`send` sent from member ``source`` on
@@ -495,9 +503,8 @@ class _ReceiveInto(Request):
         if self._checked:
             return
         group, sender = self._group, self._group.ranks[self._source]
-        with group.waiting(self._kind, self._what, (sender,), ident=(RECEIVE, group._ident, self._source, self._tag)):
-            wait_politely(self._header)
-        got, room = Header.decode(self._words.tolist()), Header.of(Kind.MESSAGE, self._tensor)
+        got = group._header_of(self._header, self._words, self._source, self._tag, self._kind, self._what)
+        room = Header.of(Kind.MESSAGE, self._tensor)
         if (got.dtype, got.shape) != (room.dtype, room.shape):
             self._data.cancel()  # so that it never takes the sender's next message
             raise CollectiveMismatchError(
@@ -524,5 +531,4 @@ class _ReceiveInto(Request):
 
 def _tensor_text(header: Header) -> str:
     """``float32 tensor of shape (4, 16)``."""
-    name = "tensor of another dtype" if header.dtype is None else str(header.dtype).removeprefix("torch.") + " tensor"
-    return f"{name} of shape {tuple(header.shape)}"
+    return f"{header.dtype_name} tensor of shape {tuple(header.shape)}"
