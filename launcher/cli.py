@@ -34,6 +34,7 @@ from launcher.hostfile import (
     parse_hosts,
 )
 from launcher.monitor import JobCommand, JobResult, run_job
+from launcher.mpi import library_of
 
 __all__ = ["main", "make_parser"]
 
@@ -198,6 +199,9 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch,
     rank_env = _rank_env(args)
     mpirun = find_mpirun(args.mpirun, python=sys.executable, path=env.get("PATH", os.defpath))
     flavour, version = detect_mpi(mpirun)
+    library = library_of(mpirun, flavour)
+    if library is not None and "MPI4PY_LIBMPI" not in env:  # the ranks load this mpirun's own MPI
+        rank_env.append(("MPI4PY_LIBMPI", library))
     def launch(hosts: tuple[Host, ...] | None, num_proc: int | None, extra_env: Sequence[tuple[str, str]]
                ) -> JobCommand:
         plan, warnings = plan_launch(

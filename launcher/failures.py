@@ -14,17 +14,26 @@ its own marker, ``psrt: rank R blames rank Q (ROLE): WHY`` (the role, such as ``
 is optional; R and Q are job ranks). The job is then headlined by Q, the rank to look at,
 not by R, which only noticed.
 
+Hydra (MPICH, Intel MPI) says less. Once one rank dies it kills the others with SIGKILL and
+then reports every rank's end, in rank order, on its stdout: its notices cannot tell the rank
+that died first from those it killed. Where each rank's stderr comes on a pipe of its own,
+the pipes close as the ranks end (:meth:`FailureScanner.ended`): a rank whose pipe closed
+before any other headlines the job; ranks whose pipes closed together are named together,
+since nothing says which of them died first.
+
 The scanner is pure: feed it lines, read :attr:`FailureScanner.failure`. Lines may come
-from several sources (each rank's own stderr, and mpirun's); launcher notices are matched
-within one source's recent lines, so that interleaved sources cannot split a notice.
+from several sources (each rank's own stderr, and mpirun's stderr and stdout); launcher
+notices are matched within one source's recent lines, so that interleaved sources cannot
+split a notice. mpirun's stdout is fed from a thread of its own, so the scanner locks.
 """
 from __future__ import annotations
 
 import enum
 import re
 import signal
+import threading
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 
 __all__ = ["BLAME", "MARKER", "Failure", "FailureKind", "FailureScanner", "describe_signal"]
@@ -56,6 +65,10 @@ _OMPI_ABORT_BARE = re.compile(r'due to process rank (\d+) with PID \d+ on node \
 _HYDRA_BAD = re.compile(
     r"RANK (\d+) PID \d+ RUNNING AT \S+ (?:KILLED BY SIGNAL: (\d+)|EXIT CODE: (-?\d+))"
 )
+_HYDRA_KILL = "killed by signal 9 (SIGKILL)"  # how Hydra ends the ranks left once one failed
+# MPICH names only the process that failed first, by process id, and how it ended.
+_MPICH_END = re.compile(r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES PID (\d+) RUNNING AT \S+ "
+                        r"EXIT CODE: -?\d+ .*YOUR APPLICATION TERMINATED WITH THE EXIT STRING: .*\(signal (\d+)\)")
 _HYDRA_ABORT = re.compile(r"application called MPI_Abort\(\S+, (-?\d+)\) - process (\d+)")
 
 
@@ -73,7 +86,9 @@ class Failure:
     """The rank a failed job is headlined by and how it failed, e.g. ``exited with code 1``.
 
     For a :attr:`FailureKind.BLAME` report, ``rank`` is the culprit, ``role`` its role if the
-    report gave one (``worker 1``) and ``reporter`` the rank whose report named it.
+    report gave one (``worker 1``) and ``reporter`` the rank whose report named it. ``together``
+    holds the other ranks that ended at the same moment, the same way, when nothing says
+    which of them failed first (Hydra's notices).
     """
 
     rank: int
@@ -81,11 +96,16 @@ class Failure:
     kind: FailureKind
     reporter: int | None = None
     role: str | None = None
+    together: tuple[int, ...] = ()
 
     def summary(self) -> str:
         if self.kind is FailureKind.BLAME:
             role = f" ({self.role})" if self.role else ""
             return f"rank {self.rank}{role} is to blame: {self.how} (reported by rank {self.reporter})"
+        if self.together:
+            ranks = ", ".join(map(str, sorted((self.rank, *self.together))))
+            return (f"one of ranks {ranks} failed first: {self.how} (they ended at the same moment; the MPI's "
+                    "launcher killed the others and does not say which)")
         return f"rank {self.rank} failed first: {self.how}"
 
 
@@ -101,6 +121,16 @@ def _rank_of_process_name(name: str) -> int | None:
     """Open MPI process names end in the rank: ``[prterun-host-12@1,3]`` or ``[[123,1],3]``."""
     match = re.search(r",(\d+)\]$", name)
     return int(match.group(1)) if match else None
+
+
+def _hydra_end(window: str) -> Failure | None:
+    """Hydra's notice of one rank's end (each rank of a failed job gets one), if the latest
+    line completed one."""
+    if m := _HYDRA_BAD.search(window):
+        if m.group(2):
+            return Failure(int(m.group(1)), f"killed by {describe_signal(int(m.group(2)))}", FailureKind.EXIT)
+        return Failure(int(m.group(1)), f"exited with code {m.group(3)}", FailureKind.EXIT)
+    return None
 
 
 def _notice(window: str) -> Failure | None:
@@ -119,10 +149,6 @@ def _notice(window: str) -> Failure | None:
         return Failure(int(m.group(1)) if rank is None else rank, f"called MPI_Abort with error code {code}", abort)
     if m := _OMPI_ABORT_BARE.search(window):
         return Failure(int(m.group(1)), "called MPI_Abort", abort)
-    if m := _HYDRA_BAD.search(window):
-        if m.group(2):
-            return Failure(int(m.group(1)), f"killed by {describe_signal(int(m.group(2)))}", exit_)
-        return Failure(int(m.group(1)), f"exited with code {m.group(3)}", exit_)
     if m := _HYDRA_ABORT.search(window):
         return Failure(int(m.group(2)), f"called MPI_Abort with error code {m.group(1)}", abort)
     return None
@@ -140,20 +166,48 @@ class FailureScanner:
     own (a rank that died, say, which elastic mode must drop).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rank_of_pid: Callable[[int], int | None] = lambda pid: None) -> None:
+        """``rank_of_pid`` turns a process id into its rank where psrun knows it
+        (:meth:`launcher.rank_stderr.RankStderr.rank_of_pid`)."""
+        self._rank_of_pid = rank_of_pid
         self._windows: dict[Hashable, deque[str]] = {}
         self._failure: Failure | None = None
+        self._hydra_ends: dict[int, Failure] = {}  # by rank, in the order Hydra reported them
+        self._ended: list[tuple[int, ...]] = []  # ranks whose own stderr closed, batch by batch
+        self._lock = threading.Lock()
 
     @property
     def failure(self) -> Failure | None:
-        return self._failure
+        """What headlines the job: a psrt report or another launcher notice, else Hydra's
+        notice of the rank(s) whose stderr closed first (else of the first rank it names)."""
+        with self._lock:
+            if self._failure is not None or not self._hydra_ends:
+                return self._failure
+            for batch in self._ended:
+                first = [rank for rank in batch if rank in self._hydra_ends]
+                # Hydra ends the other ranks with SIGKILL: a rank that ended otherwise came first.
+                first = [r for r in first if self._hydra_ends[r].how != _HYDRA_KILL] or first
+                if first:
+                    return Failure(first[0], self._hydra_ends[first[0]].how, FailureKind.EXIT,
+                                   together=tuple(first[1:]))
+            return next(iter(self._hydra_ends.values()))
+
+    def ended(self, ranks: Collection[int]) -> None:
+        """The own stderr of each of ``ranks`` reached end-of-file at once (one wake-up of the
+        reader): those processes ended, or closed their stderr."""
+        with self._lock:
+            self._ended.append(tuple(sorted(ranks)))
 
     def feed(self, line: str, source: Hashable = None) -> None:
-        """Take one line of stderr (with or without its newline) from ``source`` (a rank's own
-        stream, or None for mpirun's).  NUL bytes are dropped: Open MPI's output forwarding
+        """Take one line (with or without its newline) from ``source`` (a rank's own stderr,
+        None for mpirun's stderr, or another key for mpirun's stdout).  NUL bytes are dropped: Open MPI's output forwarding
         sometimes puts one where the line starts, which would hide a marker from the pattern
         (and turn the report into the launcher's bare abort notice).  Of a line redrawn with
         carriage returns (a progress bar, then a marker) only the last part counts."""
+        with self._lock:
+            self._feed(line, source)
+
+    def _feed(self, line: str, source: Hashable) -> None:
         line = line.rstrip("\r\n").replace("\x00", "").rsplit("\r", 1)[-1]
         if m := BLAME.search(line):
             self._offer(Failure(int(m.group(2)), m.group(4).strip(), FailureKind.BLAME,
@@ -168,7 +222,14 @@ class FailureScanner:
             return
         window = self._windows.setdefault(source, deque(maxlen=_WINDOW_LINES))
         window.append(text)
-        if self._failure is None:  # a later notice never replaces an earlier one
+        if (end := _hydra_end(" ".join(window))) is not None:
+            window.clear()
+            self._hydra_ends.setdefault(end.rank, end)
+        elif (m := _MPICH_END.search(" ".join(window))) is not None:
+            window.clear()
+            if self._failure is None and (rank := self._rank_of_pid(int(m.group(1)))) is not None:
+                self._offer(Failure(rank, f"killed by {describe_signal(int(m.group(2)))}", FailureKind.EXIT))
+        elif self._failure is None:  # a later notice never replaces an earlier one
             found = _notice(" ".join(window))
             if found is not None:
                 window.clear()

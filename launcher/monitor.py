@@ -41,6 +41,9 @@ __all__ = ["JobResult", "run_job"]
 ABORT_GRACE_S = 5.0
 _KILL_GRACE_S = 3.0
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The scanner's key for mpirun's stdout, and how much of an unfinished stdout line it keeps.
+_STDOUT = "mpirun stdout"
+_PARTIAL_SCANNED = 4096
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,16 @@ def _writer(stream: TextIO) -> Callable[[bytes], None]:
     return write
 
 
-def _pump(source: BinaryIO, write: Callable[[bytes], None]) -> None:
-    """Copy ``source`` to ``write`` until EOF."""
-    fd = source.fileno()
+def _pump(source: BinaryIO, write: Callable[[bytes], None], scan: Callable[[str], None]) -> None:
+    """Copy ``source`` to ``write`` until EOF, untouched, and hand each line to ``scan`` too:
+    Hydra (MPICH, Intel MPI) reports the ranks' ends on its stdout."""
+    fd, partial = source.fileno(), b""
     while chunk := os.read(fd, 65536):
         write(chunk)
+        *lines, partial = (partial + chunk).split(b"\n")
+        for line in lines:
+            scan(line.decode("utf-8", errors="replace"))
+        partial = partial[-_PARTIAL_SCANNED:]
     source.close()
 
 
@@ -91,6 +99,7 @@ def _read_stderr(mpirun_stderr: BinaryIO, ranks: RankStderr | None, view: Stderr
         selector.register(fd, selectors.EVENT_READ, rank)
     while selector.get_map() and not stop.is_set():
         # The ranks' own output first: it was written before mpirun could report their end.
+        closed = []
         for key, _ in sorted(selector.select(timeout=0.1), key=lambda ready: ready[0].data is None):
             try:
                 chunk = os.read(key.fd, 65536)
@@ -103,6 +112,9 @@ def _read_stderr(mpirun_stderr: BinaryIO, ranks: RankStderr | None, view: Stderr
             else:
                 selector.unregister(key.fd)
                 view.end_of(key.data, time.monotonic())
+                closed += [key.data] if key.data is not None else []
+        if closed:  # ranks whose stderr closed in one wake-up: which ended first is unknown
+            view.scanner.ended(closed)
         view.tick(time.monotonic())
     selector.close()
     mpirun_stderr.close()
@@ -181,15 +193,16 @@ def run_job(command: JobCommand, env: Mapping[str, str], *, verbose: bool = Fals
     a failure reported before the stop signal counts. ``verbose``: show all of
     stderr, even once the job fails.
     """
-    scanner = FailureScanner()
     ranks = _rank_pipes(command.rank_stderr)
+    scanner = FailureScanner(ranks.rank_of_pid) if ranks is not None else FailureScanner()
     view = StderrFilter(scanner, _writer(sys.stderr), verbose=verbose, labelled=ranks is not None)
     lifeline = Lifeline()
     proc = _start(command, env, ranks, lifeline)
     assert proc.stdout is not None and proc.stderr is not None
     stop_reading = threading.Event()
     readers = [
-        threading.Thread(target=_pump, args=(proc.stdout, _writer(sys.stdout)), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stdout, _writer(sys.stdout),
+                                             lambda line: scanner.feed(line, _STDOUT)), daemon=True),
         threading.Thread(target=_read_stderr, args=(proc.stderr, ranks, view, stop_reading), daemon=True),
     ]
     stops: list[tuple[int, Failure | None]] = []

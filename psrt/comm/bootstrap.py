@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -121,6 +122,15 @@ def start_mpi() -> tuple[int, int]:
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
+def mpi_library() -> str:
+    """Which MPI this process loaded, e.g. ``Open MPI v5.0.11`` or ``MPICH Version: 5.0.2``:
+    the first line of ``MPI_Get_library_version`` up to its first comma."""
+    from mpi4py import MPI
+
+    first = (MPI.Get_library_version().strip().splitlines() or ["an unnamed MPI"])[0]
+    return " ".join(first.split(",")[0].split())
+
+
 def check_thread_level() -> None:
     """psrt's engine and watchdog threads call MPI beside the caller's: anything less than
     MPI_THREAD_MULTIPLE (an MPI built without it, or ``mpi4py.rc.thread_level`` lowered
@@ -132,9 +142,36 @@ def check_thread_level() -> None:
         names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
         from psrt.errors import CommunicationError
 
-        raise CommunicationError(f"MPI provides thread level MPI_THREAD_{names.get(provided, provided)}, but psrt "
-                                 "needs MPI_THREAD_MULTIPLE (its engine and watchdog threads call MPI); use an MPI "
-                                 "built with thread support and leave mpi4py.rc.thread_level at 'multiple'")
+        raise CommunicationError(f"{mpi_library()} provides thread level MPI_THREAD_{names.get(provided, provided)}, "
+                                 "but psrt needs MPI_THREAD_MULTIPLE (its engine and watchdog threads call MPI); use "
+                                 "an MPI built with thread support and leave mpi4py.rc.thread_level at 'multiple'")
+
+
+# Where launchers tell their ranks the size of the job: Open MPI's mpirun, and PMI
+# (Hydra's mpiexec for MPICH and Intel MPI, srun --mpi=pmi2).
+_LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def check_launcher_agrees(env: Mapping[str, str] | None = None) -> None:
+    """A launcher started several ranks, yet MPI here sees a job of one: mpi4py loaded a
+    different MPI from the launcher's (mpi4py's wheels load whichever ``libmpi`` they find
+    first), and every rank would train alone, as rank 0. That is an error naming both."""
+    from mpi4py import MPI
+
+    env = os.environ if env is None else env
+    if MPI.COMM_WORLD.Get_size() != 1:
+        return
+    for name in _LAUNCHER_SIZE_VARIABLES:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            from psrt.errors import CommunicationError
+
+            launcher = "Open MPI's mpirun" if name.startswith("OMPI_") else "a PMI launcher (MPICH's or Intel MPI's " \
+                "mpiexec, or srun)"
+            raise CommunicationError(
+                f"{launcher} started {value} ranks ({name}={value}), but the MPI this process loaded ({mpi_library()}) "
+                "sees a job of one rank: mpi4py loaded another MPI than the launcher's. Launch with psrun (it points "
+                "the ranks at its mpirun's own library) or set MPI4PY_LIBMPI to the launcher's libmpi.so")
 
 
 def job_communicator(config: Config) -> MpiCommunicator:

@@ -113,9 +113,11 @@ def _parse(report: JobReport, stdout: str) -> None:
 
 
 def launch(script: str, np: int, env: Mapping[str, str] | None = None,
-           args: tuple[str, ...] = (), timeout_s: float = JOB_TIMEOUT_S) -> JobReport:
-    """Run ``script`` on ``np`` ranks with psrun and parse its report (never raises on failure)."""
-    command = [sys.executable, "-m", "launcher.cli", "-np", str(np), sys.executable,
+           args: tuple[str, ...] = (), timeout_s: float = JOB_TIMEOUT_S,
+           psrun_args: tuple[str, ...] = ()) -> JobReport:
+    """Run ``script`` on ``np`` ranks with psrun (and its ``psrun_args``, e.g. ``--mpirun``)
+    and parse its report (never raises on failure)."""
+    command = [sys.executable, "-m", "launcher.cli", *psrun_args, "-np", str(np), sys.executable,
                str(SCRIPTS / script), *args]
     # Only the settings a job asks for: a PSRT_* or HOROVOD_* variable in the caller's
     # environment would silently change what every job tests.
@@ -123,7 +125,7 @@ def launch(script: str, np: int, env: Mapping[str, str] | None = None,
     full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    label = "`" + " ".join(filter(None, [extra, f"psrun -np {np} {script}", *args])) + "`"
+    label = "`" + " ".join(filter(None, [extra, "psrun", *psrun_args, f"-np {np} {script}", *args])) + "`"
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, errors="replace",

@@ -58,22 +58,24 @@ def job_processes(tag: str, rank: int | None = None) -> list[int]:
             continue
         if f"PSRT_TEST_JOB={tag}".encode() not in environ or state == b"Z":
             continue
-        ranks = [v for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")]
-        if ranks and (rank is None or ranks[0] == f"OMPI_COMM_WORLD_RANK={rank}".encode()):
+        # Open MPI's mpirun names a rank in OMPI_COMM_WORLD_RANK, Hydra (MPICH, Intel MPI) in PMI_RANK.
+        ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith((b"OMPI_COMM_WORLD_RANK=", b"PMI_RANK="))]
+        if ranks and (rank is None or ranks[0] == str(rank).encode()):
             found.append(int(entry))
     return found
 
 
 def run_with_fault(script: str, np: int, args: tuple[str, ...], env: Mapping[str, str], *, after: str,
-                   rank: int, signum: int, timeout_s: float = 90.0) -> FaultedJob:
-    """Run ``script`` on ``np`` ranks; once stdout has a line starting with ``after``, send
-    ``signum`` to job rank ``rank``; wait up to ``timeout_s`` for the job to end."""
+                   rank: int, signum: int, timeout_s: float = 90.0, psrun_args: tuple[str, ...] = ()) -> FaultedJob:
+    """Run ``script`` on ``np`` ranks (``psrun_args`` before ``-np``); once stdout has a line
+    starting with ``after``, send ``signum`` to job rank ``rank``; wait up to ``timeout_s``
+    for the job to end."""
     def fault(job: Job, tag: str) -> float:
         job.wait_for_line(f"^{re.escape(after)}", timeout_s)
         for pid in job_processes(tag, rank):
             os.kill(pid, signum)
         return time.time()
-    job, returncode, left, faulted_at = _run_tagged(script, np, args, env, timeout_s, fault)
+    job, returncode, left, faulted_at = _run_tagged(script, np, args, env, timeout_s, fault, psrun_args)
     return FaultedJob(returncode, job.ended_at - faulted_at, job.out, job.err, left, job.log)
 
 
@@ -89,13 +91,14 @@ def run_until_it_ends(script: str, np: int, args: tuple[str, ...], env: Mapping[
 
 
 def _run_tagged(script: str, np: int, args: tuple[str, ...], env: Mapping[str, str], timeout_s: float,
-                act: Callable[[Job, str], float] | None = None) -> tuple[Job, int | None, list[int], float]:
+                act: Callable[[Job, str], float] | None = None,
+                psrun_args: tuple[str, ...] = ()) -> tuple[Job, int | None, list[int], float]:
     """Run ``script`` tagged so that its processes can be found, ``act`` on it while it runs
     (returning when), and wait for its end: (the job, psrun's exit code, the processes it
     left behind, what ``act`` returned).  No process of the job outlives this."""
     tag = uuid.uuid4().hex
-    job = start_job(psrun_argv("-np", str(np), sys.executable, str(SCRIPTS / script), *args),
-                    f"`psrun -np {np} {script} {' '.join(args)}`", {**env, "PSRT_TEST_JOB": tag})
+    job = start_job(psrun_argv(*psrun_args, "-np", str(np), sys.executable, str(SCRIPTS / script), *args),
+                    f"`psrun {' '.join(psrun_args)} -np {np} {script} {' '.join(args)}`", {**env, "PSRT_TEST_JOB": tag})
     try:
         acted_at = act(job, tag) if act is not None else float("nan")
         returncode = job.finish(timeout_s)

@@ -363,7 +363,7 @@ def test_bad_remote_settings_are_clear_errors_mpich(capsys, mpich, flags, messag
     ("mpirun (Open MPI) 4.1.5", MpiFlavour.OPENMPI),
     ("mpirun (Open RTE) 3.1.6", MpiFlavour.OPENMPI),
     (MPICH_VERSION, MpiFlavour.MPICH),
-    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", MpiFlavour.MPICH),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", MpiFlavour.INTEL),
     ("something else 1.0", None),
 ])
 def test_flavour_from_version(text: str, flavour: MpiFlavour | None) -> None:

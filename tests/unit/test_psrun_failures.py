@@ -172,3 +172,54 @@ def test_the_watcher_leaves_the_job_alone_once_told_done():
     finally:
         os.killpg(mpirun.pid, signal.SIGKILL)
         mpirun.wait()
+
+
+def _hydra_notices(scanner: FailureScanner, ends: dict[int, str]) -> None:
+    """Hydra's notices of every rank's end, in rank order, as MPICH prints them on its stdout."""
+    for rank, how in sorted(ends.items()):
+        for line in ("=" * 80, "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
+                     f"=   RANK {rank} PID {1000 + rank} RUNNING AT node1", f"=   {how}", "=" * 80):
+            scanner.feed(line, "mpirun stdout")
+
+
+def test_under_hydra_the_rank_whose_stderr_closed_first_headlines_the_job():
+    scanner = FailureScanner()
+    scanner.ended([1])
+    scanner.ended([0, 2])
+    _hydra_notices(scanner, {0: "KILLED BY SIGNAL: 9 (Killed)", 1: "KILLED BY SIGNAL: 9 (Killed)",
+                             2: "KILLED BY SIGNAL: 9 (Killed)"})
+    assert scanner.failure.summary() == "rank 1 failed first: killed by signal 9 (SIGKILL)"
+
+
+def test_under_hydra_ranks_that_ended_together_are_named_together_not_the_lowest_alone():
+    scanner = FailureScanner()
+    scanner.ended([0, 1])
+    _hydra_notices(scanner, {0: "KILLED BY SIGNAL: 9 (Killed)", 1: "KILLED BY SIGNAL: 9 (Killed)"})
+    assert scanner.failure.summary().startswith("one of ranks 0, 1 failed first: killed by signal 9 (SIGKILL)")
+
+
+def test_under_hydra_a_rank_that_exited_is_told_from_those_killed_with_it():
+    scanner = FailureScanner()
+    scanner.ended([0, 1])
+    _hydra_notices(scanner, {0: "KILLED BY SIGNAL: 9 (Killed)", 1: "EXIT CODE: 3"})
+    assert scanner.failure.summary() == "rank 1 failed first: exited with code 3"
+    without_pipes = FailureScanner()
+    _hydra_notices(without_pipes, {0: "EXIT CODE: 3", 1: "KILLED BY SIGNAL: 9 (Killed)"})
+    assert without_pipes.failure.summary() == "rank 0 failed first: exited with code 3"
+
+
+def test_a_psrt_marker_wins_over_hydras_notices():
+    scanner = FailureScanner()
+    scanner.feed("psrt: rank 1 failed: raised ValueError: boom", 1)
+    scanner.ended([0, 1])
+    _hydra_notices(scanner, {0: "EXIT CODE: 1", 1: "EXIT CODE: 1"})
+    assert scanner.failure.summary() == "rank 1 failed first: raised ValueError: boom"
+
+
+def test_under_mpich_the_process_it_names_is_turned_into_its_rank():
+    scanner = FailureScanner(rank_of_pid={13141: 1}.get)
+    for line in ("", "=" * 80, "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "=   PID 13141 RUNNING AT vm",
+                 "=   EXIT CODE: 11", "=   CLEANING UP REMAINING PROCESSES", "=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES",
+                 "=" * 80, "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Segmentation fault (signal 11)"):
+        scanner.feed(line, "mpirun stdout")
+    assert scanner.failure.summary() == "rank 1 failed first: killed by signal 11 (SIGSEGV)"
