@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from launcher.cli import main
+from launcher.mpi import library_of
 from launcher.command import (
     LaunchError,
     MpiFlavour,
@@ -648,3 +649,32 @@ def test_a_program_in_the_working_directory_runs_as_open_mpi_would_find_it(capsy
     for program in ("train.sh", "train2.py"):
         cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-np", "2", program, "--lr", "1")
         assert cmd[-3:] == [str(tmp_path / program), "--lr", "1"]
+
+
+def test_the_library_beside_an_mpirun_is_found_for_its_mpi(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    mpiexec = tmp_path / "bin" / "mpiexec"
+    mpiexec.write_text("")
+    assert library_of(str(mpiexec), MpiFlavour.MPICH) is None
+    (tmp_path / "lib" / "libmpi.so.12").write_text("")
+    assert library_of(str(mpiexec), MpiFlavour.MPICH) == str(tmp_path / "lib" / "libmpi.so.12")
+    assert library_of(str(mpiexec), MpiFlavour.INTEL) == str(tmp_path / "lib" / "libmpi.so.12")
+    assert library_of(str(mpiexec), MpiFlavour.OPENMPI) is None  # Open MPI's is libmpi.so.40
+
+
+def test_intel_mpi_speaks_hydras_dialect() -> None:
+    assert MpiFlavour.INTEL.hydra and MpiFlavour.MPICH.hydra and not MpiFlavour.OPENMPI.hydra
+
+
+def test_ranks_are_pointed_at_the_library_of_the_mpirun_psrun_drives(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("MPI4PY_LIBMPI", raising=False)
+    mpiexec = fake_mpirun(tmp_path / "mpich" / "bin", MPICH_VERSION, name="mpiexec")
+    (tmp_path / "mpich" / "lib").mkdir()
+    library = tmp_path / "mpich" / "lib" / "libmpi.so.12"
+    library.write_text("")
+    cmd, _ = dry_run(capsys, "--mpirun", mpiexec, "-np", "2", "python", "train.py")
+    assert cmd[:5] == [mpiexec, "-n", "2", "-genv", "MPI4PY_LIBMPI"] and cmd[5] == str(library)
+    monkeypatch.setenv("MPI4PY_LIBMPI", "/elsewhere/libmpi.so.12")  # the user's choice stands
+    cmd, _ = dry_run(capsys, "--mpirun", mpiexec, "-np", "2", "python", "train.py")
+    assert "MPI4PY_LIBMPI" not in cmd
