@@ -68,10 +68,10 @@ def megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, 
 def flops_per_token(model: plan.Transformer) -> float:
     """Model FLOPs per token as torchtitan and Megatron count them (no recomputation, attention
     not halved for causality): 6 per parameter of every matrix but the embedding, and 12 · L · h · s."""
-    matrices = model.layers * (model.layer_params(1) - 2 * model.hidden if model.swiglu else
-                               model.layer_params(1) - 6 * model.hidden - model._qkv - model.ffn_hidden)
-    output = model.vocab * model.hidden
-    return 6 * (matrices + output) + 12 * model.layers * model.hidden * model.sequence_length
+    h = model.hidden
+    qkv = h + 2 * h // model.heads * (model.kv_heads or model.heads)
+    matrices = model.layers * (qkv * h + h * h + model.mlp_matrices * model.ffn_hidden * h)
+    return 6 * (matrices + model.vocab * h) + 12 * model.layers * h * model.sequence_length
 
 
 LLAMA_8B = plan.Transformer(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256,
@@ -79,7 +79,7 @@ LLAMA_8B = plan.Transformer(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hi
 CASES = [
     Case("torchtitan Llama 3.1 8B, FSDP", LLAMA_8B, 8, 16,
          {"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective"}, "96GB",
-         5762, 5762 * 57.9e9 / PEAK, "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, table 1"),
+         5762, 5762 * flops_per_token(LLAMA_8B) / PEAK, "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, table 1"),
     megatron("1.7B", 16, 2048, 24, 1, 1, 48, 192, 0.41),
     megatron("7.1B", 32, 4096, 30, 2, 1, 96, 192, 0.47),
     megatron("16B", 48, 6144, 32, 4, 1, 192, 192, 0.49),
