@@ -15,7 +15,8 @@ from psrt.plan.cost import StepTime
 from psrt.plan.layout import Layout, Precision, precision
 from psrt.plan.machine import Link, Machine, default_machine, load_machine
 from psrt.plan.memory import MemoryBreakdown
-from psrt.plan.model import ParameterBlocks, Transformer, from_config, from_hf_config, from_module
+from psrt.plan.model import ParameterBlocks, Transformer
+from psrt.plan.readers import from_config, from_hf_config, from_module
 from psrt.plan.report import describe, table
 from psrt.plan.search import NothingFitsError, Plan, evaluate, layouts
 

@@ -66,12 +66,14 @@ def _forward_seconds(model: Model, kind: str, params: int, layout: Layout, machi
     tokens = layout.micro_batch * s
     if not isinstance(model, Transformer):
         return machine.matmul_seconds(tokens, 1, params), 0.0
-    h, f = model.hidden, model.mlp_ratio * model.hidden
+    h, f = model.hidden, model.ffn_hidden
     if kind == "embedding":
         return 0.0, 0.0
     if kind == "head":
         return machine.matmul_seconds(tokens, h, padded(model.vocab, t) // t), 0.0
-    dense = sum(machine.matmul_seconds(tokens, k, n) for k, n in ((h, 3 * h // t), (h // t, h), (h, f // t), (f // t, h)))
+    qkv = h + 2 * h // model.heads * (model.kv_heads or model.heads)  # q, and k and v of the key/value heads
+    products = ((h, qkv // t), (h // t, h), (h, (model.mlp_matrices - 1) * f // t), (f // t, h))
+    dense = sum(machine.matmul_seconds(tokens, k, n) for k, n in products)
     # q kᵀ and its product with v per local head, 2·s·kv·d FLOPs each; causal: half of the pairs
     heads, d, kv = model.heads // t, h // model.heads, model.sequence_length
     core = machine.attention_seconds(layout.micro_batch * heads * 2 * s * kv * d, d)
@@ -109,7 +111,7 @@ def _tp_per_microbatch(model: Model, blocks: range, layout: Layout, precision: P
     t = layout.tp
     if t == 1 or not isinstance(model, Transformer):
         return 0.0
-    link, kinds = machine.direct_allreduce, model.block_kinds()
+    link, kinds = machine.group_link(machine.direct_allreduce, t, 1), model.block_kinds()
     nbytes = layout.micro_batch * model.sequence_length // layout.cp * model.hidden * precision.activation
     volume = 2 * (t - 1) / t * nbytes / link.bandwidth  # one all-reduce's, or an all-gather's and a reduce-scatter's
     layer_fixed = machine.sp_layer_overhead_s if layout.sequence_parallel else machine.tp_layer_overhead_s
@@ -132,11 +134,12 @@ def _cp_per_microbatch(model: Model, blocks: range, layout: Layout, precision: P
     c = layout.cp
     if c == 1:
         return 0.0
-    block = layout.micro_batch * model.sequence_length // c * model.hidden // layout.tp * precision.activation
-    kinds = model.block_kinds()
+    kv_width = model.hidden // model.heads * (model.kv_heads or model.heads)
+    block = layout.micro_batch * model.sequence_length // c * kv_width // layout.tp * precision.activation
+    kinds, link = model.block_kinds(), machine.group_link(machine.p2p, c, layout.tp, messages=True)
     layers = sum(1 for i in blocks if kinds[i] == "layer")
-    forward = (c - 1) * machine.p2p.seconds(2 * block)
-    backward = c * machine.p2p.seconds(4 * block)
+    forward = (c - 1) * link.seconds(2 * block)
+    backward = c * link.seconds(4 * block)
     again = forward if layout.recompute == "full" else 0.0
     return layers * (forward + backward + again)
 
@@ -146,11 +149,12 @@ def _pp_per_microbatch(model: Model, layout: Layout, precision: Precision, machi
     a model known only by its parameter counts, their latency only)."""
     if layout.pp == 1:
         return 0.0
+    link = machine.group_link(machine.p2p, layout.pp, layout.tp * layout.cp * layout.dp, messages=True)
     if not isinstance(model, Transformer):
-        return 2 * machine.p2p.latency_s
+        return 2 * link.latency_s
     r = layout.tp if layout.sequence_parallel else 1
     nbytes = layout.micro_batch * model.sequence_length // layout.cp * model.hidden // r * precision.activation
-    return 2 * machine.p2p.seconds(nbytes)
+    return 2 * link.seconds(nbytes)
 
 
 def _dp_seconds(model: Model, blocks: range, params: int, layout: Layout, precision: Precision,
@@ -162,7 +166,8 @@ def _dp_seconds(model: Model, blocks: range, params: int, layout: Layout, precis
     reduce-scatters after every backward, so once per micro-batch; stage 3: per micro-batch,
     each module's parameters gathered before its forward and again before its backward, and
     its gradient reduce-scattered.  Each bucket of gradients is also copied once."""
-    n, link = layout.data_ranks, machine.engine_allreduce
+    n = layout.data_ranks
+    link = machine.group_link(machine.engine_allreduce, n, layout.tp)
     if n == 1:
         return 0.0
     grads, weights = params * precision.grad, params * precision.param

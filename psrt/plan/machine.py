@@ -2,8 +2,9 @@
 
 ``psrt plan --measure`` (:mod:`psrt.plan.probe`) writes one as JSON; ``psrt plan --machine
 FILE`` reads it back.  Every figure is per rank with every rank of the probe busy at once,
-as in a training step.  Without a profile the planner uses :func:`default_machine`, the
-figures of one probe run on psrt's 2-core development VM, labelled as such.
+as in a training step.  ``--machine a100|h100|h200`` picks a GPU node built from published
+figures (:mod:`psrt.plan.gpus`).  Without a profile the planner uses :func:`default_machine`,
+the figures of one probe run on psrt's 2-core development VM, labelled as such.
 """
 from __future__ import annotations
 
@@ -60,6 +61,11 @@ class Machine:
     the direct path's collectives (tensor parallelism); ``p2p``: pipeline messages.
     ``optimizer_s_per_param``: one Adam step per parameter; ``memcpy_bandwidth``: bytes copied
     per second.
+
+    Nodes: with ``ranks_per_node`` > 0, the links above are those inside a node, and a group
+    of ranks that spans nodes reaches the others through ``inter_node``, one rank's own link
+    out of its node (its NIC); 0 means one kind of link whatever the ranks (a probe's
+    figures).  ``memory_per_rank``: bytes each rank has (0: unknown).
     """
 
     name: str
@@ -75,6 +81,9 @@ class Machine:
     p2p: Link
     optimizer_s_per_param: float
     memcpy_bandwidth: float
+    ranks_per_node: int = 0
+    inter_node: Link | None = None
+    memory_per_rank: int = 0
     details: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +105,28 @@ class Machine:
                 raise InvalidArgumentError(f"{name} needs latency_s >= 0 and bandwidth > 0, got {link}")
         if not self.memcpy_bandwidth > 0:
             raise InvalidArgumentError(f"memcpy_bandwidth must be > 0, got {self.memcpy_bandwidth!r}")
+        if self.ranks_per_node < 0 or self.memory_per_rank < 0:
+            raise InvalidArgumentError(f"ranks_per_node and memory_per_rank must be >= 0, got {self.ranks_per_node} "
+                                       f"and {self.memory_per_rank}")
+        if self.ranks_per_node and not (self.inter_node and self.inter_node.latency_s >= 0
+                                        and self.inter_node.bandwidth > 0):
+            raise InvalidArgumentError(f"a profile with ranks_per_node needs an inter_node link with latency_s >= 0 "
+                                       f"and bandwidth > 0, got {self.inter_node}")
+
+    def group_link(self, link: Link, size: int, stride: int, *, messages: bool = False) -> Link:
+        """``link`` for a group of ``size`` ranks ``stride`` apart in host order (psrt's grid puts
+        TP fastest, then CP, DP and PP).  Inside one node it is ``link``.  Collectives of a
+        group spanning nodes run one ring per rank it has in a node, each through that rank's
+        NIC, so their bus bandwidth is that many NICs' (at most ``link``'s), at the slower
+        latency; point-to-point ``messages`` (and a group whose blocks do not tile the nodes)
+        get one NIC."""
+        n = self.ranks_per_node
+        if not n or size <= 1 or n % (size * stride) == 0:
+            return link
+        tiles = (size * stride) % n == 0 and n % stride == 0
+        per_node = n // stride if tiles and not messages else 1
+        return Link(latency_s=max(link.latency_s, self.inter_node.latency_s),
+                    bandwidth=min(link.bandwidth, per_node * self.inter_node.bandwidth))
 
     def flops(self, n: float) -> float:
         """FLOP/s of a product of the volume of an n × n one."""
@@ -127,7 +158,9 @@ class Machine:
                        elementwise_s_per_byte=float(data["elementwise_s_per_byte"]),
                        optimizer_s_per_param=float(data["optimizer_s_per_param"]),
                        memcpy_bandwidth=float(data["memcpy_bandwidth"]), details=dict(data.get("details", {})),
-                       **links)
+                       ranks_per_node=int(data.get("ranks_per_node", 0)),
+                       inter_node=Link(**data["inter_node"]) if data.get("inter_node") else None,
+                       memory_per_rank=int(data.get("memory_per_rank", 0)), **links)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"not a psrt machine profile ({type(exc).__name__}: {exc}); write one with "
                                        "`psrt plan --measure`") from exc

@@ -72,12 +72,13 @@ def layer_activations(model: Transformer, layout: Layout, e: int, recompute: str
     r = t if layout.sequence_parallel else 1  # the residual stream's split
     if recompute == "full":
         return x * e // r  # the block's input
-    heads = model.heads // t
-    kept = (2 * x * e // r                 # LayerNorm inputs
-            + 2 * 2 * b * s * _FLOAT32 // r  # their mean and reciprocal std
+    heads, kv = model.heads // t, model.kv_heads or model.heads
+    stats = 1 if model.swiglu else 2  # RMSNorm keeps its reciprocal root mean square; LayerNorm also the mean
+    kept = (2 * x * e // r                 # norm inputs
+            + 2 * stats * b * s * _FLOAT32 // r  # their statistics
             + 2 * x * e                    # q/k/v and fc1 inputs: whole sequence (gathered with SP)
-            + 4 * x * e // t               # q, k, v; the output projection's input
-            + 2 * model.mlp_ratio * x * e // t)  # GELU input, fc2 input
+            + (2 * x + 2 * x * kv // model.heads) * e // t  # q, k, v; the output projection's input
+            + model.mlp_matrices * b * s * model.ffn_hidden * e // t)  # GELU's input and output; gate, up, their product
     if model.dropout:
         kept += 2 * x * _BOOL // r  # the two residual dropout masks
         if recompute == "none":  # unfused attention: probabilities, their mask and the dropped-out copy

@@ -12,8 +12,8 @@ way.  Two descriptions:
   of each block.  It cannot be split over TP ranks, and its activations are not
   modelled (reported as zero, and said so).
 
-Build one from figures, from the tiny GPT's config (:func:`from_config`), or
-from a ``torch.nn.Module`` (:func:`from_module`).
+Build one from figures, or with :mod:`psrt.plan.readers` from the tiny GPT's config, a
+``transformers`` config or a ``torch.nn.Module``.
 """
 from __future__ import annotations
 
@@ -40,8 +40,15 @@ def padded(size: int, parts: int) -> int:
 @dataclass(frozen=True)
 class Transformer:
     """A decoder of ``layers`` pre-norm blocks of width ``hidden`` with ``heads`` heads and an MLP
-    of ``mlp_ratio`` × hidden, a token embedding over ``vocab`` and learned positions up to
-    ``sequence_length``, and an untied output projection (``tied_embeddings`` drops it).
+    of ``ffn_hidden`` (default ``mlp_ratio`` × hidden), a token embedding over ``vocab``, and
+    an untied output projection (``tied_embeddings`` drops it).
+
+    Two kinds of block.  GPT's (psrt's :class:`psrt.tp.ParallelTransformerBlock`): LayerNorm,
+    biases, a GELU MLP of two matrices, learned positions up to ``sequence_length``.  With
+    ``swiglu``, Llama's: RMSNorm, no biases, a SwiGLU MLP of three matrices (gate, up, down),
+    rotary positions (no table).  ``swiglu`` left None means SwiGLU exactly when
+    ``ffn_hidden`` is given or ``mlp_ratio`` is not a whole number (Llama 3's 14336 = 3.5 ×
+    4096); ``ffn_hidden``, ``mlp_ratio`` and ``swiglu`` then hold the resolved values.
 
     ``kv_heads`` (default: ``heads``) is the number of key/value heads of grouped-query
     attention: k and v project to ``kv_heads`` heads, and TP must divide them too.
@@ -56,20 +63,44 @@ class Transformer:
     heads: int
     vocab: int
     sequence_length: int
-    mlp_ratio: int = 4
+    mlp_ratio: float = 4
     dropout: bool = False
     tied_embeddings: bool = False
     kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    swiglu: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "vocab", "sequence_length", "mlp_ratio"):
+        for name in ("layers", "hidden", "heads", "vocab", "sequence_length"):
             _positive_int(name, getattr(self, name))
+        self._resolve_mlp()
         if self.hidden % self.heads:
             raise InvalidArgumentError(f"hidden size ({self.hidden}) is not divisible by the number of heads "
                                        f"({self.heads})")
         if self.kv_heads is not None and (_positive_int("kv_heads", self.kv_heads) > self.heads
                                           or self.heads % self.kv_heads):
             raise InvalidArgumentError(f"kv_heads ({self.kv_heads}) must divide the number of heads ({self.heads})")
+
+    def _resolve_mlp(self) -> None:
+        ratio = self.mlp_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
+            raise InvalidArgumentError(f"mlp_ratio must be a positive number, got {ratio!r}")
+        if self.ffn_hidden is None:
+            if (ratio * self.hidden) % 1:
+                raise InvalidArgumentError(f"mlp_ratio {ratio} × hidden {self.hidden} is not a whole MLP width: give "
+                                           "ffn_hidden (--ffn-hidden)")
+            ffn = int(ratio * self.hidden)
+        else:
+            ffn = _positive_int("ffn_hidden", self.ffn_hidden)
+        swiglu = self.swiglu
+        if swiglu is None:
+            swiglu = self.ffn_hidden is not None or float(ratio) != int(ratio)
+        if not isinstance(swiglu, bool):
+            raise ArgumentTypeError(f"swiglu must be a bool or None, got {type(swiglu).__name__}")
+        ratio = ffn / self.hidden
+        object.__setattr__(self, "ffn_hidden", ffn)
+        object.__setattr__(self, "swiglu", swiglu)
+        object.__setattr__(self, "mlp_ratio", int(ratio) if ratio == int(ratio) else ratio)
 
     @property
     def _qkv(self) -> int:
@@ -84,20 +115,28 @@ class Transformer:
     def block_kinds(self) -> list[str]:
         return ["embedding"] + ["layer"] * self.layers + ["head"]
 
+    @property
+    def mlp_matrices(self) -> int:
+        """Matrices of the MLP: fc1 and fc2, or gate, up and down."""
+        return 3 if self.swiglu else 2
+
     def layer_params(self, tp: int = 1) -> int:
-        """One block's parameters on one of ``tp`` ranks: q/k/v, fc1 and their biases and the
-        weights of the two row-parallel projections are split; LayerNorms and the
-        row-parallel biases are replicated."""
-        h, f = self.hidden, self.mlp_ratio * self.hidden
+        """One block's parameters on one of ``tp`` ranks: the projections (and, in GPT's block,
+        the column-parallel biases) are split; the norms (and the row-parallel biases) are
+        replicated."""
+        h, f = self.hidden, self.ffn_hidden
+        if self.swiglu:
+            return (self._qkv * h + h * h + 3 * f * h) // tp + 2 * h
         split = self._qkv * h + self._qkv + h * h + f * h + f + h * f
         return split // tp + 2 * h + h + 2 * h + h
 
     def embedding_params(self, tp: int = 1) -> int:
-        return padded(self.vocab, tp) // tp * self.hidden + self.sequence_length * self.hidden
+        positions = 0 if self.swiglu else self.sequence_length * self.hidden
+        return padded(self.vocab, tp) // tp * self.hidden + positions
 
     def head_params(self, tp: int = 1) -> int:
         projection = 0 if self.tied_embeddings else padded(self.vocab, tp) // tp * self.hidden
-        return 2 * self.hidden + projection
+        return (1 if self.swiglu else 2) * self.hidden + projection
 
     def block_params(self, tp: int = 1) -> list[int]:
         """Parameters of each block on one of ``tp`` ranks, in pipeline order."""
@@ -105,7 +144,9 @@ class Transformer:
 
     def largest_unit(self, tp: int = 1) -> int:
         """Parameters of the largest module owning parameters directly (what ZeRO-3 gathers at once)."""
-        h, f, v = self.hidden, self.mlp_ratio * self.hidden, padded(self.vocab, tp) // tp
+        h, f, v = self.hidden, self.ffn_hidden, padded(self.vocab, tp) // tp
+        if self.swiglu:
+            return max(self._qkv * h // tp, h * h // tp, f * h // tp, v * h)
         return max((self._qkv * h + self._qkv) // tp, h * h // tp + h, (f * h + f) // tp, h * f // tp + h, v * h,
                    self.sequence_length * h)
 
@@ -119,8 +160,8 @@ class Transformer:
             return f"tp={tp} does not divide the {self.heads} attention heads"
         if (self.kv_heads or self.heads) % tp:
             return f"tp={tp} does not divide the {self.kv_heads} key/value heads"
-        if self.mlp_ratio * self.hidden % tp:
-            return f"tp={tp} does not divide the MLP width ({self.mlp_ratio * self.hidden})"
+        if self.ffn_hidden % tp:
+            return f"tp={tp} does not divide the MLP width ({self.ffn_hidden})"
         return None
 
     def cp_problem(self, cp: int) -> str | None:
@@ -132,44 +173,48 @@ class Transformer:
     def describe(self) -> str:
         tied = ", tied embeddings" if self.tied_embeddings else ""
         dropout = ", dropout" if self.dropout else ""
-        return (f"transformer: {self.params / 1e6:.3g} M parameters, {self.layers} layers, hidden {self.hidden}, "
-                f"{self.heads} heads, vocabulary {self.vocab}, sequence {self.sequence_length}{tied}{dropout}")
+        kv = f" ({self.kv_heads} key/value)" if self.kv_heads not in (None, self.heads) else ""
+        mlp = f"{'SwiGLU' if self.swiglu else 'GELU'} MLP {self.ffn_hidden}"
+        return (f"transformer: {self.params / 1e6:.4g} M parameters, {self.layers} layers, hidden {self.hidden}, "
+                f"{self.heads} heads{kv}, {mlp}, vocabulary {self.vocab}, sequence {self.sequence_length}{tied}"
+                f"{dropout}")
 
 
 @dataclass(frozen=True)
 class ParameterBlocks:
     """A model known only by the parameter count of each of its blocks (pipeline order) and of its
-    largest module; one sample is one row (``sequence_length`` 1).  TP is not possible (how
-    the blocks would split is unknown) and activations are not modelled."""
+    largest module.  One sample is ``sequence_length`` tokens (1: a row), each of which
+    passes through every parameter: 6 FLOPs per parameter and token forward and backward.
+    TP is not possible (how the blocks would split is unknown) and activations are not
+    modelled."""
 
     sizes: tuple[int, ...]
     largest: int = 0
+    sequence_length: int = 1
 
     def __post_init__(self) -> None:
         if not self.sizes:
             raise InvalidArgumentError("a model needs at least one block with parameters")
         for size in self.sizes:
             _positive_int("a block's parameter count", size)
+        _positive_int("sequence_length", self.sequence_length)
         object.__setattr__(self, "sizes", tuple(self.sizes))
         if not self.largest:
             object.__setattr__(self, "largest", max(self.sizes))
 
     @classmethod
-    def uniform(cls, params: int, layers: int = 1) -> ParameterBlocks:
-        """``params`` parameters cut into ``layers`` equal blocks."""
+    def uniform(cls, params: int, layers: int = 1, sequence_length: int = 1) -> ParameterBlocks:
+        """``params`` parameters cut into ``layers`` equal blocks, samples of ``sequence_length`` tokens."""
         _positive_int("params", params)
         _positive_int("layers", layers)
         if layers > params:
             raise InvalidArgumentError(f"{layers} layers cannot share {params} parameters")
-        return cls(tuple(params // layers + (1 if i < params % layers else 0) for i in range(layers)))
+        return cls(tuple(params // layers + (1 if i < params % layers else 0) for i in range(layers)),
+                   sequence_length=sequence_length)
 
     @property
     def layers(self) -> int:
         return len(self.sizes)
-
-    @property
-    def sequence_length(self) -> int:
-        return 1
 
     @property
     def block_names(self) -> list[str]:
@@ -196,7 +241,8 @@ class ParameterBlocks:
         return None if cp == 1 else f"cp={cp}: the model has no sequence to split (describe it as a transformer)"
 
     def describe(self) -> str:
-        return (f"{self.params / 1e6:.3g} M parameters in {len(self.sizes)} blocks "
+        tokens = f", samples of {self.sequence_length} tokens" if self.sequence_length > 1 else ""
+        return (f"{self.params / 1e6:.4g} M parameters in {len(self.sizes)} blocks{tokens} "
                 "(activations not modelled: give the architecture for them)")
 
 
@@ -209,89 +255,3 @@ def stage_key(model: Model, tp: int, blocks: range) -> tuple:
     kinds, sizes = model.block_kinds(), model.block_params(tp)
     counts = Counter((kinds[i], sizes[i]) for i in blocks)
     return tuple(sorted(counts.items())), blocks[0] == 0, blocks[-1] == len(kinds) - 1
-
-
-def from_config(config: object) -> Transformer:
-    """The tiny GPT's ``GPTConfig`` (``examples/tiny_gpt.py``), or any object with the same
-    fields (``vocab_size``, ``sequence_length``, ``dim``, ``heads``, ``layers``)."""
-    missing = [name for name in ("vocab_size", "sequence_length", "dim", "heads", "layers")
-               if not hasattr(config, name)]
-    if missing:
-        raise ArgumentTypeError(f"a model config needs the fields vocab_size, sequence_length, dim, heads and "
-                                f"layers; {type(config).__name__} lacks {', '.join(missing)}")
-    if getattr(config, "experts", 0):
-        raise InvalidArgumentError("the planner does not model mixture-of-experts layers (experts > 0)")
-    return Transformer(layers=config.layers, hidden=config.dim, heads=config.heads, vocab=config.vocab_size,
-                       sequence_length=config.sequence_length, dropout=getattr(config, "dropout", 0.0) > 0,
-                       tied_embeddings=bool(getattr(config, "tie_embeddings", False)))
-
-
-def from_hf_config(path: str, sequence_length: int) -> Transformer:
-    """A ``transformers`` decoder's ``config.json`` (or the directory holding it), GPT-2's
-    names or the Llama layout's.  A gated MLP (three matrices of ``intermediate_size``) is
-    counted as the two-matrix MLP of the same parameters, the nearest this model has."""
-    import json
-    import os
-
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(file) as handle:
-            config = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise InvalidArgumentError(f"cannot read a transformers config from {path}: {exc}") from None
-    def field(*names):
-        found = next((config[n] for n in names if config.get(n) is not None), None)
-        if found is None:
-            raise InvalidArgumentError(f"{file} has none of {', '.join(names)}: not a decoder psrt plan can describe")
-        return found
-    hidden = field("hidden_size", "n_embd")
-    gated = "intermediate_size" in config and config.get("model_type") != "gpt2"
-    intermediate = config.get("intermediate_size") or config.get("n_inner") or 4 * hidden
-    return Transformer(layers=field("num_hidden_layers", "n_layer"), hidden=hidden,
-                       heads=field("num_attention_heads", "n_head"), vocab=field("vocab_size"),
-                       sequence_length=sequence_length, mlp_ratio=max(1, round((3 if gated else 2) * intermediate
-                                                                               / (2 * hidden))),
-                       tied_embeddings=bool(config.get("tie_word_embeddings", True)),
-                       kv_heads=config.get("num_key_value_heads"))
-
-
-def from_module(module: object) -> ParameterBlocks:
-    """A ``torch.nn.Module`` as parameter counts: one block per child of a ``Sequential`` or
-    ``ModuleList`` at its top (the module itself otherwise), trainable parameters only, each
-    shared parameter counted once.  For activations and TP, describe a transformer with
-    :class:`Transformer` or :func:`from_config` instead."""
-    import torch
-
-    if not isinstance(module, torch.nn.Module):
-        raise ArgumentTypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
-    children = list(module) if isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList)) else [module]
-    seen: set[int] = set()
-    sizes = []
-    for child in children:
-        count = 0
-        for param in child.parameters():
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                count += param.numel()
-        if count:
-            sizes.append(count)
-    if not sizes:
-        raise InvalidArgumentError(f"{type(module).__name__} has no trainable parameters")
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in module.modules())
-    return ParameterBlocks(tuple(sizes), largest)
-
-
-def as_model(model: object) -> Model:
-    """Whatever :func:`psrt.plan.layouts` was given, as a model description."""
-    if isinstance(model, (Transformer, ParameterBlocks)):
-        return model
-    if hasattr(model, "vocab_size") and hasattr(model, "dim"):
-        return from_config(model)
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency of psrt
-        torch = None
-    if torch is not None and isinstance(model, torch.nn.Module):
-        return from_module(model)
-    raise ArgumentTypeError(f"model must be a psrt.plan.Transformer, a psrt.plan.ParameterBlocks, the tiny GPT's "
-                            f"GPTConfig or a torch.nn.Module, got {type(model).__name__}")

@@ -19,19 +19,23 @@ def _row(index: int, plan: Plan) -> list[str]:
 
 
 def table(plans: list[Plan], top: int | None = None) -> str:
-    """The plans as aligned columns, in the order given (``top``: only the first ones).
-    Bytes are those of each layout's fullest rank; ``micro-batch`` is size x count."""
-    rows = [list(_COLUMNS)] + [_row(i, plan) for i, plan in enumerate(plans[:top] if top else plans, start=1)]
+    """The plans as aligned columns, in the order given (``top``: only the first ones), and the
+    machine profile their step times come from.  Bytes are those of each layout's fullest
+    rank; ``micro-batch`` is size x count."""
+    shown = plans[:top] if top else plans
+    rows = [list(_COLUMNS)] + [_row(i, plan) for i, plan in enumerate(shown, start=1)]
     widths = [max(len(row[c]) for row in rows) for c in range(len(_COLUMNS))]
     text = ["  ".join(cell.ljust(width) if _COLUMNS[c] == "recompute" else cell.rjust(width)
                       for c, (cell, width) in enumerate(zip(row, widths))) for row in rows]
+    machines = list(dict.fromkeys(plan.machine for plan in shown if plan.machine))
+    text += [f"step times from the machine profile: {name}" for name in machines]
     return "\n".join(line.rstrip() for line in text)
 
 
 def header(request: Request, considered: int, fitting: int) -> str:
     """What was asked, on which machine figures, and how many layouts fit."""
     machine = request.machine.name
-    if not request.machine.measured:
+    if not request.machine.measured and not request.machine.ranks_per_node:
         machine += "; run `psrt plan --measure` for this machine's figures"
     return "\n".join([
         f"model: {request.model.describe()}",

@@ -15,11 +15,13 @@ from dataclasses import dataclass, replace
 
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, NothingFitsError
 from psrt.plan.cost import StepTime, step_time
+from psrt.plan.gpus import resolve as resolve_machine
 from psrt.plan.layout import RECOMPUTE, Layout, Precision
 from psrt.plan.layout import precision as make_precision
-from psrt.plan.machine import Machine, default_machine, load_machine
+from psrt.plan.machine import Machine, default_machine
 from psrt.plan.memory import MemoryBreakdown, in_flight, stage_memory
-from psrt.plan.model import Model, ParameterBlocks, as_model, stage_key
+from psrt.plan.model import Model, ParameterBlocks, stage_key
+from psrt.plan.readers import as_model
 from psrt.plan.units import parse_bytes
 from psrt.pp.partition import balanced_split
 
@@ -37,6 +39,7 @@ class Plan:
     stages: tuple[MemoryBreakdown, ...]
     split: tuple[tuple[int, int], ...]  # [start, stop) block indices per pipeline stage
     time: StepTime
+    machine: str = ""  # the name of the machine profile the step time comes from
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
-def make_request(model: object, *, global_batch: object, ranks: object, memory_per_rank: object,
+def make_request(model: object, *, global_batch: object, ranks: object, memory_per_rank: object = None,
                  machine: Machine | str | None = None, precision: str = "fp32", optimizer: str = "adam",
                  sequence_parallel: bool = True, **fixed: object) -> Request:
     """Check every argument of :func:`layouts` before any search."""
@@ -86,10 +89,14 @@ def make_request(model: object, *, global_batch: object, ranks: object, memory_p
     if machine is None:
         machine = default_machine()
     elif isinstance(machine, str):
-        machine = load_machine(machine)
+        machine = resolve_machine(machine)
     elif not isinstance(machine, Machine):
-        raise ArgumentTypeError(f"machine must be a psrt.plan.Machine, a profile's path or None, "
-                                f"got {type(machine).__name__}")
+        raise ArgumentTypeError(f"machine must be a psrt.plan.Machine, a shipped profile's name, a profile's path "
+                                f"or None, got {type(machine).__name__}")
+    if memory_per_rank is None:
+        if not machine.memory_per_rank:
+            raise InvalidArgumentError(f"give the memory per rank: the machine profile {machine.name!r} does not say it")
+        memory_per_rank = machine.memory_per_rank
     return Request(as_model(model), _positive("global_batch", global_batch), _positive("ranks", ranks),
                    parse_bytes(memory_per_rank), machine, make_precision(precision, optimizer),
                    tuple((k, v) for k, v in sorted(fixed.items()) if v is not None), sequence_parallel)
@@ -152,7 +159,7 @@ def evaluate(model: Model, layout: Layout, *, global_batch: int, machine: Machin
         stages.append(alike[key])
     return Plan(layout, max(stages, key=lambda m: m.total), tuple(stages),
                 tuple((blocks.start, blocks.stop) for blocks, _ in split),
-                step_time(model, split, layout, precision, machine))
+                step_time(model, split, layout, precision, machine), machine.name)
 
 
 def _shapes(request: Request) -> tuple[list[dict[str, int]], list[str]]:
@@ -208,12 +215,13 @@ def candidates(request: Request) -> tuple[list[Plan], list[str]]:
 
 
 def ranked(plans: list[Plan], memory_per_rank: int) -> list[Plan]:
-    """The plans that fit, fastest first (then the one needing fewer bytes)."""
+    """The plans that fit, fastest first; step times equal to the 3 significant digits the
+    table shows are a tie, which the plan needing fewer bytes per rank wins."""
     fitting = [plan for plan in plans if plan.memory.total <= memory_per_rank]
-    return sorted(fitting, key=lambda plan: (plan.time.total, plan.memory.total, plan.layout.name))
+    return sorted(fitting, key=lambda plan: (float(f"{plan.time.total:.3g}"), plan.memory.total, plan.layout.name))
 
 
-def layouts(model: object, *, global_batch: int, ranks: int, memory_per_rank: int | str,
+def layouts(model: object, *, global_batch: int, ranks: int, memory_per_rank: int | str | None = None,
             machine: Machine | str | None = None, precision: str = "fp32", optimizer: str = "adam",
             dp: int | None = None, tp: int | None = None, pp: int | None = None, cp: int | None = 1,
             zero: int | None = None, micro_batch: int | None = None, recompute: str | None = None,
@@ -222,7 +230,9 @@ def layouts(model: object, *, global_batch: int, ranks: int, memory_per_rank: in
 
     ``model``: a :class:`Transformer`, :class:`ParameterBlocks`, the tiny GPT's ``GPTConfig`` or
     a ``torch.nn.Module`` (as parameter counts).  ``global_batch`` is in sequences (rows) per
-    step.  ``machine``: a :class:`Machine`, a profile's path, or None for the labelled default.
+    step.  ``machine``: a :class:`Machine`, a shipped profile's name ("a100", "h100", "h200"),
+    a profile's path, or None for the labelled default.  ``memory_per_rank`` may be left out
+    where the machine says it (the shipped GPU profiles).
     ``precision``: "fp32" (psrt's default) or "bf16"/"fp16" (``ZeroOptimizer(compute_dtype=...)``);
     ``optimizer``: "adam", "sgd-momentum" or "sgd".  ``dp``, ``tp``, ``pp``, ``cp``, ``zero``,
     ``micro_batch`` and ``recompute`` ("none", "selective", "full") pin that choice; None
