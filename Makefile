@@ -121,5 +121,13 @@ bench-hierarchical: $(STAMP)
 bench-elastic: $(STAMP)
 	$(PY) benchmarks/elastic.py
 
+# On a machine with a GPU: tests/gpu, then benchmarks/gpu.py, under 8 minutes; writes
+# benchmarks/results/gpu-check-<date>-<gpu>.json and prints the RESULTS.md table.  Runs with
+# $(PYTHON) (python3) and the repository on PYTHONPATH, no .venv: the GPU machine's own torch,
+# CuPy and mpi4py.  Without a GPU it says so and exits 0.
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) tests/gpu/check.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -34,7 +34,7 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # through the module, not ``self.positions.weight``: ZeRO-3 gathers a module's
         # parameters around that module's own forward only
-        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
 
 
 class Block(nn.Module):

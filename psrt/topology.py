@@ -15,7 +15,7 @@ import torch
 from psrt.comm.base import Communicator
 from psrt.comm.direct import DirectGroup
 from psrt.comm.hierarchical import hierarchical_or_none
-from psrt.comm.nccl import NcclCommunicator
+from psrt.comm.staged import device_transport
 from psrt.comm.watchdog import Watchdog
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ProcessSetError
 
@@ -196,7 +196,8 @@ class Topology:
 
     def transport(self, process_set: ProcessSet, device: torch.device) -> Communicator:
         """The communicator that carries tensors on ``device``: MPI for host memory, NCCL
-        (created on first use, collectively over the set's members) for CUDA memory.
+        (created on first use, collectively over the set's members) for CUDA memory, or
+        host staging where members share a GPU (:mod:`psrt.comm.staged`).
 
         With hierarchical allreduce on (and several hosts, some with several ranks), the
         global set's host communicator reduces on each host first; other sets stay flat,
@@ -211,7 +212,7 @@ class Topology:
         key = (process_set.process_set_id, index)
         comm = self._device_communicators.get(key)
         if comm is None:
-            comm = NcclCommunicator(host, torch.device("cuda", index))
+            comm = device_transport(host, torch.device("cuda", index))
             self._device_communicators[key] = comm
         return comm
 

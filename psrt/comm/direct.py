@@ -39,6 +39,7 @@ import torch
 from psrt.comm.base import Communicator, Persistent, ReduceOp, Request, all_of
 from psrt.comm.buffers import dtype_code, dtype_of
 from psrt.comm.nccl import NcclCommunicator
+from psrt.comm.staged import device_transport
 from psrt.comm.poll import wait_politely
 from psrt.comm.deadlock import DIRECT, RECEIVE
 from psrt.comm.watchdog import Text, Wait, Watchdog
@@ -190,13 +191,14 @@ class DirectGroup:
         return self._name() if callable(self._name) else self._name
 
     def transport(self, device: torch.device) -> Communicator:
-        """The communicator that carries tensors on ``device`` (NCCL for CUDA memory)."""
+        """The communicator that carries tensors on ``device`` (NCCL for CUDA memory, host
+        staging where members share a GPU: :mod:`psrt.comm.staged`)."""
         if device.type != "cuda":
             return self.host
         index = torch.cuda.current_device() if device.index is None else device.index
         comm = self._devices.get(index)
         if comm is None:
-            comm = self._devices[index] = NcclCommunicator(self.host, torch.device("cuda", index))
+            comm = self._devices[index] = device_transport(self.host, torch.device("cuda", index))
         return comm
 
     # -- waits ------------------------------------------------------------------------------

@@ -57,3 +57,24 @@ def test_two_ranks_on_two_gpus_match_the_cpu_reference():
     done = psrun("-np", "2", sys.executable, str(SCRIPT))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("nccl check ok") == 2, done.stdout
+
+
+def test_single_rank_async_and_grouped_collectives_on_cuda_match_cpu():
+    cpu = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    cuda = cpu.cuda()
+    pairs = [
+        (hvd.allreduce_async(cuda, op=hvd.Average, name="a.cuda"), hvd.allreduce(cpu, op=hvd.Average)),
+        (hvd.allgather_async(cuda, name="g.cuda"), hvd.allgather(cpu)),
+        (hvd.broadcast_async(cuda, 0, name="b.cuda"), hvd.broadcast(cpu, 0)),
+        (hvd.reducescatter_async(cuda, op=hvd.Sum, name="r.cuda"), hvd.reducescatter(cpu, op=hvd.Sum)),
+    ]
+    for handle, want in pairs:
+        assert torch.equal(hvd.synchronize(handle).cpu(), want)
+    got, _ = hvd.synchronize(hvd.alltoall_async(cuda, name="t.cuda"))
+    assert torch.equal(got.cpu(), hvd.alltoall(cpu)[0])
+    for got, want in zip(hvd.grouped_allreduce([cuda, 2 * cuda], op=hvd.Sum), [cpu, 2 * cpu]):
+        assert got.is_cuda and torch.equal(got.cpu(), want)
+    for got, want in zip(hvd.grouped_allgather([cuda, cuda[:1]]), [cpu, cpu[:1]]):
+        assert torch.equal(got.cpu(), want)
+    for got, want in zip(hvd.grouped_reducescatter([cuda, cuda + 1]), [cpu, cpu + 1]):
+        assert torch.equal(got.cpu(), want)
