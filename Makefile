@@ -94,9 +94,13 @@ bench-cp: $(STAMP)
 bench-moe: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/moe.py
 
-.PHONY: bench-plan
+.PHONY: bench-plan bench-plan-published
 bench-plan: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/plan.py
+
+# The planner's GPU profiles against torchtitan's and Megatron-LM's published runs (one process).
+bench-plan-published: $(STAMP)
+	$(PY) benchmarks/plan_published.py
 
 bench-peers: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/peers.py
