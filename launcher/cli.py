@@ -23,6 +23,7 @@ from launcher.command import (
     detect_mpi,
     find_mpirun,
     plan_launch,
+    rank_hosts,
 )
 from launcher.elastic import ElasticSettings, Launch, RunJob, Supervisor
 from launcher.hostfile import (
@@ -214,7 +215,8 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch,
         )
         for warning in warnings:
             print(warning, file=sys.stderr, flush=True)
-        return JobCommand(tuple(build_command(plan, env)), plan.num_proc if plan.rank_stderr else 0)
+        return JobCommand(tuple(build_command(plan, env)), plan.num_proc if plan.rank_stderr else 0,
+                          rank_hosts(plan))
 
     def run(command: JobCommand) -> JobResult:
         return run_job(command, env, verbose=args.verbose)

@@ -50,6 +50,7 @@ __all__ = [
     "flavour_from_version",
     "forwarded_names",
     "plan_launch",
+    "rank_hosts",
     "version_from_text",
 ]
 
@@ -197,6 +198,13 @@ def plan_launch(
         rank_stderr=local_only and not any(arg.split("=", 1)[0] in _OUTPUT_FLAGS for arg in mpi_args),
     )
     return plan, warnings
+
+
+def rank_hosts(plan: LaunchPlan) -> tuple[str, ...]:
+    """The host of each rank as the MPIs place ranks by default, filling each host's slots in
+    order; () where that is not known (no hosts given to the MPI, or more ranks than slots)."""
+    names = [host.name for host in plan.hosts for _ in range(host.slots)]
+    return tuple(names[:plan.num_proc]) if plan.hosts and plan.num_proc <= len(names) else ()
 
 
 def _checked_program(command: Sequence[str], local_only: bool) -> Sequence[str]:

@@ -33,7 +33,7 @@ import re
 import signal
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["BLAME", "MARKER", "Failure", "FailureKind", "FailureScanner", "describe_signal"]
@@ -66,6 +66,8 @@ _HYDRA_BAD = re.compile(
     r"RANK (\d+) PID \d+ RUNNING AT \S+ (?:KILLED BY SIGNAL: (\d+)|EXIT CODE: (-?\d+))"
 )
 _HYDRA_KILL = "killed by signal 9 (SIGKILL)"  # how Hydra ends the ranks left once one failed
+# Open MPI (PRTE in version 5, ORTE before) lost the daemon of a host: the host died or was cut off.
+_LOST_DAEMON = re.compile(r"[OP]RTE has lost communication with a remote daemon\..*?Remote daemon: \S+ on node (\S+)")
 # MPICH names only the process that failed first, by process id, and how it ended.
 _MPICH_END = re.compile(r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES PID (\d+) RUNNING AT \S+ "
                         r"EXIT CODE: -?\d+ .*YOUR APPLICATION TERMINATED WITH THE EXIT STRING: .*\(signal (\d+)\)")
@@ -79,6 +81,7 @@ class FailureKind(enum.Enum):
     MARKER = "marker"  # psrt's own line: the rank raised an exception
     EXIT = "exit"  # the launcher saw a rank exit non-zero or die from a signal
     ABORT = "abort"  # the launcher saw a rank call MPI_Abort
+    HOST = "host"  # the launcher lost a host whose ranks it does not name (``rank`` is -1)
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class Failure:
         if self.kind is FailureKind.BLAME:
             role = f" ({self.role})" if self.role else ""
             return f"rank {self.rank}{role} is to blame: {self.how} (reported by rank {self.reporter})"
+        if self.kind is FailureKind.HOST:
+            return self.how
         if self.together:
             ranks = ", ".join(map(str, sorted((self.rank, *self.together))))
             return (f"one of ranks {ranks} failed first: {self.how} (they ended at the same moment; the MPI's "
@@ -121,6 +126,16 @@ def _rank_of_process_name(name: str) -> int | None:
     """Open MPI process names end in the rank: ``[prterun-host-12@1,3]`` or ``[[123,1],3]``."""
     match = re.search(r",(\d+)\]$", name)
     return int(match.group(1)) if match else None
+
+
+def _lost_host(host: str, ranks: Sequence[int]) -> Failure:
+    """The MPI lost its daemon on ``host``: a failure of the host's first rank, naming the host
+    and its ranks (a failure of the host alone where its ranks are unknown)."""
+    how = f"its host {host} stopped answering (the MPI lost its daemon there)"
+    if not ranks:
+        return Failure(-1, how.removeprefix("its "), FailureKind.HOST)
+    others = f"; ranks {', '.join(map(str, ranks))} ran there" if len(ranks) > 1 else ""
+    return Failure(ranks[0], f"{how[:-1]}{others})", FailureKind.EXIT)
 
 
 def _hydra_end(window: str) -> Failure | None:
@@ -166,10 +181,13 @@ class FailureScanner:
     own (a rank that died, say, which elastic mode must drop).
     """
 
-    def __init__(self, rank_of_pid: Callable[[int], int | None] = lambda pid: None) -> None:
+    def __init__(self, rank_of_pid: Callable[[int], int | None] = lambda pid: None,
+                 ranks_on_host: Callable[[str], Sequence[int]] = lambda host: ()) -> None:
         """``rank_of_pid`` turns a process id into its rank where psrun knows it
-        (:meth:`launcher.rank_stderr.RankStderr.rank_of_pid`)."""
+        (:meth:`launcher.rank_stderr.RankStderr.rank_of_pid`), ``ranks_on_host`` a host's
+        name into the ranks placed there (none where unknown)."""
         self._rank_of_pid = rank_of_pid
+        self._ranks_on_host = ranks_on_host
         self._windows: dict[Hashable, deque[str]] = {}
         self._failure: Failure | None = None
         self._hydra_ends: dict[int, Failure] = {}  # by rank, in the order Hydra reported them
@@ -225,6 +243,10 @@ class FailureScanner:
         if (end := _hydra_end(" ".join(window))) is not None:
             window.clear()
             self._hydra_ends.setdefault(end.rank, end)
+        elif (m := _LOST_DAEMON.search(" ".join(window))) is not None:
+            window.clear()
+            if self._failure is None:
+                self._offer(_lost_host(m.group(1), self._ranks_on_host(m.group(1))))
         elif (m := _MPICH_END.search(" ".join(window))) is not None:
             window.clear()
             if self._failure is None and (rank := self._rank_of_pid(int(m.group(1)))) is not None:

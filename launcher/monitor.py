@@ -179,6 +179,11 @@ class JobCommand:
 
     argv: tuple[str, ...]
     rank_stderr: int = 0
+    rank_hosts: tuple[str, ...] = ()  # the host of each rank, where known
+
+    def ranks_on(self, host: str) -> list[int]:
+        """The ranks placed on ``host`` (none where the placement is unknown)."""
+        return [rank for rank, name in enumerate(self.rank_hosts) if name == host]
 
     def __str__(self) -> str:
         return shlex.join(self.argv)
@@ -194,7 +199,7 @@ def run_job(command: JobCommand, env: Mapping[str, str], *, verbose: bool = Fals
     stderr, even once the job fails.
     """
     ranks = _rank_pipes(command.rank_stderr)
-    scanner = FailureScanner(ranks.rank_of_pid) if ranks is not None else FailureScanner()
+    scanner = FailureScanner(ranks.rank_of_pid if ranks is not None else lambda pid: None, command.ranks_on)
     view = StderrFilter(scanner, _writer(sys.stderr), verbose=verbose, labelled=ranks is not None)
     lifeline = Lifeline()
     proc = _start(command, env, ranks, lifeline)

@@ -10,7 +10,6 @@ imports torch.
 """
 from __future__ import annotations
 
-import json
 import socket
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from training_records import assert_same_training, results
 
 pytestmark = pytest.mark.parallel
 
@@ -27,28 +27,6 @@ JOB_TIMEOUT_S = 180.0
 # Open MPI ends a job within about a second of a rank's death; allow for a busy machine.
 PROMPT_END_S = 15.0
 STALL_CHECK_S, STALL_SHUTDOWN_S = 3, 8
-
-
-def results(job, code: int | None) -> dict[tuple[str, int], dict]:
-    """The JSON lines a job printed, by (part, rank); fails the test unless the job succeeded."""
-    assert code == 0, job.diagnosis()
-    found = {}
-    for line in job.out.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            found[record["part"], record["rank"]] = record
-    return found
-
-
-def assert_same_training(two_hosts: dict, one_host: dict, part: str, ranks: int) -> None:
-    for rank in range(ranks):
-        got, want = two_hosts.get((part, rank)), one_host.get((part, rank))
-        assert got is not None and want is not None, f"{part}: rank {rank} reported nothing"
-        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7), \
-            f"{part}: losses of rank {rank} on two hosts {got['losses']} vs one host {want['losses']}"
-        assert len(got["params"]) == len(want["params"]) > 0
-        assert got["params"] == pytest.approx(want["params"], rel=1e-4, abs=1e-6), \
-            f"{part}: parameters of rank {rank} differ between two hosts and one host"
 
 
 class Jobs:

@@ -15,6 +15,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.mpi import library_of
+from launcher.command import rank_hosts
 from launcher.command import (
     LaunchError,
     MpiFlavour,
@@ -678,3 +679,10 @@ def test_ranks_are_pointed_at_the_library_of_the_mpirun_psrun_drives(capsys, tmp
     monkeypatch.setenv("MPI4PY_LIBMPI", "/elsewhere/libmpi.so.12")  # the user's choice stands
     cmd, _ = dry_run(capsys, "--mpirun", mpiexec, "-np", "2", "python", "train.py")
     assert "MPI4PY_LIBMPI" not in cmd
+
+
+def test_ranks_fill_each_hosts_slots_in_order() -> None:
+    two_hosts, _ = plan((Host("node0", 2), Host("node1", 2)), num_proc=3, local_cpus=1)
+    assert rank_hosts(two_hosts) == ("node0", "node0", "node1")
+    beyond_slots, _ = plan((Host("node0", 1),), num_proc=2, oversubscribe=True)
+    assert rank_hosts(beyond_slots) == ()

@@ -223,3 +223,33 @@ def test_under_mpich_the_process_it_names_is_turned_into_its_rank():
                  "=" * 80, "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Segmentation fault (signal 11)"):
         scanner.feed(line, "mpirun stdout")
     assert scanner.failure.summary() == "rank 1 failed first: killed by signal 11 (SIGSEGV)"
+
+
+LOST_DAEMON = """\
+--------------------------------------------------------------------------
+PRTE has lost communication with a remote daemon.
+
+  HNP daemon   : [prterun-node0-2201@0,0] on node node0
+  Remote daemon: [prterun-node0-2201@0,1] on node node1
+
+This is usually due to either a failure of the TCP network
+connection to the node, or possibly an internal failure of
+the daemon itself. We cannot recover from this failure, and
+therefore will terminate the job.
+--------------------------------------------------------------------------"""
+
+
+def test_a_lost_host_is_named_with_the_ranks_placed_on_it():
+    scanner = FailureScanner(ranks_on_host={"node0": [0, 1], "node1": [2, 3]}.get)
+    for line in LOST_DAEMON.splitlines():
+        scanner.feed(line)
+    assert scanner.failure.summary() == ("rank 2 failed first: its host node1 stopped answering (the MPI lost its "
+                                         "daemon there; ranks 2, 3 ran there)")
+
+
+def test_a_lost_host_whose_ranks_are_unknown_is_named_alone():
+    scanner = FailureScanner()
+    for line in LOST_DAEMON.splitlines():
+        scanner.feed(line)
+    assert scanner.failure.kind is FailureKind.HOST
+    assert scanner.failure.summary() == "host node1 stopped answering (the MPI lost its daemon there)"

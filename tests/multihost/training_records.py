@@ -1,0 +1,34 @@
+"""Reading what ``cross_host_job.py`` printed, and comparing a job's training with the same
+job on one host (shared by the multi-host and the SLURM tests)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def records(output: str) -> dict[tuple[str, int], dict]:
+    """The JSON lines in a job's ``output``, by (part, rank)."""
+    found = {}
+    for line in output.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            found[record["part"], record["rank"]] = record
+    return found
+
+
+def results(job, code: int | None) -> dict[tuple[str, int], dict]:
+    """The JSON lines a job printed, by (part, rank); fails the test unless the job succeeded."""
+    assert code == 0, job.diagnosis()
+    return records(job.out)
+
+
+def assert_same_training(two_hosts: dict, one_host: dict, part: str, ranks: int) -> None:
+    for rank in range(ranks):
+        got, want = two_hosts.get((part, rank)), one_host.get((part, rank))
+        assert got is not None and want is not None, f"{part}: rank {rank} reported nothing"
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7), \
+            f"{part}: losses of rank {rank} on two hosts {got['losses']} vs one host {want['losses']}"
+        assert len(got["params"]) == len(want["params"]) > 0
+        assert got["params"] == pytest.approx(want["params"], rel=1e-4, abs=1e-6), \
+            f"{part}: parameters of rank {rank} differ between two hosts and one host"
