@@ -32,8 +32,9 @@ FORMAT = 1
 COLLECTIVES = ("allreduce", "reduce_scatter", "hierarchical_allreduce")
 ALGORITHMS = ("mpi", "ring", "hierarchical")
 #: Another algorithm replaces MPI's only when it is faster by at least this fraction: psrt must
-#: never be slower than the MPI it sits on, and two timings closer than this are noise here.
-MARGIN = 0.03
+#: never be slower than the MPI it sits on, and on a shared 2-core VM repeated measurements of one
+#: size moved by more than 3 %.
+MARGIN = 0.10
 
 
 class TuningFileError(PsrtError):

@@ -64,7 +64,7 @@ def test_measured_bands_put_the_ring_above_the_crossover_and_mpi_below():
 
 
 def test_an_algorithm_faster_by_less_than_the_margin_does_not_replace_mpi():
-    bands = choose_bands({1 * MiB: {"mpi": 1.0, "ring": 0.99}, 4 * MiB: {"mpi": 1.0, "ring": 0.9}})
+    bands = choose_bands({1 * MiB: {"mpi": 1.0, "ring": 0.95}, 4 * MiB: {"mpi": 1.0, "ring": 0.85}})
     assert bands == (Band(0, "mpi"), Band(2 * MiB, "ring"))
 
 
