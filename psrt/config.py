@@ -30,6 +30,10 @@ class Config:
     # second) where there is none yet; "measure" measures it again and replaces the
     # file; "off" uses ring_threshold.  See PSRT_TUNE_FILE for where tables live.
     tune: str = "auto"
+    # The tuning table's file (e.g. one committed with the code); default
+    # $XDG_CACHE_HOME/psrt/tuning/<host>-<n>ranks-<hash>.json (~/.cache without
+    # XDG_CACHE_HOME), one per machine, MPI library, number of ranks and ranks per host.
+    tune_file: str = ""
     # The ring moves each chunk in segments of this many bytes, so each
     # received segment is reduced while it is still in cache; for the same
     # reason a smaller allreduce of more than two segments goes to MPI one
@@ -89,7 +93,10 @@ class Config:
     autotune: bool = False
     # Write each autotuning sample (settings and score) to this CSV file (rank 0).
     autotune_log: str = ""
+    # Autotuning samples run and discarded first (the first steps are slower).
     autotune_warmup_samples: int = 3
+    # Training steps per autotuning sample; a step ends where a tensor name of the
+    # current step is allreduced again.
     autotune_steps_per_sample: int = 10
 
 
@@ -109,6 +116,7 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "tp_check_shapes": ("PSRT_TP_CHECK_SHAPES",),
     "hierarchical_allreduce": ("PSRT_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
     "tune": ("PSRT_TUNE",),
+    "tune_file": ("PSRT_TUNE_FILE",),
     "autotune": ("PSRT_AUTOTUNE", "HOROVOD_AUTOTUNE"),
     "autotune_log": ("PSRT_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"),
     "autotune_warmup_samples": ("PSRT_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),

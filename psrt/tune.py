@@ -79,11 +79,13 @@ def main() -> None:
     """The measuring job: init measures (PSRT_TUNE=measure, set by ``psrt tune``); rank 0 says where the
     table went."""
     import psrt
+    import psrt.runtime
 
     psrt.init()
     table = psrt.tuning_table()
     if psrt.rank() == 0 and table.key is not None:
-        print(json.dumps({"tuning_file": str(default_path(table.key))}), flush=True)
+        path = default_path(table.key, psrt.runtime.current().config.tune_file)
+        print(json.dumps({"tuning_file": str(path)}), flush=True)
     psrt.shutdown()
 
 

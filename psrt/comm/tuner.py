@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import platform
 import socket
 import time
@@ -141,14 +140,14 @@ def _rows(samples: Samples) -> list[dict]:
 
 
 def establish(world: MpiCommunicator, local: Communicator, hierarchical: Optional[HierarchicalCommunicator],
-              config: Config, env: Mapping[str, str] | None = None) -> TuningTable:
+              config: Config) -> TuningTable:
     """Put this job's table in force on ``world`` (and the communicators sharing its choice)
     and return it: read from its file, or measured and written there (see the module's
     docstring).  Collective over ``world``, before anything else uses it."""
     if config.tune == "off" or world.size == 1:
         return world.choice.table
     key = job_key(world, local)
-    path = default_path(key, os.environ if env is None else env)
+    path = default_path(key, config.tune_file)
     found = None
     if world.rank == 0 and config.tune == "auto" and path.exists():
         try:

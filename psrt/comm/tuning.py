@@ -183,12 +183,12 @@ def relative(samples: Mapping[int, Mapping[str, Sequence[float]]], default: str 
                    for name, times in by_name.items()} for size, by_name in samples.items()}
 
 
-def default_path(key: TuningKey, env: Mapping[str, str] | None = None) -> Path:
-    """Where a job with ``key`` keeps its table: ``PSRT_TUNE_FILE`` if set, else
+def default_path(key: TuningKey, tune_file: str = "", env: Mapping[str, str] | None = None) -> Path:
+    """Where a job with ``key`` keeps its table: ``tune_file`` (``PSRT_TUNE_FILE``) if set, else
     ``$XDG_CACHE_HOME/psrt/tuning/<key>.json`` (``~/.cache`` without XDG_CACHE_HOME)."""
     env = os.environ if env is None else env
-    if env.get("PSRT_TUNE_FILE"):
-        return Path(env["PSRT_TUNE_FILE"]).expanduser()
+    if tune_file:
+        return Path(tune_file).expanduser()
     cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "psrt" / "tuning" / key.file_name()
 

@@ -140,8 +140,9 @@ def test_a_table_of_another_job_is_rejected_naming_what_differs(tmp_path):
 
 
 def test_tables_live_in_the_cache_unless_psrt_tune_file_names_one(tmp_path):
-    assert default_path(KEY, {"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "psrt" / "tuning" / KEY.file_name()
-    assert default_path(KEY, {"PSRT_TUNE_FILE": "~/t.json"}).name == "t.json"
+    assert default_path(KEY, "", {"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "psrt" / "tuning" / KEY.file_name()
+    assert default_path(KEY, "~/t.json", {}).name == "t.json"
+    assert config_from_env({"PSRT_TUNE_FILE": "t.json"}).tune_file == "t.json"
     assert KEY.file_name().startswith("node1-2ranks-") and replace(KEY, cpu="x").file_name() != KEY.file_name()
 
 
@@ -175,12 +176,12 @@ def measured(monkeypatch):
 
 
 def test_the_first_job_measures_and_writes_later_ones_read(tmp_path, measured):
-    env = {"PSRT_TUNE_FILE": str(tmp_path / "t.json")}
+    config = Config(tune_file=str(tmp_path / "t.json"))
     world = _World()
-    first = tuner.establish(world, _Local(), None, Config(), env)
+    first = tuner.establish(world, _Local(), None, config)
     assert world.choice.table == first and len(measured) == 1 and read(tmp_path / "t.json", first.key) == first
-    assert tuner.establish(_World(), _Local(), None, Config(), env) == first and len(measured) == 1
-    again = tuner.establish(_World(), _Local(), None, Config(tune="measure"), env)
+    assert tuner.establish(_World(), _Local(), None, config) == first and len(measured) == 1
+    again = tuner.establish(_World(), _Local(), None, replace(config, tune="measure"))
     assert len(measured) == 2 and read(tmp_path / "t.json", first.key) == again != first
 
 
@@ -188,14 +189,14 @@ def test_a_corrupt_cache_is_measured_again_with_a_warning(tmp_path, measured, ca
     path = tmp_path / "t.json"
     path.write_text("{torn")
     with caplog.at_level(logging.WARNING, logger="psrt"):
-        table = tuner.establish(_World(), _Local(), None, Config(), {"PSRT_TUNE_FILE": str(path)})
+        table = tuner.establish(_World(), _Local(), None, Config(tune_file=str(path)))
     assert f"the tuning file {path} is not JSON" in caplog.text and "measuring this job's table" in caplog.text
     assert len(measured) == 1 and read(path, table.key) == table
 
 
 def test_tuning_off_keeps_the_fixed_threshold(tmp_path, measured):
     world = _World()
-    table = tuner.establish(world, _Local(), None, Config(tune="off"), {"PSRT_TUNE_FILE": str(tmp_path / "t.json")})
+    table = tuner.establish(world, _Local(), None, Config(tune="off", tune_file=str(tmp_path / "t.json")))
     assert table.key is None and table.allreduce == (Band(0, "mpi"), Band(Config.ring_threshold, "ring"))
     assert not measured and not (tmp_path / "t.json").exists()
 
