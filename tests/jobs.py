@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 #: Test jobs keep the fixed algorithm thresholds: with tuning, which algorithm a test
 #: exercises at a size would depend on timings of the moment (a fresh clone measures at its
-#: first job), and the tests would write the user's cache.  tests/parallel/test_tuning.py
+#: first job), and the tests would write the user's cache.  tests/parallel/test_tuning_job.py
 #: tests tuning itself.
 UNTUNED = {"PSRT_TUNE": "off"}
 

@@ -1,5 +1,5 @@
 """Tuning on 2 ranks, in one job run with PSRT_TUNE=measure, PSRT_TUNE_FILE and PSRT_AUTOTUNE
-(see test_tuning.py): the table measured at init is the file's and every rank's; a table
+(see test_tuning_job.py): the table measured at init is the file's and every rank's; a table
 written into the file is read by the next init and every rank sends each size by the
 algorithm it names, with the single-process sums; the autotuner settles while every step's
 sums stay right."""
