@@ -6,6 +6,7 @@ Run under a launcher (2 ranks, or 4 with ``--oversubscribe`` on a 2-core box)::
     mpirun --allow-run-as-root --bind-to none -x OMPI_MCA_btl=^ofi -x OMPI_MCA_mtl=^ofi \
         -np 2 python benchmarks/collectives.py [--max-size 16M] [--iters 20]
     ... python benchmarks/collectives.py --sweep-threshold      # ring vs MPI crossover
+    ... python benchmarks/collectives.py --tuned                # psrt tuned vs this MPI, 8 B .. 64 MiB
 
 For allreduce, allgather, reducescatter and broadcast (float32, op Sum) and each
 message size, the implementations take turns in short blocks (several rounds
@@ -44,6 +45,7 @@ from psrt.comm.ring import ring_allreduce
 
 from _gloo import init_gloo  # noqa: E402
 import _plots  # noqa: E402
+import _tuned  # noqa: E402
 from _sizes import KiB, MiB, fmt_size, parse_size  # noqa: E402
 from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI  # noqa: E402
 
@@ -367,7 +369,7 @@ def targets_text(summary: dict) -> str:
 def sweep_threshold(args: argparse.Namespace) -> None:
     """MPI's own allreduce vs psrt's ring on numpy, per size and ring segment; prints the crossover."""
     ring_comm = comm.Dup()
-    add = lambda acc, incoming: np.add(acc, incoming, out=acc)  # noqa: E731
+    add = lambda mine, incoming, out: np.add(mine, incoming, out=out)  # noqa: E731
     segments = args.segments
     say(f"## threshold sweep ({comm.size} ranks, float32 Sum, in place; time = median of max "
         "over ranks, us)")
@@ -434,9 +436,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated subset of " + ",".join(COLLECTIVES))
     p.add_argument("--sweep-threshold", action="store_true",
                    help="compare MPI's allreduce with psrt's ring instead (64 KiB .. 64 MiB)")
+    p.add_argument("--tuned", action="store_true",
+                   help="psrt's allreduce (as its tuning table chooses) against mpi4py's, 8 B .. 64 MiB, with the "
+                        "algorithm chosen per size")
     p.add_argument("--segments", type=lambda s: [parse_size(x) for x in s.split(",")],
                    default=SWEEP_SEGMENTS, help="ring segment sizes for --sweep-threshold")
     args = p.parse_args(argv)
+    if args.tuned:
+        args.sizes = args.sizes or _tuned.SIZES
+        return args
     args.sizes = args.sizes or (SWEEP_SIZES if args.sweep_threshold else DEFAULT_SIZES)
     if args.max_size:
         args.sizes = [s for s in args.sizes if s <= args.max_size]
@@ -455,7 +463,9 @@ def main() -> None:
     if comm.size < 2:
         sys.exit("run this under a launcher with at least 2 ranks, e.g. "
                  "python -m launcher.cli -np 2 python benchmarks/collectives.py")
-    if args.sweep_threshold:
+    if args.tuned:
+        _tuned.tuned_table(comm, say, time_interleaved, Impl, default_iters, warmup_calls, args.sizes, args.iters)
+    elif args.sweep_threshold:
         sweep_threshold(args)
     else:
         init_gloo(comm)

@@ -9,7 +9,7 @@ from psrt.errors import (ArgumentTypeError, CollectiveMismatchError, Communicati
                          UnsupportedOperationError)
 from psrt.runtime import (add_process_set, cross_rank, cross_size, global_process_set, init,
                           is_initialized, local_rank, local_size, rank, remove_process_set,
-                          shutdown, size)
+                          shutdown, size, tuning_table)
 from psrt.topology import ProcessSet
 
 __version__ = "0.1.0"
@@ -20,5 +20,5 @@ __all__ = [
     "ProcessSet", "ProcessSetError", "PsrtError", "UnsupportedDeviceError", "UnsupportedOperationError",
     "add_process_set", "cross_rank", "cross_size", "global_process_set", "init",
     "is_initialized", "local_rank", "local_size", "rank", "remove_process_set", "shutdown",
-    "size",
+    "size", "tuning_table",
 ]

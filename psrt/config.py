@@ -18,11 +18,22 @@ _MiB = 1 << 20
 
 @dataclass(frozen=True)
 class Config:
-    # Allreduce and reducescatter messages at least this large (bytes) use
-    # psrt's chunked ring; smaller ones use MPI's own algorithms, which win or
-    # tie below it.  Measured crossover 8-32 MiB on a 2-core shared-memory box
-    # (benchmarks/RESULTS.md, --sweep-threshold).
+    # With tuning off (``tune``), allreduce and reducescatter messages at least this
+    # large (bytes) use psrt's chunked ring; smaller ones use MPI's own algorithms,
+    # which win or tie below it.  Measured crossover 8-32 MiB on a 2-core shared-memory
+    # box (benchmarks/RESULTS.md, --sweep-threshold).  Setting it turns tuning off
+    # unless PSRT_TUNE is set too.
     ring_threshold: int = 16 * _MiB
+    # How host allreduces and reducescatters choose between MPI's algorithms and psrt's
+    # ring (and, over several hosts, the hierarchical allreduce) by size: "auto" reads
+    # the tuning table of this machine, MPI and layout, measuring it at init (about a
+    # second) where there is none yet; "measure" measures it again and replaces the
+    # file; "off" uses ring_threshold.  See PSRT_TUNE_FILE for where tables live.
+    tune: str = "auto"
+    # The tuning table's file (e.g. one committed with the code); default
+    # $XDG_CACHE_HOME/psrt/tuning/<host>-<n>ranks-<hash>.json (~/.cache without
+    # XDG_CACHE_HOME), one per machine, MPI library, number of ranks and ranks per host.
+    tune_file: str = ""
     # The ring moves each chunk in segments of this many bytes, so each
     # received segment is reduced while it is still in cache; for the same
     # reason a smaller allreduce of more than two segments goes to MPI one
@@ -75,6 +86,18 @@ class Config:
     # broadcast on each host (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE).  It sends
     # each host's data across the network once instead of once per rank.
     hierarchical_allreduce: bool = False
+    # Tune fusion_threshold and cycle_time_ms on the job's own training steps (Horovod's
+    # autotuner): each candidate runs for autotune_steps_per_sample steps after
+    # autotune_warmup_samples samples of warm-up, scored by bytes allreduced per second;
+    # the best is kept.
+    autotune: bool = False
+    # Write each autotuning sample (settings and score) to this CSV file (rank 0).
+    autotune_log: str = ""
+    # Autotuning samples run and discarded first (the first steps are slower).
+    autotune_warmup_samples: int = 3
+    # Training steps per autotuning sample; a step ends where a tensor name of the
+    # current step is allreduced again.
+    autotune_steps_per_sample: int = 10
 
 
 _ENV_NAMES: dict[str, tuple[str, ...]] = {
@@ -92,7 +115,14 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "ps_chunk_bytes": ("PSRT_PS_CHUNK_BYTES",),
     "tp_check_shapes": ("PSRT_TP_CHECK_SHAPES",),
     "hierarchical_allreduce": ("PSRT_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
+    "tune": ("PSRT_TUNE",),
+    "tune_file": ("PSRT_TUNE_FILE",),
+    "autotune": ("PSRT_AUTOTUNE", "HOROVOD_AUTOTUNE"),
+    "autotune_log": ("PSRT_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"),
+    "autotune_warmup_samples": ("PSRT_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),
+    "autotune_steps_per_sample": ("PSRT_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"),
 }
+_TUNE_MODES = ("auto", "measure", "off")
 _TiB = 1 << 40
 # The smallest parameter-server chunk: see Config.ps_chunk_bytes.
 _PS_CHUNK_FLOOR = 256
@@ -110,6 +140,8 @@ _RANGES: dict[str, tuple[float, float, str]] = {
     "stall_shutdown_time_s": (0, 1e7, "seconds"),
     "num_servers": (0, 1_000_000, "ranks"),
     "ps_chunk_bytes": (_PS_CHUNK_FLOOR, _TiB, "bytes"),
+    "autotune_warmup_samples": (0, 1_000_000, "samples"),
+    "autotune_steps_per_sample": (1, 1_000_000, "steps"),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -153,6 +185,12 @@ def config_from_env(env: Mapping[str, str] | None = None) -> Config:
             if name in env:
                 values[field.name] = _parse(field.name, name, env[name], type(field.default))
                 break
+    if "tune" in values:
+        values["tune"] = str(values["tune"]).lower()
+        if values["tune"] not in _TUNE_MODES:
+            raise InvalidArgumentError(f"PSRT_TUNE={env['PSRT_TUNE']!r} is not one of {', '.join(_TUNE_MODES)}")
+    elif "ring_threshold" in values:  # a threshold the user set is theirs to keep
+        values["tune"] = "off"
     check = values.get("stall_check_time_s", Config.stall_check_time_s)
     if "stall_shutdown_time_s" not in values:  # the default follows a longer check time
         values["stall_shutdown_time_s"] = max(Config.stall_shutdown_time_s, check)

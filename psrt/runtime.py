@@ -17,9 +17,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-from psrt.comm import bootstrap
+from psrt.comm import bootstrap, tuner
 from psrt.comm.mpi import MpiCommunicator
 from psrt.comm.stats import CommStats
+from psrt.comm.tuning import TuningTable
 from psrt.comm.prober import MpiProber
 from psrt.comm.watchdog import Watchdog
 from psrt.config import Config, config_from_env
@@ -144,8 +145,10 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
             if serve is not None:
                 return None, serve
         layout = bootstrap.host_layout(world)
+        tuned = config.tune != "off" and world.size > 1
         topology = Topology(layout.world, layout.local, layout.cross, global_process_set, watchdog,
-                            hierarchical_allreduce=config.hierarchical_allreduce)
+                            hierarchical_allreduce=config.hierarchical_allreduce, tuned=tuned)
+        tuner.establish(layout.world, layout.local, topology.hierarchical, config)
         engine = Engine(topology, config, watchdog)
     return Runtime(config=config, topology=topology, engine=engine, watchdog=watchdog, ps=link), None
 
@@ -196,6 +199,14 @@ def shutdown() -> None:
         runtime.topology.free()
         if runtime.ps is not None:
             runtime.ps.comm.free()
+
+
+def tuning_table() -> TuningTable:
+    """The tuning table this job's host allreduces and reduce-scatters of the global set
+    follow: which algorithm (MPI's own, psrt's ring, hierarchical) carries each size, and
+    what it was measured for (``key``; None for the fixed table of ``PSRT_TUNE=off``).
+    The same on every rank.  See the data-parallel guide's tuning section."""
+    return current().topology.world.choice.table
 
 
 def is_initialized() -> bool:

@@ -14,7 +14,7 @@ import torch
 
 from psrt.comm.base import Communicator
 from psrt.comm.direct import DirectGroup
-from psrt.comm.hierarchical import hierarchical_or_none
+from psrt.comm.hierarchical import HierarchicalCommunicator, hierarchical_or_none
 from psrt.comm.staged import device_transport
 from psrt.comm.watchdog import Watchdog
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ProcessSetError
@@ -80,9 +80,11 @@ class Topology:
 
     def __init__(self, world: Communicator, local: Communicator, cross: Communicator,
                  global_set: ProcessSet, watchdog: Watchdog, *,
-                 hierarchical_allreduce: bool = False) -> None:
+                 hierarchical_allreduce: bool = False, tuned: bool = False) -> None:
         """Collective over ``world``.  ``hierarchical_allreduce`` makes the global set's host
-        allreduces hierarchical where that helps."""
+        allreduces hierarchical where that helps; else, with ``tuned``, a job over several
+        hosts gets the hierarchical communicator too, for the tuning table to choose it by
+        size (see :mod:`psrt.comm.tuner`)."""
         self.world, self.local, self.cross = world, local, cross
         self._watchdog = watchdog  # registering sets and placing ranks wait on every rank
         # Registering process sets happens on the caller's thread while the engine
@@ -98,11 +100,17 @@ class Topology:
         self._direct[GLOBAL_PROCESS_SET_ID] = self._direct_group(self._registry.split(0, key=world.rank),
                                                                  global_set, GLOBAL_PROCESS_SET_ID)
         # The engine's communicator for the global set's host tensors (see transport()).
-        self._hierarchical = hierarchical_or_none(world, local) if hierarchical_allreduce else None
+        self._hierarchical = (hierarchical_or_none(world, local, forced=hierarchical_allreduce)
+                              if hierarchical_allreduce or tuned else None)
         self._sets: dict[int, ProcessSet] = {GLOBAL_PROCESS_SET_ID: global_set}
         self._next_id = GLOBAL_PROCESS_SET_ID + 1
         global_set.process_set_id = GLOBAL_PROCESS_SET_ID
         global_set._topology = self
+
+    @property
+    def hierarchical(self) -> HierarchicalCommunicator | None:
+        """The global set's hierarchical communicator, where the job has one."""
+        return self._hierarchical
 
     def ranks_of(self, process_set: ProcessSet) -> list[int]:
         return list(range(self.world.size)) if process_set.ranks is None else process_set.ranks

@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+#: Test jobs keep the fixed algorithm thresholds: with tuning, which algorithm a test
+#: exercises at a size would depend on timings of the moment (a fresh clone measures at its
+#: first job), and the tests would write the user's cache.  tests/parallel/test_tuning_job.py
+#: tests tuning itself.
+UNTUNED = {"PSRT_TUNE": "off"}
 
 
 @dataclass
@@ -110,8 +115,10 @@ def take_log(stderr: str) -> str:
 
 def job_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Our environment without PSRT_/HOROVOD_ settings (they would change what a job tests), plus
-    the repository on PYTHONPATH and ``extra``."""
+    the repository on PYTHONPATH and ``extra``; tuning off unless ``extra`` asks for it (see
+    :data:`UNTUNED`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRT_", "HOROVOD_"))}
+    env.update(UNTUNED)
     env.update(extra or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env

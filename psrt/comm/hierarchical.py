@@ -36,8 +36,13 @@ class HierarchicalCommunicator(Communicator):
     :meth:`free` releases, and not the flat one.  One thread at a time may use it.
     """
 
-    def __init__(self, flat: Communicator, host: Communicator, leaders: Communicator | None) -> None:
+    def __init__(self, flat: Communicator, host: Communicator, leaders: Communicator | None,
+                 forced: bool = True) -> None:
+        """``forced``: every allreduce goes in three steps (``PSRT_HIERARCHICAL_ALLREDUCE=1``);
+        else only sizes whose band of the flat communicator's tuning table says
+        ``"hierarchical"`` (see :mod:`psrt.comm.tuning`), the others go flat."""
         self._flat, self._host, self._leaders = flat, host, leaders  # leaders: None off the leader
+        self._forced = forced
         self.rank, self.size, self.max_tag = flat.rank, flat.size, flat.max_tag
         self._scratch = torch.empty(0)  # the leader's host sum, kept to spare an allocation per call
         self.allreduces = 0  # done hierarchically, so that a job can show this path was taken
@@ -45,6 +50,14 @@ class HierarchicalCommunicator(Communicator):
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
         """As the flat allreduce (same result up to the order floating-point sums are
         added in); every rank must call it with the same element count, dtype and op."""
+        if not self._forced and self._flat.choice.table.algorithm("hierarchical_allreduce",
+                                                                  tensor.nbytes) != "hierarchical":
+            self._flat.allreduce(tensor, op, scale)
+            return
+        self.allreduce_hierarchically(tensor, op, scale)
+
+    def allreduce_hierarchically(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, scale: float = 1.0) -> None:
+        """:meth:`allreduce` in three steps whatever its size (as the tuner measures it)."""
         if tensor.numel() == 0:
             self._flat.allreduce(tensor, op, scale)
             return
@@ -110,9 +123,12 @@ class HierarchicalCommunicator(Communicator):
         self._scratch = torch.empty(0)
 
 
-def hierarchical_or_none(world: Communicator, local: Communicator) -> HierarchicalCommunicator | None:
+def hierarchical_or_none(world: Communicator, local: Communicator,
+                         forced: bool = True) -> HierarchicalCommunicator | None:
     """A hierarchical communicator over ``world`` (``local``: the caller's host), or None
-    where it cannot help: one host, or one rank on every host.
+    where it cannot help: one host, or one rank on every host (said in a warning where
+    ``forced``, the user having asked for it; else the tuning table chooses, see
+    :class:`HierarchicalCommunicator`).
 
     Collective over ``world``, before anything else uses it (it makes communicators of its
     own, so that its steps never meet another thread's collectives on ``local``).
@@ -120,7 +136,7 @@ def hierarchical_or_none(world: Communicator, local: Communicator) -> Hierarchic
     sizes = [size for size in world.allgather_object(local.size if local.rank == 0 else None)
              if size is not None]  # one per host, by its leader's world rank
     if len(sizes) < 2 or max(sizes) < 2:
-        if world.rank == 0:
+        if world.rank == 0 and forced:
             logger.warning("psrt: hierarchical allreduce is on, but the job runs %s rank(s) per host; it "
                            "helps only with several hosts, some of them running several ranks, so "
                            "allreduces stay flat", "/".join(map(str, sizes)))
@@ -128,4 +144,4 @@ def hierarchical_or_none(world: Communicator, local: Communicator) -> Hierarchic
     host = local.split(0, key=local.rank)
     leaders = world.split(0 if local.rank == 0 else None, key=world.rank)
     assert host is not None
-    return HierarchicalCommunicator(world, host, leaders)
+    return HierarchicalCommunicator(world, host, leaders, forced)

@@ -1,8 +1,10 @@
 """MPI implementation of :class:`Communicator` for host (CPU) tensors.
 
-Tensors reach MPI as zero-copy views of their memory.  Large allreduces use
-psrt's chunked ring (see :mod:`psrt.comm.ring`); everything else uses MPI's
-own algorithms, scaled allreduces (averages) of more than two ring segments one
+Tensors reach MPI as zero-copy views of their memory.  Allreduces and reduce-scatters go
+by psrt's chunked ring (see :mod:`psrt.comm.ring`) or by MPI's own algorithms as the
+tuning table in force says for their size (see :mod:`psrt.comm.tuning`; by default MPI
+below ``Config.ring_threshold``, the ring from it); everything else uses MPI's own
+algorithms, scaled allreduces (averages) of more than two ring segments one
 segment at a time.  Internal ring traffic runs on a duplicate of the communicator, so it
 can never match a user's point-to-point message.
 """
@@ -17,6 +19,7 @@ import torch
 from mpi4py import MPI
 
 from psrt.comm import ring
+from psrt.comm.tuning import Choice, fixed_table
 from psrt.comm.base import (ANY_SOURCE, Communicator, CompletedRequest, Persistent, ReduceOp, Request,
                              then)
 from psrt.comm.buffers import (WIDENED_FOR_REDUCTION, as_numpy, mpi_buffer, mpi_buffer_v,
@@ -28,6 +31,11 @@ from psrt.errors import CommunicationError
 # MPI 4.0 brought persistent collectives (MPI_Allreduce_init); an MPI 3.x library (Open MPI
 # 4.1, still the system MPI of many clusters) lacks them, and mpi4py raises NotImplementedError.
 PERSISTENT_COLLECTIVES = MPI.Get_version() >= (4, 0)
+
+
+def library_version() -> str:
+    """The MPI library's name and version: the first line of ``MPI_Get_library_version``."""
+    return MPI.Get_library_version().replace("\0", "").strip().splitlines()[0].strip()
 
 
 def _failure(exc: MPI.Exception, what: str) -> CommunicationError:
@@ -139,13 +147,21 @@ class _MpiRepeatedAllreduce(Persistent):
 class MpiCommunicator(Communicator):
     """A group of MPI ranks carrying host tensors."""
 
-    def __init__(self, comm: MPI.Comm, config: Config) -> None:
+    def __init__(self, comm: MPI.Comm, config: Config, choice: Choice | None = None) -> None:
+        """``choice``: the tuning table in force, shared with the communicators of the same
+        ranks (default: a fixed one of ``config.ring_threshold``)."""
         self._comm = comm
         self._ring_comm = comm.Dup()
         self._config = config
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.max_tag = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))  # set on the world only
+        self.choice = choice if choice is not None else Choice(fixed_table(config.ring_threshold))
+
+    def _child(self, comm: MPI.Comm) -> MpiCommunicator:
+        """A communicator made from this one: of the same ranks, it shares the tuning table."""
+        same = comm.Get_size() == self.size
+        return MpiCommunicator(comm, self._config, self.choice if same else None)
 
     # -- allreduce -----------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
@@ -159,17 +175,23 @@ class MpiCommunicator(Communicator):
             self.allreduce(wide, op, scale)
             tensor.copy_(wide)
             return
+        self.allreduce_by(self.choice.allreduce(nbytes), tensor, op, scale)
+
+    def allreduce_by(self, algorithm: str, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
+        """:meth:`allreduce` of a non-empty tensor of a dtype MPI reduces, by ``algorithm``
+        (``"mpi"`` or ``"ring"``), as the tuner measures them; every rank names the same one."""
         try:
-            if nbytes >= self._config.ring_threshold:
+            if algorithm == "ring":
                 segment = max(1, self._config.ring_segment // tensor.element_size())
-                ring.ring_allreduce(self._ring_comm, as_numpy(tensor), segment, numpy_reducer(op, dtype), scale)
+                ring.ring_allreduce(self._ring_comm, as_numpy(tensor), segment, numpy_reducer(op, tensor.dtype),
+                                    scale)
                 return
-            if scale != 1.0 and nbytes > 2 * self._config.ring_segment:
+            if scale != 1.0 and tensor.nbytes > 2 * self._config.ring_segment:
                 self._segmented_allreduce(tensor, op, scale)
                 return
-            self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(tensor), mpi_op(op, dtype))
+            self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(tensor), mpi_op(op, tensor.dtype))
         except MPI.Exception as exc:
-            raise _failure(exc, f"allreduce of {tensor.numel()} {dtype} elements") from exc
+            raise _failure(exc, f"allreduce of {tensor.numel()} {tensor.dtype} elements") from exc
         if scale != 1.0:
             tensor.mul_(scale)
 
@@ -233,8 +255,15 @@ class MpiCommunicator(Communicator):
             wide_recv = torch.empty(recv.shape, dtype=torch.float32)
             inner = self.reduce_scatter(send.float(), wide_recv, counts, op)
             return then(inner, lambda: recv.copy_(wide_recv))
+        algorithm = self.choice.reduce_scatter(send.nbytes) if self.size > 1 else "mpi"
+        return self.reduce_scatter_by(algorithm, send, recv, counts, op)
+
+    def reduce_scatter_by(self, algorithm: str, send: torch.Tensor, recv: torch.Tensor,
+                          counts: Sequence[int], op: ReduceOp) -> Request:
+        """:meth:`reduce_scatter` of a dtype MPI reduces, by ``algorithm`` (``"mpi"`` or
+        ``"ring"``), as the tuner measures them; every rank names the same one."""
         what = f"reducescatter of {send.dtype} tensors"
-        if self.size > 1 and send.numel() * send.element_size() >= self._config.ring_threshold:
+        if algorithm == "ring":
             with _Translated(what):
                 self._ring_reduce_scatter(send, recv, counts, op)
             return CompletedRequest()
@@ -295,7 +324,7 @@ class MpiCommunicator(Communicator):
     def split(self, color: int | None, key: int = 0) -> MpiCommunicator | None:
         with _Translated("communicator split"):
             sub = self._comm.Split(MPI.UNDEFINED if color is None else color, key)
-        return None if sub == MPI.COMM_NULL else MpiCommunicator(sub, self._config)
+        return None if sub == MPI.COMM_NULL else self._child(sub)
 
     def subgroup(self, ranks: Sequence[int]) -> MpiCommunicator:
         """A communicator of ``ranks`` (ranks of this one; the caller among them, each
@@ -309,14 +338,13 @@ class MpiCommunicator(Communicator):
             sub = self._comm.Create_group(included, tag)
             included.Free()
             group.Free()
-        return MpiCommunicator(sub, self._config)
+        return self._child(sub)
 
     def split_by_host(self) -> MpiCommunicator:
         """Sub-communicator of the ranks sharing this host's memory (``MPI_COMM_TYPE_SHARED``,
         not launcher variables, which Open MPI numbers differently under ``--map-by``)."""
         with _Translated("communicator split by host"):
-            return MpiCommunicator(self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank),
-                                   self._config)
+            return self._child(self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
 
     def abort(self, code: int) -> None:
         """End every process of the job at once (used when one rank fails)."""

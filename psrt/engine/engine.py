@@ -19,6 +19,7 @@ after ``stall_check_time_s`` naming the ranks to blame and ends the job after
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -33,6 +34,7 @@ from psrt.comm.ranks import rank_ranges
 from psrt.comm.watchdog import Wait, Watchdog, combined
 from psrt.config import Config
 from psrt.engine import fusion
+from psrt.engine.autotune import Autotuner, Setting
 from psrt.engine.doorbell import Doorbell
 from psrt.engine.negotiation import Negotiator, Response, RoundResult
 from psrt.engine.timeline import Timeline
@@ -101,6 +103,14 @@ class Engine:
         self._next_stall_check = 0.0
         self._stalls_published = False
         self._timeline: Timeline | None = None
+        self._autotuner: Autotuner | None = None
+        self._autotune_comm = world.split(0, key=world.rank) if config.autotune else None
+        if self._autotune_comm is not None:
+            self._autotuner = Autotuner(Setting(config.fusion_threshold, config.cycle_time_ms),
+                                        warmup_samples=config.autotune_warmup_samples,
+                                        steps_per_sample=config.autotune_steps_per_sample, share=self._rank0s_score,
+                                        rank=self.rank, log=config.autotune_log)
+            self._apply(self._autotuner.setting)
         if config.timeline:
             self.start_timeline(config.timeline, config.timeline_mark_cycles, asked_by="PSRT_TIMELINE")
         self._thread = threading.Thread(target=self._run, name="psrt-engine", daemon=True)
@@ -240,6 +250,8 @@ class Engine:
                                     "doorbell rings", self._everyone):
             self._doorbell.close()
         self._negotiator.close()
+        if self._autotune_comm is not None:
+            self._autotune_comm.free()
 
     def _not_gone(self) -> list[int]:
         """The other ranks that have not called shutdown yet."""
@@ -405,6 +417,8 @@ class Engine:
             route.comm.allreduce(buffer, route.op, route.scale)
         with self._lock:
             self._in_flight.discard(announcement.key)
+        if self._autotuner is not None:
+            self._autotune(((announcement.key, announcement.reduction.nbytes),))
         self._quiet_epoch = self._negotiator.rounds
         if self.rank == 0:
             self._inspect_stalls(force=self._stalls_published)
@@ -523,6 +537,32 @@ class Engine:
                     self._allreduce(batch.responses)
                 else:
                     self._run_one(batch.responses[0])
+        if self._autotuner is not None:
+            self._autotune((r.announcement.key, r.announcement.reduction.nbytes) for r in responses
+                           if r.announcement.reduction is not None and r.error is None)
+
+    # -- autotuning (see psrt.engine.autotune) ------------------------------------------------
+    def _autotune(self, reduced) -> None:
+        """Feed the autotuner what was just reduced (the same on every rank) and apply the
+        setting it switches to, on every rank at this same response."""
+        switch = self._autotuner.observe(reduced)
+        if switch is not None:
+            self._apply(switch)
+        if self._autotuner.done:
+            if self.rank == 0:
+                logger.warning("psrt: autotuning settled on fusion threshold %d bytes, cycle time %g ms",
+                               self._config.fusion_threshold, self._config.cycle_time_ms)
+            self._autotuner = None
+
+    def _apply(self, setting: Setting) -> None:
+        self._config = dataclasses.replace(self._config, fusion_threshold=setting.fusion_threshold,
+                                           cycle_time_ms=setting.cycle_time_ms)
+
+    def _rank0s_score(self, score: float) -> float:
+        """Rank 0's score (collective over the world: at the same response on every rank)."""
+        value = torch.tensor([score], dtype=torch.float64)
+        self._autotune_comm.broadcast(value, 0).wait()
+        return float(value)
 
     def _describe_batch(self, batch: fusion.Batch) -> str:
         return self._describe(batch.responses[0].announcement, len(batch.responses) - 1)

@@ -13,9 +13,9 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
+from psrt import probe_job
 from psrt.errors import InvalidArgumentError, PsrtError
 from psrt.plan.layout import OPTIMIZER_STATE, PRECISIONS, RECOMPUTE
 from psrt.plan import gpus
@@ -117,12 +117,10 @@ def _model(args: argparse.Namespace) -> Transformer | ParameterBlocks:
 
 def measure(path: str, ranks: int, threads: int | None, quick: bool) -> None:
     """Run the probe (:mod:`psrt.plan.probe`) as a psrun job on this machine, writing ``path``."""
-    command = [sys.executable, "-m", "launcher.cli", "-np", str(ranks), sys.executable, "-m", "psrt.plan.probe",
-               "--out", path] + (["--quick"] if quick else []) + ([f"--threads={threads}"] if threads else [])
-    print(f"psrt plan: probing this machine with {ranks} ranks: {' '.join(command[1:])}", file=sys.stderr)
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0 or not os.path.exists(path):
-        raise PsrtError(f"the probe job failed (exit code {done.returncode}):\n{done.stderr[-2000:]}")
+    probe_job.run("psrt.plan.probe", ["--out", path] + (["--quick"] if quick else [])
+                  + ([f"--threads={threads}"] if threads else []), ranks, "psrt plan: probing this machine")
+    if not os.path.exists(path):
+        raise PsrtError(f"the probe job ended without writing {path}")
     print(f"psrt plan: wrote the machine profile {path}", file=sys.stderr)
 
 

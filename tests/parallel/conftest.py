@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 import pytest
-from jobs import take_log
+from jobs import UNTUNED, take_log
 
 REPO = Path(__file__).resolve().parents[2]
+os.environ.update(UNTUNED)  # for the tests that start psrun themselves (see jobs.UNTUNED)
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 JOB_TIMEOUT_S = 240.0
 _TAIL = 3000
@@ -122,6 +123,7 @@ def launch(script: str, np: int, env: Mapping[str, str] | None = None,
     # Only the settings a job asks for: a PSRT_* or HOROVOD_* variable in the caller's
     # environment would silently change what every job tests.
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRT_", "HOROVOD_"))}
+    full_env.update(UNTUNED)
     full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())

@@ -79,7 +79,7 @@ COLLECTIVE = {
 LOCAL = {
     "psrt.ProcessSet", "psrt.ProcessSet.included", "psrt.ProcessSet.size", "psrt.ProcessSet.rank",
     "psrt.cross_rank", "psrt.cross_size", "psrt.is_initialized", "psrt.local_rank", "psrt.local_size", "psrt.rank",
-    "psrt.size",
+    "psrt.size", "psrt.tuning_table",
     "psrt.torch.SyncBatchNorm", "psrt.torch.ccl_built", "psrt.torch.cuda_built", "psrt.torch.gloo_built",
     "psrt.torch.gloo_enabled", "psrt.torch.mpi_built", "psrt.torch.mpi_enabled", "psrt.torch.mpi_threads_supported",
     "psrt.torch.nccl_built", "psrt.torch.rocm_built", "psrt.torch.poll", "psrt.torch.synchronize",

@@ -326,7 +326,7 @@ def test_measure_runs_the_probe_under_psrun(monkeypatch, tmp_path, capsys):
         ran.append(command)
         (tmp_path / "m.json").write_text(plan.default_machine().to_json())
         return type("Done", (), {"returncode": 0, "stderr": ""})()
-    monkeypatch.setattr(plan_cli.subprocess, "run", fake_run)
+    monkeypatch.setattr(plan_cli.probe_job.subprocess, "run", fake_run)
     out = str(tmp_path / "m.json")
     assert psrt_main(["plan", "--measure", "--profile-out", out, "--probe-ranks", "2"]) == 0
     assert ran[0][1:6] == ["-m", "launcher.cli", "-np", "2", sys.executable]

@@ -1,0 +1,175 @@
+"""Measuring a job's tuning table (:mod:`psrt.comm.tuning`), and finding or writing its file,
+at ``psrt.init()``.
+
+A job with no table for its key (hosts, CPU, MPI library, ranks, ranks per host) measures
+one once, collectively: at a few sizes, each algorithm in turn (the order rotating, so that
+drifts of a shared machine hit all alike), a barrier before each call, the slowest rank's
+time of each call, the median over a few calls.  Rank 0 chooses the bands, writes the file
+and shares the table, so that every rank picks the same algorithm for every size.  A job
+that finds its table reads it: one small message at start-up.  ``PSRT_TUNE=off`` keeps the
+fixed threshold, ``PSRT_TUNE=measure`` measures again and replaces the file.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import platform
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Optional
+
+import torch
+
+from psrt.comm.base import Communicator, ReduceOp
+from psrt.comm.hierarchical import HierarchicalCommunicator
+from psrt.comm.mpi import MpiCommunicator, library_version
+from psrt.comm.tuning import (TuningFileError, TuningKey, TuningTable, choose_bands, default_path, medians, read,
+                              relative, write)
+from psrt.config import Config
+
+logger = logging.getLogger("psrt")
+
+_KiB, _MiB = 1 << 10, 1 << 20
+#: Below the smallest, MPI's own algorithms win on latency (a ring step per rank costs more).
+SIZES = (256 * _KiB, 1 * _MiB, 4 * _MiB, 16 * _MiB, 64 * _MiB)
+REPEATS = 5
+#: An algorithm this much faster than MPI's at one size is taken to stay ahead at larger ones.
+DECISIVE = 0.5
+
+#: One collective at one size by one algorithm: given a float32 buffer of the size, runs it.
+Run = Callable[[torch.Tensor], None]
+Samples = dict[int, dict[str, list[float]]]  # size -> algorithm -> seconds of each call
+
+
+def cpu_model() -> str:
+    """The CPU's model name (what decides a shared-memory allreduce's speed), as Linux names it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def job_key(world: Communicator, local: Communicator) -> TuningKey:
+    """The key of this job's table; collective over ``world``."""
+    mine = (socket.gethostname(), cpu_model(), local.size if local.rank == 0 else None)
+    everyone = world.allgather_object(mine)
+    return TuningKey(hosts=tuple(sorted({host for host, _, _ in everyone})),
+                     cpu=" | ".join(sorted({cpu for _, cpu, _ in everyone})), mpi=library_version(),
+                     ranks=world.size, ranks_per_host=tuple(sorted(n for _, _, n in everyone if n is not None)))
+
+
+def measure(world: Communicator, runs: Mapping[str, Run], sizes: Sequence[int] = SIZES, repeats: int = REPEATS,
+            clock: Callable[[], float] = time.perf_counter) -> Samples:
+    """Seconds of each of ``runs`` (algorithm -> run) at each size, the slowest rank's per
+    call; collective over ``world`` (every rank passes the same algorithms and sizes).
+
+    Sizes above one where an algorithm took at most :data:`DECISIVE` of MPI's time are not
+    measured (they would take most of the time): a ring's advantage over MPI only grows
+    with the size, as its cost is the bytes it moves and MPI's adds temporaries."""
+    names = list(runs)
+    samples: Samples = {}
+    for size in sizes:
+        buffer = torch.ones(max(1, size // 4))
+        mine: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:  # one untimed call each: first-touch of buffers, MPI's set-up
+            runs[name](buffer)
+        for repeat in range(repeats):
+            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+                world.barrier().wait()
+                start = clock()
+                runs[name](buffer)
+                mine[name].append(clock() - start)
+        everyone = world.allgather_object(mine)  # the same on every rank, so is what follows
+        samples[size] = {name: [max(theirs[name][i] for theirs in everyone) for i in range(repeats)]
+                         for name in names}
+        if "mpi" in names and min(relative({size: samples[size]})[size].values()) <= DECISIVE:
+            break
+    return samples
+def allreduce_runs(world: MpiCommunicator) -> dict[str, Run]:
+    return {algorithm: (lambda t, a=algorithm: world.allreduce_by(a, t, ReduceOp.SUM)) for algorithm in ("mpi", "ring")}
+
+
+def reduce_scatter_runs(world: MpiCommunicator) -> dict[str, Run]:
+    outputs: dict[int, tuple[list[int], torch.Tensor]] = {}  # by input size, made before the timed calls
+
+    def run(algorithm: str, send: torch.Tensor) -> None:
+        if send.numel() not in outputs:
+            base, extra = divmod(send.numel(), world.size)
+            counts = [base + (rank < extra) for rank in range(world.size)]
+            outputs[send.numel()] = counts, torch.empty(counts[world.rank])
+        counts, recv = outputs[send.numel()]
+        world.reduce_scatter_by(algorithm, send, recv, counts, ReduceOp.SUM).wait()
+    return {algorithm: (lambda t, a=algorithm: run(a, t)) for algorithm in ("mpi", "ring")}
+
+
+def tune(world: MpiCommunicator, hierarchical: Optional[HierarchicalCommunicator], key: TuningKey,
+         sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> TuningTable:
+    """Measure and choose this job's table (collective over ``world``); every rank returns
+    rank 0's.  With ``hierarchical`` (a job over several hosts), its three steps are measured
+    against the flat algorithms too."""
+    start = time.perf_counter()
+    flat = allreduce_runs(world)
+    runs = dict(flat, hierarchical=hierarchical.allreduce_hierarchically) if hierarchical is not None else flat
+    allreduce = measure(world, runs, sizes, repeats)
+    reduce_scatter = measure(world, reduce_scatter_runs(world), sizes, repeats)
+    table = None
+    if world.rank == 0:
+        costs = relative(allreduce)
+        flat_only = {size: {a: cost[a] for a in flat} for size, cost in costs.items()}
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        table = TuningTable(
+            key, choose_bands(flat_only), choose_bands(relative(reduce_scatter)),
+            choose_bands(costs) if hierarchical is not None else (),
+            measured=f"{when}, in {time.perf_counter() - start:.2f} s",
+            measurements={"allreduce": _rows(allreduce), "reduce_scatter": _rows(reduce_scatter)})
+    return world.allgather_object(table)[0]
+
+
+def _rows(samples: Samples) -> list[dict]:
+    """What a table's file shows of its measurements: per size, each algorithm's median
+    microseconds and its median time relative to MPI's (what the bands were chosen by)."""
+    times, costs = medians(samples), relative(samples)
+    return [{"bytes": size, **{f"{name}_us": round(value * 1e6, 1) for name, value in times[size].items()},
+             **{f"{name}_over_mpi": round(value, 3) for name, value in costs[size].items() if name != "mpi"}}
+            for size in sorted(samples)]
+
+
+def establish(world: MpiCommunicator, local: Communicator, hierarchical: Optional[HierarchicalCommunicator],
+              config: Config) -> TuningTable:
+    """Put this job's table in force on ``world`` (and the communicators sharing its choice)
+    and return it: read from its file, or measured and written there (see the module's
+    docstring).  Collective over ``world``, before anything else uses it."""
+    if config.tune == "off" or world.size == 1:
+        return world.choice.table
+    key = job_key(world, local)
+    path = default_path(key, config.tune_file)
+    found = None
+    if world.rank == 0 and config.tune == "auto" and path.exists():
+        try:
+            found = read(path, key)
+        except TuningFileError as exc:
+            logger.warning("psrt: %s; measuring this job's table instead (PSRT_TUNE=off: fixed thresholds)", exc)
+    table = world.allgather_object(found)[0]  # rank 0's: every rank then measures, or none does
+    if table is None:
+        table = tune(world, hierarchical, key)
+        if world.rank == 0:
+            _save(path, table)
+    world.choice.use(table)
+    return table
+
+
+def _save(path, table: TuningTable) -> None:
+    try:
+        write(path, table)
+    except OSError as exc:
+        logger.warning("psrt: could not write the tuning table to %s (%s); the next job will measure again",
+                       path, exc.strerror or exc)
+        return
+    logger.warning("psrt: measured which allreduce algorithm to use at each size (%s) and wrote %s; later "
+                   "jobs of this machine, MPI and layout read it (PSRT_TUNE=measure measures again)",
+                   table.measured.split(", in ")[-1], path)

@@ -1,0 +1,248 @@
+"""Which algorithm carries a host allreduce or reduce-scatter of a given size: the tuning
+table, plain data that is measured once per machine and MPI and kept as readable JSON.
+
+A table lists, per collective, size bands (``from_bytes`` up to the next band) and the
+algorithm of each: ``"mpi"`` (the MPI library's own), ``"ring"`` (psrt's chunked ring, see
+:mod:`psrt.comm.ring`) and, for the global set of a job over several hosts,
+``"hierarchical"`` (see :mod:`psrt.comm.hierarchical`).  It is keyed by what decides those
+timings (the hosts, their CPU, the MPI library, the number of ranks and ranks per host): a
+table measured for another key is never used.  :mod:`psrt.comm.tuner` measures tables and
+finds or writes their files; this module only describes, chooses, reads and writes them.
+
+Every rank of a communicator must choose the same algorithm for a call (ring on one rank,
+MPI on another would deadlock), so a job's table is rank 0's, shared with every rank.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Mapping, Sequence
+
+from psrt.errors import PsrtError
+
+FORMAT = 1
+COLLECTIVES = ("allreduce", "reduce_scatter", "hierarchical_allreduce")
+ALGORITHMS = ("mpi", "ring", "hierarchical")
+#: Another algorithm replaces MPI's only when it is faster by at least this fraction: psrt must
+#: never be slower than the MPI it sits on, and on a shared 2-core VM repeated measurements of one
+#: size moved by more than 3 %.
+MARGIN = 0.10
+
+
+class TuningFileError(PsrtError):
+    """A tuning file that cannot be used: unreadable, of another format, or for another job."""
+
+
+@dataclass(frozen=True)
+class Band:
+    """Messages of at least ``from_bytes`` (up to the next band's) go by ``algorithm``."""
+
+    from_bytes: int
+    algorithm: str
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """What a table was measured for; a table is used only by jobs with an equal key."""
+
+    hosts: tuple[str, ...]  # distinct host names, sorted
+    cpu: str
+    mpi: str  # first line of MPI_Get_library_version
+    ranks: int
+    ranks_per_host: tuple[int, ...]  # sorted
+
+    def file_name(self) -> str:
+        """A readable, file-system-safe name unique to the key."""
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        host = re.sub(r"[^A-Za-z0-9_.-]", "_", self.hosts[0] if self.hosts else "host")[:40]
+        more = f"+{len(self.hosts) - 1}" if len(self.hosts) > 1 else ""
+        return f"{host}{more}-{self.ranks}ranks-{digest}.json"
+
+    def differences(self, other: TuningKey) -> list[str]:
+        return [f"{name} {getattr(other, name)!r} (this job: {getattr(self, name)!r})"
+                for name in ("hosts", "cpu", "mpi", "ranks", "ranks_per_host")
+                if getattr(self, name) != getattr(other, name)]
+
+
+@dataclass(frozen=True)
+class TuningTable:
+    """Per collective, the bands that say which algorithm carries a message of each size.
+
+    ``measurements`` keeps what the bands were chosen from (seconds per size and algorithm),
+    so that a reader of the file can see why."""
+
+    key: TuningKey | None  # None: a fixed table, made without measuring (see fixed_table)
+    allreduce: tuple[Band, ...]
+    reduce_scatter: tuple[Band, ...] = (Band(0, "mpi"),)
+    hierarchical_allreduce: tuple[Band, ...] = ()  # only for jobs over several hosts
+    measured: str = ""  # when, or how the table came about
+    measurements: Mapping[str, list] = field(default_factory=dict)
+
+    def algorithm(self, collective: str, nbytes: int) -> str:
+        """The algorithm of ``collective`` for a message of ``nbytes``."""
+        bands = getattr(self, collective)
+        if not bands:
+            return "mpi"
+        index = bisect.bisect_right([band.from_bytes for band in bands], nbytes) - 1
+        return bands[max(index, 0)].algorithm
+
+    def to_json(self) -> str:
+        data = {"format": FORMAT, "key": None if self.key is None else asdict(self.key), "measured": self.measured}
+        for collective in COLLECTIVES:
+            data[collective] = [asdict(band) for band in getattr(self, collective)]
+        data["measurements"] = dict(self.measurements)
+        return json.dumps(data, indent=1)
+
+    @staticmethod
+    def from_json(text: str, source: str = "the tuning file") -> TuningTable:
+        """Parse a table, raising :class:`TuningFileError` that names ``source`` and what is
+        wrong with it."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TuningFileError(f"{source} is not JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise TuningFileError(f"{source} is not a psrt tuning table of format {FORMAT} (format: {found!r})")
+        try:
+            key = data["key"]
+            key = None if key is None else TuningKey(tuple(key["hosts"]), str(key["cpu"]), str(key["mpi"]),
+                                                     int(key["ranks"]), tuple(key["ranks_per_host"]))
+            bands = {c: tuple(Band(int(b["from_bytes"]), str(b["algorithm"])) for b in data.get(c, ()))
+                     for c in COLLECTIVES}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TuningFileError(f"{source} is malformed: {type(exc).__name__} {exc}") from None
+        for collective, listed in bands.items():
+            _check_bands(collective, listed, source)
+        if not bands["allreduce"]:
+            raise TuningFileError(f"{source} has no allreduce bands")
+        return TuningTable(key, bands["allreduce"], bands["reduce_scatter"] or (Band(0, "mpi"),),
+                           bands["hierarchical_allreduce"], str(data.get("measured", "")),
+                           dict(data.get("measurements", {})))
+
+
+def _check_bands(collective: str, bands: Sequence[Band], source: str) -> None:
+    starts = [band.from_bytes for band in bands]
+    if bands and starts[0] != 0:
+        raise TuningFileError(f"{source}: the first {collective} band must start at 0 bytes, not {starts[0]}")
+    if starts != sorted(set(starts)):
+        raise TuningFileError(f"{source}: {collective} bands must start at increasing sizes, got {starts}")
+    allowed = ALGORITHMS if collective == "hierarchical_allreduce" else ALGORITHMS[:2]
+    unknown = [band.algorithm for band in bands if band.algorithm not in allowed]
+    if unknown:
+        raise TuningFileError(f"{source}: unknown {collective} algorithm {unknown[0]!r} (choose from "
+                              f"{', '.join(allowed)})")
+
+
+def fixed_table(ring_threshold: int, key: TuningKey | None = None) -> TuningTable:
+    """The table of a fixed threshold (``PSRT_TUNE=off``): MPI below ``ring_threshold``, the
+    ring from it, for both collectives."""
+    bands = (Band(0, "mpi"), Band(ring_threshold, "ring"))
+    return TuningTable(key, bands, bands, measured=f"fixed: PSRT_RING_THRESHOLD={ring_threshold}")
+
+
+def choose_bands(seconds: Mapping[int, Mapping[str, float]], default: str = "mpi",
+                 margin: float = MARGIN) -> tuple[Band, ...]:
+    """Bands from measured ``seconds[size][algorithm]`` (or times relative to ``default``'s,
+    see :func:`relative`): at each size the fastest algorithm,
+    unless it beats ``default`` by less than ``margin``; below the smallest size measured,
+    ``default``; a change of algorithm between two sizes measured happens half-way (in
+    log scale) between them.  Adjacent bands of one algorithm are merged."""
+    bands = [Band(0, default)]
+    previous = None
+    for size in sorted(seconds):
+        times = seconds[size]
+        best = min(times, key=times.get)
+        if best != default and times[best] > times[default] * (1 - margin):
+            best = default
+        if best != bands[-1].algorithm:
+            start = size if previous is None else int(math.sqrt(previous * size))
+            bands.append(Band(start, best))
+        previous = size
+    return tuple(bands)
+
+
+def medians(samples: Mapping[int, Mapping[str, Sequence[float]]]) -> dict[int, dict[str, float]]:
+    """Per size and algorithm, the median of the calls' seconds."""
+    return {size: {name: median(times) for name, times in by_name.items()} for size, by_name in samples.items()}
+
+
+def relative(samples: Mapping[int, Mapping[str, Sequence[float]]], default: str = "mpi") -> dict[int, dict[str, float]]:
+    """Per size and algorithm, the median over repeats of its time over ``default``'s in the
+    same repeat: the algorithms of a repeat ran back to back, so a shared machine's slow
+    phases (seconds long) cancel out of each ratio, where they would move a median of times."""
+    return {size: {name: median(t / max(base, 1e-12) for t, base in zip(times, by_name[default]))
+                   for name, times in by_name.items()} for size, by_name in samples.items()}
+
+
+def default_path(key: TuningKey, tune_file: str = "", env: Mapping[str, str] | None = None) -> Path:
+    """Where a job with ``key`` keeps its table: ``tune_file`` (``PSRT_TUNE_FILE``) if set, else
+    ``$XDG_CACHE_HOME/psrt/tuning/<key>.json`` (``~/.cache`` without XDG_CACHE_HOME)."""
+    env = os.environ if env is None else env
+    if tune_file:
+        return Path(tune_file).expanduser()
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "psrt" / "tuning" / key.file_name()
+
+
+def read(path: Path, key: TuningKey) -> TuningTable:
+    """The table in ``path`` for a job of ``key``; :class:`TuningFileError` (saying why) if
+    it cannot be read or was measured for another key."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TuningFileError(f"cannot read the tuning file {path}: {exc.strerror or exc}") from None
+    table = TuningTable.from_json(text, f"the tuning file {path}")
+    if table.key != key:
+        raise TuningFileError(f"the tuning file {path} was measured for another job: "
+                              + "; ".join(key.differences(table.key)))
+    return table
+
+
+def write(path: Path, table: TuningTable) -> None:
+    """Write ``table`` to ``path`` whole or not at all (a temporary file renamed over it), so
+    that jobs writing at once never leave a torn file: the last rename wins."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(table.to_json() + "\n")
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+class Choice:
+    """The table in force for communicators over one group of ranks (a communicator and its
+    same-sized splits share one), with the smallest size at which anything but MPI may be
+    chosen, so that a small message's choice costs one comparison."""
+
+    __slots__ = ("table", "_allreduce_from", "_reduce_scatter_from")
+
+    def __init__(self, table: TuningTable) -> None:
+        self.use(table)
+
+    def use(self, table: TuningTable) -> None:
+        """Switch to ``table``: before any collective uses the communicators, on every rank alike."""
+        self.table = table
+        self._allreduce_from = _first_other(table.allreduce)
+        self._reduce_scatter_from = _first_other(table.reduce_scatter)
+
+    def allreduce(self, nbytes: int) -> str:
+        return "mpi" if nbytes < self._allreduce_from else self.table.algorithm("allreduce", nbytes)
+
+    def reduce_scatter(self, nbytes: int) -> str:
+        return "mpi" if nbytes < self._reduce_scatter_from else self.table.algorithm("reduce_scatter", nbytes)
+
+
+def _first_other(bands: Sequence[Band]) -> float:
+    return min((band.from_bytes for band in bands if band.algorithm != "mpi"), default=math.inf)

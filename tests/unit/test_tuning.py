@@ -1,0 +1,263 @@
+"""The tuning table (psrt.comm.tuning), its measurement and files (psrt.comm.tuner) and the
+engine's autotuner (psrt.engine.autotune), with a fake transport and fake clocks: which
+algorithm is faster where is made up, so the choices can be checked exactly."""
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import replace
+
+import pytest
+
+from psrt.comm import tuner
+from psrt.comm.tuning import (Band, Choice, TuningFileError, TuningKey, TuningTable, choose_bands, default_path,
+                              fixed_table, read, relative, write)
+from psrt.config import Config, config_from_env
+from psrt.engine.autotune import Autotuner, CoordinateSearch, Setting
+from psrt.errors import InvalidArgumentError
+
+MiB = 1 << 20
+KEY = TuningKey(hosts=("node1",), cpu="Some CPU", mpi="Open MPI v5.0.0", ranks=2, ranks_per_host=(2,))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeWorld:
+    """One rank of a world whose barriers are instantaneous and whose allgather sees only it."""
+
+    rank, size = 0, 1
+
+    def barrier(self):
+        return type("Done", (), {"wait": lambda self: None})()
+
+    def allgather_object(self, obj):
+        return [obj]
+
+
+def fake_runs(clock: FakeClock, crossover: int) -> dict:
+    """'mpi' costs 10 us + 1 ns/byte; 'ring' 0.3 ns/byte and a fixed cost that makes it faster above
+    ``crossover``."""
+    ring_fixed = 10e-6 + crossover * 0.7e-9
+
+    def cost(seconds):
+        def run(buffer):
+            clock.now += seconds(buffer.numel() * 4)
+        return run
+    return {"mpi": cost(lambda n: 10e-6 + n * 1e-9), "ring": cost(lambda n: ring_fixed + n * 0.3e-9)}
+
+
+def test_measured_bands_put_the_ring_above_the_crossover_and_mpi_below():
+    clock = FakeClock()
+    samples = tuner.measure(FakeWorld(), fake_runs(clock, crossover=3 * MiB), sizes=tuner.SIZES, repeats=3,
+                            clock=clock)
+    bands = choose_bands(relative(samples))
+    assert bands == (Band(0, "mpi"), Band(2 * MiB, "ring"))  # half-way (in log scale) between 1 and 4 MiB
+    table = TuningTable(KEY, bands)
+    assert [table.algorithm("allreduce", n) for n in (8, 1 * MiB, 2 * MiB - 1, 2 * MiB, 64 * MiB)] == \
+        ["mpi", "mpi", "mpi", "ring", "ring"]
+
+
+def test_an_algorithm_faster_by_less_than_the_margin_does_not_replace_mpi():
+    bands = choose_bands({1 * MiB: {"mpi": 1.0, "ring": 0.95}, 4 * MiB: {"mpi": 1.0, "ring": 0.85}})
+    assert bands == (Band(0, "mpi"), Band(2 * MiB, "ring"))
+
+
+def test_bands_follow_every_change_of_the_winner_and_merge_runs_of_one():
+    costs = {1 * MiB: {"mpi": 1, "ring": 2}, 4 * MiB: {"mpi": 1, "ring": 0.5}, 16 * MiB: {"mpi": 1, "ring": 0.5},
+             64 * MiB: {"mpi": 1, "ring": 1.5}}
+    assert choose_bands(costs) == (Band(0, "mpi"), Band(2 * MiB, "ring"), Band(32 * MiB, "mpi"))
+
+
+def test_a_decisive_win_stops_the_measurement_of_larger_sizes():
+    clock = FakeClock()
+    samples = tuner.measure(FakeWorld(), fake_runs(clock, crossover=256 << 10), sizes=tuner.SIZES, repeats=3,
+                            clock=clock)
+    assert max(samples) == 1 * MiB  # the ring took less than half MPI's time there
+    assert choose_bands(relative(samples))[-1].algorithm == "ring"
+
+
+def test_the_slowest_rank_times_each_call():
+    class TwoRanks(FakeWorld):
+        def allgather_object(self, obj):
+            return [obj, {name: [2 * t for t in times] for name, times in obj.items()}]
+    clock = FakeClock()
+    one = tuner.measure(FakeWorld(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
+    two = tuner.measure(TwoRanks(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
+    assert two[1 * MiB]["mpi"] == pytest.approx([2 * t for t in one[1 * MiB]["mpi"]])
+
+
+def test_choice_takes_mpi_below_the_first_other_band_without_looking_further():
+    choice = Choice(TuningTable(KEY, (Band(0, "mpi"), Band(4 * MiB, "ring"), Band(32 * MiB, "mpi"))))
+    assert [choice.allreduce(n) for n in (8, 4 * MiB, 40 * MiB)] == ["mpi", "ring", "mpi"]
+    assert choice.reduce_scatter(1 << 30) == "mpi"  # the table's default reduce-scatter bands
+    choice.use(fixed_table(16 * MiB))
+    assert (choice.allreduce(16 * MiB - 1), choice.allreduce(16 * MiB)) == ("mpi", "ring")
+
+
+def test_the_tuning_file_round_trips(tmp_path):
+    table = TuningTable(KEY, (Band(0, "mpi"), Band(2 * MiB, "ring")), (Band(0, "mpi"), Band(MiB, "ring")),
+                        measured="today", measurements={"allreduce": [{"bytes": MiB, "mpi_us": 100.0}]})
+    path = tmp_path / "sub" / KEY.file_name()
+    write(path, table)
+    assert read(path, KEY) == table
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "is not JSON"),
+    ('{"format": 99}', "is not a psrt tuning table of format 1"),
+    ('{"format": 1, "key": {"hosts": []}}', "is malformed"),
+])
+def test_a_corrupt_tuning_file_is_rejected_naming_the_file_and_the_problem(tmp_path, text, says):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(TuningFileError, match=f"the tuning file {path} {says}"):
+        read(path, KEY)
+
+
+def test_bands_must_start_at_zero_increase_and_name_known_algorithms(tmp_path):
+    path = tmp_path / "t.json"
+    for bands, says in (((Band(1, "mpi"),), "must start at 0 bytes"),
+                        ((Band(0, "mpi"), Band(0, "ring")), "increasing sizes"),
+                        ((Band(0, "nccl"),), "unknown allreduce algorithm 'nccl'")):
+        path.write_text(TuningTable(KEY, bands).to_json())
+        with pytest.raises(TuningFileError, match=says):
+            read(path, KEY)
+
+
+def test_a_table_of_another_job_is_rejected_naming_what_differs(tmp_path):
+    path = tmp_path / "t.json"
+    write(path, TuningTable(replace(KEY, ranks=4, ranks_per_host=(4,)), (Band(0, "mpi"),)))
+    with pytest.raises(TuningFileError, match=r"measured for another job: ranks 4 \(this job: 2\); "
+                                              r"ranks_per_host \(4,\) \(this job: \(2,\)\)"):
+        read(path, KEY)
+
+
+def test_tables_live_in_the_cache_unless_psrt_tune_file_names_one(tmp_path):
+    assert default_path(KEY, "", {"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "psrt" / "tuning" / KEY.file_name()
+    assert default_path(KEY, "~/t.json", {}).name == "t.json"
+    assert config_from_env({"PSRT_TUNE_FILE": "t.json"}).tune_file == "t.json"
+    assert KEY.file_name().startswith("node1-2ranks-") and replace(KEY, cpu="x").file_name() != KEY.file_name()
+
+
+class _World:
+    """What establish needs of a world: two ranks seen from rank 0, and the choice it sets."""
+
+    rank, size = 0, 2
+
+    def __init__(self) -> None:
+        self.choice = Choice(fixed_table(Config.ring_threshold))
+
+    def allgather_object(self, obj):
+        return [obj, obj]
+
+
+class _Local:
+    rank, size = 0, 2
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """establish's measurements, faked: the table each returned, counted."""
+    made = []
+
+    def tune(world, hierarchical, key, *args):
+        made.append(TuningTable(key, (Band(0, "mpi"), Band(len(made) + 1, "ring")), measured=f"#{len(made) + 1}"))
+        return made[-1]
+    monkeypatch.setattr(tuner, "tune", tune)
+    monkeypatch.setattr(tuner, "library_version", lambda: "Fake MPI 1.0")
+    return made
+
+
+def test_the_first_job_measures_and_writes_later_ones_read(tmp_path, measured):
+    config = Config(tune_file=str(tmp_path / "t.json"))
+    world = _World()
+    first = tuner.establish(world, _Local(), None, config)
+    assert world.choice.table == first and len(measured) == 1 and read(tmp_path / "t.json", first.key) == first
+    assert tuner.establish(_World(), _Local(), None, config) == first and len(measured) == 1
+    again = tuner.establish(_World(), _Local(), None, replace(config, tune="measure"))
+    assert len(measured) == 2 and read(tmp_path / "t.json", first.key) == again != first
+
+
+def test_a_corrupt_cache_is_measured_again_with_a_warning(tmp_path, measured, caplog):
+    path = tmp_path / "t.json"
+    path.write_text("{torn")
+    with caplog.at_level(logging.WARNING, logger="psrt"):
+        table = tuner.establish(_World(), _Local(), None, Config(tune_file=str(path)))
+    assert f"the tuning file {path} is not JSON" in caplog.text and "measuring this job's table" in caplog.text
+    assert len(measured) == 1 and read(path, table.key) == table
+
+
+def test_tuning_off_keeps_the_fixed_threshold(tmp_path, measured):
+    world = _World()
+    table = tuner.establish(world, _Local(), None, Config(tune="off", tune_file=str(tmp_path / "t.json")))
+    assert table.key is None and table.allreduce == (Band(0, "mpi"), Band(Config.ring_threshold, "ring"))
+    assert not measured and not (tmp_path / "t.json").exists()
+
+
+def test_tune_settings_are_read_and_checked():
+    assert config_from_env({}).tune == "auto"
+    assert config_from_env({"PSRT_TUNE": "Measure"}).tune == "measure"
+    assert config_from_env({"PSRT_RING_THRESHOLD": "1048576"}).tune == "off"  # a threshold set is kept
+    assert config_from_env({"PSRT_RING_THRESHOLD": "1048576", "PSRT_TUNE": "auto"}).tune == "auto"
+    with pytest.raises(InvalidArgumentError, match="PSRT_TUNE='fast' is not one of auto, measure, off"):
+        config_from_env({"PSRT_TUNE": "fast"})
+    horovod = config_from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "a.csv",
+                               "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "4"})
+    assert (horovod.autotune, horovod.autotune_log, horovod.autotune_warmup_samples,
+            horovod.autotune_steps_per_sample) == (True, "a.csv", 1, 4)
+    with pytest.raises(InvalidArgumentError, match="PSRT_AUTOTUNE_STEPS_PER_SAMPLE='0' is out of range"):
+        config_from_env({"PSRT_AUTOTUNE_STEPS_PER_SAMPLE": "0"})
+
+
+# -- the autotuner ----------------------------------------------------------------------------------
+def _score(setting: Setting) -> float:
+    """Made-up bytes per second: best at 16 MiB and 2.5 ms."""
+    return 100.0 - abs(setting.fusion_threshold - 16 * MiB) / MiB - abs(setting.cycle_time_ms - 2.5)
+
+
+def test_the_coordinate_search_settles_on_the_best_candidate():
+    search = CoordinateSearch(Setting(128 * MiB, 1.0))
+    tried = []
+    while search.current is not None:
+        tried.append(search.current)
+        search.record(_score(search.current))
+    assert search.best == Setting(16 * MiB, 2.5)
+    assert len(tried) == len(set(tried)) == 6 + 3  # every threshold, then the cycle times not yet tried
+
+
+def test_the_autotuner_switches_after_each_sample_of_steps_and_keeps_the_best(tmp_path):
+    clock, steps_per_sample, warmup = FakeClock(), 3, 2
+    tuned = Autotuner(Setting(64 * MiB, 1.0), warmup_samples=warmup, steps_per_sample=steps_per_sample,
+                      share=lambda score: score, rank=0, log=str(tmp_path / "log.csv"), clock=clock)
+    applied, steps = [tuned.setting], 0
+    while not tuned.done:
+        clock.now += 1000 / _score(tuned.setting) / 1e6  # a step moving 1000 bytes at the setting's score
+        switch = tuned.observe([("a", 600), ("b", 400)])
+        steps += 1
+        if switch is not None:
+            applied.append(switch)
+    assert tuned.setting == applied[-1] == Setting(16 * MiB, 2.5)
+    assert steps == steps_per_sample * (warmup + 9) + 1  # a step ends when its first tensor comes again
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    assert [r["phase"] for r in rows] == ["warm-up"] * warmup + ["trial"] * 9 + ["settled"]
+    assert rows[-1]["fusion_threshold_bytes"] == str(16 * MiB) and rows[-1]["cycle_time_ms"] == "2.5"
+    assert all(r["bytes"] == "3000" for r in rows[:-1])
+
+
+def test_every_rank_follows_rank_0s_scores():
+    """A rank whose own timings favour another setting still switches as rank 0 does."""
+    clock = FakeClock()
+    rank0 = iter(_score(Setting(t * MiB, 1.0)) for t in (0, 1, 4, 16, 64, 128))
+    tuned = Autotuner(Setting(64 * MiB, 1.0), warmup_samples=0, steps_per_sample=1, rank=1,
+                      share=lambda mine: next(rank0, 0.0), clock=clock)
+    for _ in range(8):
+        clock.now += 1.0
+        tuned.observe([("a", 1)])
+    assert tuned.setting.fusion_threshold == 16 * MiB
