@@ -40,6 +40,12 @@ from launcher.mpi import library_of
 __all__ = ["main", "make_parser"]
 
 USAGE_ERROR = 2
+# torch's switch for its CPU allocator to put tensors of 2 MiB and more on transparent huge
+# pages. MPI's shared-memory transfers of such a tensor (a gradient bucket) then run as fast
+# as on numpy's arrays, which numpy already places so: on Open MPI 5 a 4 MiB allreduce of a
+# torch tensor took 1.19 x, a 16 MiB one 1.6 x, the time of the same call on a numpy array
+# without it (benchmarks/RESULTS.md, "Allreduce tuned against the MPI it sits on").
+THP_VARIABLE = "THP_MEM_ALLOC_ENABLE"
 # More ranks than any job psrun could start: a typo.
 _MAX_RANKS = 1_000_000
 
@@ -203,6 +209,8 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch,
     library = library_of(mpirun, flavour)
     if library is not None and "MPI4PY_LIBMPI" not in env:  # the ranks load this mpirun's own MPI
         rank_env.append(("MPI4PY_LIBMPI", library))
+    if THP_VARIABLE not in env:
+        rank_env.append((THP_VARIABLE, "1"))
     def launch(hosts: tuple[Host, ...] | None, num_proc: int | None, extra_env: Sequence[tuple[str, str]]
                ) -> JobCommand:
         plan, warnings = plan_launch(

@@ -54,10 +54,12 @@ def fake_addresses(name: str) -> tuple[str, ...]:
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """No stray PSRT_/SLURM_/OMPI_MCA_ variables; 2 CPUs; root, as on the CI box; a `python`
-    on PATH; host names resolved without a name service."""
+    on PATH; host names resolved without a name service; torch's huge pages chosen already
+    (so that psrun adds nothing for them; see the test of that)."""
     for name in list(os.environ):
-        if name.startswith(("PSRT_", "HOROVOD_", "SLURM_", "OMPI_MCA_")):
+        if name.startswith(("PSRT_", "HOROVOD_", "SLURM_", "OMPI_MCA_", "MPI4PY_")):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     bin_dir = tmp_path_factory.mktemp("bin")
@@ -686,3 +688,12 @@ def test_ranks_fill_each_hosts_slots_in_order() -> None:
     assert rank_hosts(two_hosts) == ("node0", "node0", "node1")
     beyond_slots, _ = plan((Host("node0", 1),), num_proc=2, oversubscribe=True)
     assert rank_hosts(beyond_slots) == ()
+
+
+def test_ranks_get_torchs_huge_pages_unless_the_user_chose(capsys, openmpi, monkeypatch) -> None:
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-np", "2", "python", "train.py")
+    assert "THP_MEM_ALLOC_ENABLE=1" in cmd
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    cmd, _ = dry_run(capsys, "--mpirun", openmpi, "-np", "2", "python", "train.py")
+    assert not any("THP_MEM_ALLOC_ENABLE" in part for part in cmd)
