@@ -125,10 +125,9 @@ def start_mpi() -> tuple[int, int]:
 def mpi_library() -> str:
     """Which MPI this process loaded, e.g. ``Open MPI v5.0.11`` or ``MPICH Version: 5.0.2``:
     the first line of ``MPI_Get_library_version`` up to its first comma."""
-    from mpi4py import MPI
+    from psrt.comm.mpi import library_version
 
-    first = (MPI.Get_library_version().strip().splitlines() or ["an unnamed MPI"])[0]
-    return " ".join(first.split(",")[0].split())
+    return " ".join(library_version().split(",")[0].split())
 
 
 def check_thread_level() -> None:

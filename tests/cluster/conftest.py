@@ -3,7 +3,6 @@ saying why, where the machine cannot hold it (not root, no namespaces, SLURM or 
 installed)."""
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 from collections.abc import Iterator
@@ -12,25 +11,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multihost"))
-from netns import SetupRefused, skip_reason as bed_skip_reason  # noqa: E402
+from netns import bed_for_session, skip_reason as bed_skip_reason  # noqa: E402
 from slurm import SlurmCluster, skip_reason  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """Two SLURM nodes of 2 CPUs each."""
-    reason = bed_skip_reason() or skip_reason()
-    if reason is not None:
-        pytest.skip(f"SLURM test bed unavailable: {reason}")
-    built = SlurmCluster(f"psrt-s{os.getpid() % 100000}-", 2, tmp_path_factory.mktemp("slurm"))
-    atexit.register(built.destroy)  # in case the session dies before the fixture's teardown
-    try:
-        built.start()
-    except SetupRefused as e:
-        built.destroy()
-        pytest.skip(f"SLURM test bed unavailable: {e}")
-    try:
-        yield built
-    finally:
-        leftovers = built.destroy()
-        assert not leftovers, f"network namespaces left behind: {leftovers}"
+    yield from bed_for_session(lambda: SlurmCluster(f"psrt-s{os.getpid() % 100000}-", 2,
+                                                    tmp_path_factory.mktemp("slurm")),
+                               "SLURM test bed", bed_skip_reason() or skip_reason())

@@ -53,7 +53,7 @@ def _program(name: str) -> str:
 
 class SlurmCluster:
     """``count`` SLURM nodes, one per test-bed host, each with ``cpus`` CPUs; call
-    :meth:`destroy` when done (also after a failed :meth:`start`)."""
+    :meth:`destroy` when done (also after a failed :meth:`build`)."""
 
     def __init__(self, prefix: str, count: int, workdir: Path, cpus: int = 2) -> None:
         self.bed = Testbed(prefix, count, workdir)
@@ -67,7 +67,7 @@ class SlurmCluster:
 
     # --- building and tearing down ------------------------------------------------------
 
-    def start(self) -> None:
+    def build(self) -> None:
         self.bed.build()
         self.node_tmp.mkdir(exist_ok=True)
         self._write_hosts_files()

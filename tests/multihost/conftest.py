@@ -3,34 +3,20 @@ always torn down; skipped, saying why, where the machine does not allow it) and 
 this machine alone."""
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
 from jobs import Job, psrun_argv, start_job
-from netns import SetupRefused, Testbed, skip_reason
+from netns import Testbed, bed_for_session, skip_reason
 
 
 @pytest.fixture(scope="session")
 def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Testbed]:
     """Two hosts, built once per session and always torn down."""
-    reason = skip_reason()
-    if reason is not None:
-        pytest.skip(f"multi-host test bed unavailable: {reason}")
-    bed = Testbed(f"psrt-t-{os.getpid()}-", 2, tmp_path_factory.mktemp("multihost"))
-    atexit.register(bed.destroy)  # in case the session dies before the fixture's teardown
-    try:
-        bed.build()
-    except SetupRefused as e:
-        bed.destroy()
-        pytest.skip(f"multi-host test bed unavailable: {e}")
-    try:
-        yield bed
-    finally:
-        leftovers = bed.destroy()
-        assert not leftovers, f"network namespaces left behind: {leftovers}"
+    yield from bed_for_session(lambda: Testbed(f"psrt-t-{os.getpid()}-", 2, tmp_path_factory.mktemp("multihost")),
+                               "multi-host test bed", skip_reason())
 
 
 @pytest.fixture(scope="session")

@@ -22,14 +22,16 @@ Open MPI).
 """
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 from pathlib import Path
 
 from jobs import REPO, Job, psrun_argv, start_job
@@ -187,3 +189,33 @@ def skip_reason() -> str | None:
     if "Open MPI" not in version:
         return f"the test bed needs Open MPI's mpirun next to {sys.executable} (--network-cidr is Open MPI's)"
     return None
+
+
+class Bed(Protocol):
+    def build(self) -> None: ...
+    def destroy(self) -> list[str]: ...
+
+
+B = TypeVar("B", bound=Bed)
+
+
+def bed_for_session(make: Callable[[], B], label: str, reason: str | None) -> Iterator[B]:
+    """The body of a session fixture: skip, saying why (``reason``, or a set-up step the
+    machine refused), else build the bed that ``make`` gives, yield it, and always tear it
+    down, failing if any namespace is left behind."""
+    import pytest
+
+    if reason is not None:
+        pytest.skip(f"{label} unavailable: {reason}")
+    bed = make()
+    atexit.register(bed.destroy)  # in case the session dies before the fixture's teardown
+    try:
+        bed.build()
+    except SetupRefused as e:
+        bed.destroy()
+        pytest.skip(f"{label} unavailable: {e}")
+    try:
+        yield bed
+    finally:
+        leftovers = bed.destroy()
+        assert not leftovers, f"network namespaces left behind: {leftovers}"

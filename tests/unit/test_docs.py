@@ -224,3 +224,9 @@ def test_api_page_wraps_long_signatures(site):
     wide = [f"{anchor}: {line}" for anchor, text in signatures.items() for line in text.splitlines()
             if len(line) > width]
     assert not wide, f"signature lines wider than {width} columns on the API page:\n" + "\n".join(wide[:10])
+
+
+def test_readme_and_cluster_guide_show_the_sbatch_script_the_slurm_tests_submit():
+    script = (ROOT / "examples" / "slurm" / "psrun.sbatch").read_text()
+    for page in (ROOT / "README.md", ROOT / "docs" / "guides" / "cluster.md"):
+        assert f"```bash\n{script}```" in page.read_text(), f"{page.name} does not show {script!r} as it is"
