@@ -144,7 +144,7 @@ class MoE(nn.Module):
         counts = per_expert.view(size, self.local)  # row r: my rows for rank r's experts
         # one small exchange carries every count and what a row is, so the two all-to-alls of
         # tokens need no exchange of their own: row r of ``theirs``, rank r's rows for my experts
-        row = torch.tensor([rows.shape[1], dtype_code(rows.dtype)]).expand(size, 2)
+        row = torch.tensor([rows.shape[1], dtype_code(rows.dtype)], device=counts.device).expand(size, 2)
         theirs, _ = exchange(torch.cat([counts, row], dim=1), [1] * size, self.process_set)
         theirs, their_row = theirs[:, :self.local], theirs[:, self.local:]
         if not torch.equal(their_row, row):

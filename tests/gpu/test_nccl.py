@@ -70,8 +70,8 @@ def test_single_rank_async_and_grouped_collectives_on_cuda_match_cpu():
     ]
     for handle, want in pairs:
         assert torch.equal(hvd.synchronize(handle).cpu(), want)
-    got, _ = hvd.synchronize(hvd.alltoall_async(cuda, name="t.cuda"))
-    assert torch.equal(got.cpu(), hvd.alltoall(cpu)[0])
+    got, _ = hvd.synchronize(hvd.alltoall_async(cuda, name="t.cuda"))  # a handle gives (rows, splits)
+    assert torch.equal(got.cpu(), hvd.alltoall(cpu))  # without splits, the call gives the rows alone
     for got, want in zip(hvd.grouped_allreduce([cuda, 2 * cuda], op=hvd.Sum), [cpu, 2 * cpu]):
         assert got.is_cuda and torch.equal(got.cpu(), want)
     for got, want in zip(hvd.grouped_allgather([cuda, cuda[:1]]), [cpu, cpu[:1]]):
