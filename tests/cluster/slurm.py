@@ -207,10 +207,15 @@ AccountingStorageType=accounting_storage/none
 
     def wait_for_job(self, job_id: str, timeout_s: float) -> str:
         """Wait until job ``job_id`` has ended; returns its final state."""
+        return self.wait_for_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT",
+                                            "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"), timeout_s)
+
+    def wait_for_state(self, job_id: str, states: Sequence[str], timeout_s: float) -> str:
+        """Wait until job ``job_id`` is in one of ``states``; returns it."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             state = self.job_state(job_id)
-            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
+            if state in states:
                 return state
             time.sleep(0.3)
         raise AssertionError(f"job {job_id} still {self.job_state(job_id)} after {timeout_s:g} s\n{self.logs()}")
@@ -225,12 +230,14 @@ AccountingStorageType=accounting_storage/none
         """A node fails: every process on it (its slurmd, job steps, ranks) dies at once."""
         Testbed._end_processes_in(self.bed.hosts[index].namespace)
 
-    def revive_node(self, index: int) -> None:
-        """Bring a killed node back: its slurmd again, until SLURM has every node idle."""
+    def revive_node(self, index: int, wait: bool = True) -> None:
+        """Bring a killed node back: its slurmd again (and, with ``wait``, until SLURM has
+        every node idle)."""
         host = self.bed.hosts[index]
         self._daemons = [d for d in self._daemons if d.poll() is None]
         self._daemon(host.namespace, _program("slurmd"), "-D", "-N", host.namespace, "-f", str(self.conf))
-        self._wait_until_idle()
+        if wait:
+            self._wait_until_idle()
 
     def logs(self, lines: int = 15) -> str:
         out = []

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from training_records import assert_same_training, results
+from training_records import assert_same_training, one_host, results
 
 pytestmark = pytest.mark.parallel
 
@@ -39,11 +39,12 @@ class Jobs:
     def get(self, where: str, parts: str, np: int, *extra: str) -> dict:
         key = (where, parts, np, extra)
         if key not in self._done:
-            args = ("-np", str(np), *extra, sys.executable, JOB, parts)
-            env = {"PSRT_STALL_CHECK_TIME": "60"}  # any PSRT_ setting, to see it forwarded
-            job = (self.testbed.psrun(*args, slots=2, env=env) if where == "two hosts"
-                   else self.one_host(*args, env=env))
-            self._done[key] = results(job, job.finish(JOB_TIMEOUT_S))
+            if where == "one host":
+                self._done[key] = one_host(("-np", str(np), *extra), (parts,))
+            else:
+                env = {"PSRT_STALL_CHECK_TIME": "60"}  # any PSRT_ setting, to see it forwarded
+                job = self.testbed.psrun("-np", str(np), *extra, sys.executable, JOB, parts, slots=2, env=env)
+                self._done[key] = results(job, job.finish(JOB_TIMEOUT_S))
         return self._done[key]
 
 

@@ -1,10 +1,19 @@
 """Reading what ``cross_host_job.py`` printed, and comparing a job's training with the same
-job on one host (shared by the multi-host and the SLURM tests)."""
+job on one host (shared by the multi-host and the SLURM tests, which compare against the
+same one-host runs: each is made once per test session)."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
+
+from jobs import psrun_argv, start_job
+
+JOB = str(Path(__file__).resolve().parent / "cross_host_job.py")
+_ONE_HOST: dict[tuple, dict] = {}
+_TIMEOUT_S = 180.0
 
 
 def records(output: str) -> dict[tuple[str, int], dict]:
@@ -32,3 +41,14 @@ def assert_same_training(two_hosts: dict, one_host: dict, part: str, ranks: int)
         assert len(got["params"]) == len(want["params"]) > 0
         assert got["params"] == pytest.approx(want["params"], rel=1e-4, abs=1e-6), \
             f"{part}: parameters of rank {rank} differ between two hosts and one host"
+
+
+def one_host(psrun_args: tuple[str, ...], parts: tuple[str, ...]) -> dict:
+    """What ``psrun PSRUN_ARGS python cross_host_job.py PARTS`` printed on this machine
+    alone, run once per session."""
+    key = (psrun_args, parts)
+    if key not in _ONE_HOST:
+        argv = psrun_argv(*psrun_args, sys.executable, JOB, *parts)
+        job = start_job(argv, f"one-host `psrun {' '.join(psrun_args + parts)}`", {"PSRT_STALL_CHECK_TIME": "60"})
+        _ONE_HOST[key] = results(job, job.finish(_TIMEOUT_S))
+    return _ONE_HOST[key]

@@ -37,7 +37,8 @@ CORE_JOBS = [
     ("zero_check.py", 2, {}),
     ("gpt_check.py", 4, {"CHECKS_MATCHING": r"^gpt/dp1_tp2_pp2/1f1b$|^gpt/dp2_tp2_pp1/"}),
 ]
-FAULT_ENV = {"PSRT_STALL_CHECK_TIME": "3", "PSRT_STALL_SHUTDOWN_TIME": "8"}
+CHECK_S, SHUTDOWN_S = 2, 5
+FAULT_ENV = {"PSRT_STALL_CHECK_TIME": str(CHECK_S), "PSRT_STALL_SHUTDOWN_TIME": str(SHUTDOWN_S)}
 
 
 def mpiexec(name: str) -> Path:
@@ -93,7 +94,7 @@ def test_a_frozen_rank_is_named_and_the_job_ends(mpi) -> None:
     job = run_with_fault("frozen_training.py", 2, ("dp",), FAULT_ENV, after="step 3", rank=1,
                          signum=signal.SIGSTOP, psrun_args=psrun_args)
     assert job.returncode not in (0, None), job.diagnosis()
-    assert job.seconds_after_fault < 8 + 8, job.diagnosis()
+    assert job.seconds_after_fault < SHUTDOWN_S + 8, job.diagnosis()  # probing, the abort, a busy machine
     assert "rank 1 does not respond" in job.stderr, job.diagnosis()
     assert re.search(r"psrun: rank 1 is to blame: stopped answering while rank 0's", job.stderr), job.diagnosis()
     assert not job.left_behind, job.diagnosis()
