@@ -44,3 +44,20 @@ def test_hierarchical_path_is_taken_for_the_global_set_only(reports) -> None:
     assert {report["transport"] for report in reports.values()} == {"HierarchicalCommunicator"}
     assert len(counts) == 1 and counts.pop() > 0, f"hierarchical allreduces by rank: {reports}"
     assert {report["process_set_transport"] for report in reports.values()} == {"MpiCommunicator"}
+
+
+def test_a_job_over_two_hosts_measures_the_hierarchical_path_and_stays_exact(testbed, tmp_path) -> None:
+    """Tuning on (no PSRT_HIERARCHICAL_ALLREDUCE): the job's first init measures MPI's
+    allreduce, psrt's ring and the hierarchical path across the hosts, writes the table, and
+    every allreduce is exact by whichever path the table picks for its size."""
+    table_file = tmp_path / "tuning.json"
+    job = testbed.psrun("-np", "4", sys.executable, JOB, slots=2,
+                        env={"PSRT_TUNE": "measure", "PSRT_TUNE_FILE": str(table_file)})
+    assert job.finish(JOB_TIMEOUT_S) == 0, job.diagnosis()
+    reports = [json.loads(line) for line in job.out.splitlines() if line.startswith("{")]
+    assert len(reports) == 4 and all(report["failures"] == [] for report in reports), job.diagnosis()
+    table = json.loads(table_file.read_text())
+    assert table["key"]["ranks_per_host"] == [2, 2], table["key"]
+    measured = table["measurements"]["allreduce"]
+    assert measured and all("hierarchical_us" in point for point in measured), measured
+    assert {band["algorithm"] for band in table["hierarchical_allreduce"]} <= {"mpi", "ring", "hierarchical"}
