@@ -57,7 +57,9 @@ def mpi(request: pytest.FixtureRequest) -> tuple[str, tuple[str, ...]]:
 
 def test_psrun_drives_the_mpi_and_ranks_load_its_library(mpi) -> None:
     name, psrun_args = mpi
-    probe = "from mpi4py import MPI; print(MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size, MPI.Get_library_version())"
+    # one short line per rank, written at once, so that the ranks' lines cannot interleave
+    probe = ("import sys; from mpi4py import MPI; world = MPI.COMM_WORLD; "
+             "sys.stdout.write(f'{world.rank} {world.size} {MPI.Get_library_version().splitlines()[0]}\\n')")
     done = subprocess.run([sys.executable, "-m", "launcher.cli", *psrun_args, "-np", "2", sys.executable, "-c",
                            probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
