@@ -132,13 +132,14 @@ def run(args: argparse.Namespace) -> None:
         if args.batch is None and args.ranks is None and args.layers is None and args.params is None:
             return  # only the profile was asked for
         args.machine = args.profile_out
+    machine = gpus.resolve(args.machine) if args.machine else None  # an unknown name is the first thing to say
     missing = [flag for flag, value in (("--batch", args.batch), ("--ranks", args.ranks)) if value is None]
     if args.memory is None and not (args.machine in gpus.names()):
         missing.append("--memory")
     if missing:
         raise InvalidArgumentError(f"psrt plan needs {', '.join(missing)} (or only --measure to write a machine profile)")
     request = make_request(_model(args), global_batch=args.batch, ranks=args.ranks, memory_per_rank=args.memory,
-                           machine=gpus.resolve(args.machine) if args.machine else None, precision=args.precision,
+                           machine=machine, precision=args.precision,
                            optimizer=args.optimizer, sequence_parallel=not args.no_sequence_parallel,
                            dp=args.dp, tp=args.tp, pp=args.pp, cp=None if args.cp == "any" else _int(args.cp, "--cp"),
                            zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute)

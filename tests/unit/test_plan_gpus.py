@@ -146,3 +146,9 @@ def test_params_and_shapes_are_not_mixed(capsys):
 def test_memory_is_needed_unless_the_machine_says_it(capsys):
     assert psrt_main(["plan", "--params", "1e9", "--batch", "8", "--ranks", "8"]) == 2
     assert "psrt plan needs --memory" in capsys.readouterr().err
+
+
+def test_an_unknown_machine_name_is_said_before_anything_else_missing(capsys):
+    assert psrt_main(["plan", "--params", "1e9", "--layers", "16", "--seq", "1024", "--batch", "8", "--ranks", "8",
+                      "--machine", "h999"]) == 2
+    assert "--machine 'h999' is neither a shipped profile (a100, h100, h200)" in capsys.readouterr().err
