@@ -136,8 +136,8 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
     with watchdog.waiting("start-up", arrivals.describe):
         watchdog.attach(MpiProber(arrivals.meet()))
     everyone = range(job_size)
-    with watchdog.waiting("start-up", f"psrt.init() on rank {watchdog.rank} (creating communicators)",
-                          job_peers=everyone):
+    with watchdog.waiting("start-up", f"psrt.init() on rank {watchdog.rank} (creating communicators, finding or "
+                          "measuring the allreduce tuning table)", job_peers=everyone):
         job = bootstrap.job_communicator(config)
         world, link, serve = job, None, None
         if config.num_servers:
@@ -145,9 +145,9 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
             if serve is not None:
                 return None, serve
         layout = bootstrap.host_layout(world)
-        tuned = config.tune != "off" and world.size > 1
         topology = Topology(layout.world, layout.local, layout.cross, global_process_set, watchdog,
-                            hierarchical_allreduce=config.hierarchical_allreduce, tuned=tuned)
+                            hierarchical_allreduce=config.hierarchical_allreduce,
+                            tuned=tuner.in_use(config, layout.world))
         tuner.establish(layout.world, layout.local, topology.hierarchical, config)
         engine = Engine(topology, config, watchdog)
     return Runtime(config=config, topology=topology, engine=engine, watchdog=watchdog, ps=link), None

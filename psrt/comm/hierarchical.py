@@ -50,8 +50,7 @@ class HierarchicalCommunicator(Communicator):
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
         """As the flat allreduce (same result up to the order floating-point sums are
         added in); every rank must call it with the same element count, dtype and op."""
-        if not self._forced and self._flat.choice.table.algorithm("hierarchical_allreduce",
-                                                                  tensor.nbytes) != "hierarchical":
+        if not self._forced and not self._flat.choice.hierarchical(tensor.nbytes):
             self._flat.allreduce(tensor, op, scale)
             return
         self.allreduce_hierarchically(tensor, op, scale)

@@ -139,12 +139,17 @@ def _rows(samples: Samples) -> list[dict]:
             for size in sorted(samples)]
 
 
+def in_use(config: Config, world: Communicator) -> bool:
+    """Whether a job over ``world`` follows a measured table (else the fixed threshold)."""
+    return config.tune != "off" and world.size > 1
+
+
 def establish(world: MpiCommunicator, local: Communicator, hierarchical: Optional[HierarchicalCommunicator],
               config: Config) -> TuningTable:
     """Put this job's table in force on ``world`` (and the communicators sharing its choice)
     and return it: read from its file, or measured and written there (see the module's
     docstring).  Collective over ``world``, before anything else uses it."""
-    if config.tune == "off" or world.size == 1:
+    if not in_use(config, world):
         return world.choice.table
     key = job_key(world, local)
     path = default_path(key, config.tune_file)

@@ -88,11 +88,7 @@ class TuningTable:
 
     def algorithm(self, collective: str, nbytes: int) -> str:
         """The algorithm of ``collective`` for a message of ``nbytes``."""
-        bands = getattr(self, collective)
-        if not bands:
-            return "mpi"
-        index = bisect.bisect_right([band.from_bytes for band in bands], nbytes) - 1
-        return bands[max(index, 0)].algorithm
+        return _Bands(getattr(self, collective)).algorithm(nbytes)
 
     def to_json(self) -> str:
         data = {"format": FORMAT, "key": None if self.key is None else asdict(self.key), "measured": self.measured}
@@ -223,10 +219,11 @@ def write(path: Path, table: TuningTable) -> None:
 
 class Choice:
     """The table in force for communicators over one group of ranks (a communicator and its
-    same-sized splits share one), with the smallest size at which anything but MPI may be
-    chosen, so that a small message's choice costs one comparison."""
+    same-sized splits share one), its bands read once per collective: a call's choice is a
+    comparison with the smallest size at which anything but MPI may be chosen, and a
+    bisection above it."""
 
-    __slots__ = ("table", "_allreduce_from", "_reduce_scatter_from")
+    __slots__ = ("table", "_bands")
 
     def __init__(self, table: TuningTable) -> None:
         self.use(table)
@@ -234,15 +231,30 @@ class Choice:
     def use(self, table: TuningTable) -> None:
         """Switch to ``table``: before any collective uses the communicators, on every rank alike."""
         self.table = table
-        self._allreduce_from = _first_other(table.allreduce)
-        self._reduce_scatter_from = _first_other(table.reduce_scatter)
+        self._bands = {collective: _Bands(getattr(table, collective)) for collective in COLLECTIVES}
 
     def allreduce(self, nbytes: int) -> str:
-        return "mpi" if nbytes < self._allreduce_from else self.table.algorithm("allreduce", nbytes)
+        return self._bands["allreduce"].algorithm(nbytes)
 
     def reduce_scatter(self, nbytes: int) -> str:
-        return "mpi" if nbytes < self._reduce_scatter_from else self.table.algorithm("reduce_scatter", nbytes)
+        return self._bands["reduce_scatter"].algorithm(nbytes)
+
+    def hierarchical(self, nbytes: int) -> bool:
+        """Whether the global set's allreduce of ``nbytes`` goes in three steps across hosts."""
+        return self._bands["hierarchical_allreduce"].algorithm(nbytes) == "hierarchical"
 
 
-def _first_other(bands: Sequence[Band]) -> float:
-    return min((band.from_bytes for band in bands if band.algorithm != "mpi"), default=math.inf)
+class _Bands:
+    """One collective's bands, as a call looks them up."""
+
+    __slots__ = ("starts", "algorithms", "first_other")
+
+    def __init__(self, bands: Sequence[Band]) -> None:
+        self.starts = [band.from_bytes for band in bands]
+        self.algorithms = [band.algorithm for band in bands]
+        self.first_other = min((band.from_bytes for band in bands if band.algorithm != "mpi"), default=math.inf)
+
+    def algorithm(self, nbytes: int) -> str:
+        if nbytes < self.first_other:
+            return "mpi"
+        return self.algorithms[max(bisect.bisect_right(self.starts, nbytes) - 1, 0)]

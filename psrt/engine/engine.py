@@ -561,7 +561,9 @@ class Engine:
     def _rank0s_score(self, score: float) -> float:
         """Rank 0's score (collective over the world: at the same response on every rank)."""
         value = torch.tensor([score], dtype=torch.float64)
-        self._autotune_comm.broadcast(value, 0).wait()
+        with self._watchdog.waiting("an autotuning step", "the broadcast of rank 0's score of a fusion setting",
+                                    self._everyone):
+            self._autotune_comm.broadcast(value, 0).wait()
         return float(value)
 
     def _describe_batch(self, batch: fusion.Batch) -> str:
