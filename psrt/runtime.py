@@ -13,9 +13,10 @@ before ``init()``.
 from __future__ import annotations
 
 import atexit
+import importlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from psrt.comm import bootstrap, tuner
 from psrt.comm.mpi import MpiCommunicator
@@ -31,11 +32,40 @@ from psrt.errors import ArgumentTypeError, NotInitializedError, ProcessSetError
 from psrt.horovod_env import export_horovod_variables
 from psrt.topology import ProcessSet, Topology
 
-if TYPE_CHECKING:
-    from psrt.ps.service import WorkerLink
-
 #: The set of all ranks; usable once ``init()`` has run.
 global_process_set = ProcessSet()
+
+
+class RoleLink(Protocol):
+    """A worker's link to ranks of the job that took another role at start-up (the
+    parameter servers): closed by ``shutdown()`` before the engine stops, released after
+    the topology is freed."""
+
+    def close(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+#: What a rank that took another role than worker runs instead of returning from ``init()``.
+Serve = Callable[[], None]
+#: How a mode that gives some ranks of the job another role splits the job at start-up:
+#: given the job's communicator, the configuration and the watchdog, it returns (the
+#: workers' world, this worker's link, None) on a worker, (None, None, what it serves) on
+#: a rank of the other role.
+RoleSplit = Callable[[MpiCommunicator, Config, Watchdog], "tuple[MpiCommunicator | None, RoleLink | None, Serve | None]"]
+
+# The modes that split the job into roles, by the setting that turns one on, and the
+# package that implements it: the package registers its split (:func:`register_role_split`)
+# when imported, and init() imports it by name only when the setting is on, so this
+# runtime never depends on the layers built upon it.
+_ROLE_PACKAGES = {"num_servers": "psrt.ps"}
+_role_splits: dict[str, RoleSplit] = {}
+
+
+def register_role_split(setting: str, split: RoleSplit) -> None:
+    """Have ``init()`` split the job with ``split`` whenever the configuration's ``setting``
+    is on (called by the package that implements the mode, when it is imported)."""
+    _role_splits[setting] = split
 
 
 @dataclass(eq=False)
@@ -44,9 +74,12 @@ class Runtime:
     topology: Topology
     engine: Engine
     watchdog: Watchdog  # stall reports for every wait on other ranks
-    ps: WorkerLink | None = None  # parameter-server mode: this worker's link to the servers
+    ps: RoleLink | None = None  # parameter-server mode: this worker's link to the servers
     handles: HandleTable = field(default_factory=HandleTable)  # the *_async calls not yet synchronized
     names: Names = field(default_factory=Names)  # what unnamed collectives are called
+    #: What the framework layer's calls worked out (their announcements, ...), by the
+    #: arguments that made them, for repeated calls to reuse (see psrt.torch._common.remember).
+    announcements: dict[tuple, object] = field(default_factory=dict)
     #: Collectives run by the parallel layers outside the engine, by family
     #: ("tensor-parallel", "context-parallel", "expert-parallel"): counts and seconds.
     stats: defaultdict[str, CommStats] = field(default_factory=lambda: defaultdict(CommStats))
@@ -140,8 +173,9 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
                           "measuring the allreduce tuning table)", job_peers=everyone):
         job = bootstrap.job_communicator(config)
         world, link, serve = job, None, None
-        if config.num_servers:
-            world, link, serve = _parameter_server_roles(job, config, watchdog)
+        split = _role_split(config)
+        if split is not None:
+            world, link, serve = split(job, config, watchdog)
             if serve is not None:
                 return None, serve
         layout = bootstrap.host_layout(world)
@@ -153,28 +187,15 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
     return Runtime(config=config, topology=topology, engine=engine, watchdog=watchdog, ps=link), None
 
 
-def _parameter_server_roles(job: MpiCommunicator, config: Config, watchdog: Watchdog
-                            ) -> tuple[MpiCommunicator | None, WorkerLink | None, Callable[[], None] | None]:
-    """Split the job into servers and workers: (the workers' world, this worker's link to
-    the servers, None) on a worker, (None, None, the function that serves) on a server."""
-    from psrt.ps import roles, service  # the parameter server builds on this runtime
-
-    local = job.split_by_host()
-    host_leader = local.allgather_object(job.rank)[0]
-    local.free()
-    assigned = roles.assign_roles(job.allgather_object(host_leader), config.num_servers)
-    watchdog.name_ranks(assigned.describe_rank, world_to_job=assigned.workers)
-    server = assigned.is_server(job.rank)
-    link_comm = job.split(0, key=job.rank)  # worker <-> server traffic, apart from collectives
-    workers = job.split(None if server else 0, key=job.rank)
-    assert link_comm is not None
-    if server:
-        def serve() -> None:
-            service.run_server(link_comm, assigned, config, watchdog, bootstrap.abort_job)
-            link_comm.free()
-        return None, None, serve
-    assert workers is not None
-    return workers, service.WorkerLink(link_comm, assigned, config, watchdog), None
+def _role_split(config: Config) -> RoleSplit | None:
+    """The split of the one mode the configuration turns on, if any (its package, imported
+    here if the script has not, registers it)."""
+    for setting, package in _ROLE_PACKAGES.items():
+        if getattr(config, setting):
+            if setting not in _role_splits:
+                importlib.import_module(package)
+            return _role_splits[setting]
+    return None
 
 
 def shutdown() -> None:
@@ -198,7 +219,7 @@ def shutdown() -> None:
         runtime.watchdog.stop()
         runtime.topology.free()
         if runtime.ps is not None:
-            runtime.ps.comm.free()
+            runtime.ps.release()
 
 
 def tuning_table() -> TuningTable:

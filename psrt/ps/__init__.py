@@ -14,6 +14,10 @@ from psrt.errors import ParameterServerError
 from psrt.ps.client import KVStore
 from psrt.ps.handles import Handle
 from psrt.ps.optimizer import DistributedOptimizer
+from psrt.ps.service import split_job
+
+# psrt.init() splits the job into servers and workers whenever PSRT_NUM_SERVERS is set.
+runtime.register_role_split("num_servers", split_job)
 
 __all__ = ["DistributedOptimizer", "Handle", "KVStore", "ParameterServerError", "num_servers", "num_workers",
            "role", "serve", "worker_rank"]

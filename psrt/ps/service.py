@@ -1,8 +1,10 @@
-"""Parameter-server mode at start-up and shut-down: what a server rank runs, and the
-worker's link to the servers that every KVStore of that worker shares.
+"""Parameter-server mode at start-up and shut-down: how the job splits into servers and
+workers, what a server rank runs, and the worker's link to the servers that every KVStore
+of that worker shares.
 
-``psrt.init()`` calls :func:`run_server` on server ranks (it returns once every
-worker has shut down) and keeps a :class:`WorkerLink` on worker ranks; the
+``psrt.init()`` calls :func:`split_job` (which :mod:`psrt.ps` registers with the
+runtime) when ``PSRT_NUM_SERVERS`` is set: a server rank then serves (until every worker
+has shut down) and a worker keeps a :class:`WorkerLink`; the
 link's :meth:`~WorkerLink.close` (run by ``psrt.shutdown()``) finishes every
 store's outstanding requests, completes the push receives the servers hold for this
 worker, and tells each server this worker is gone.
@@ -15,18 +17,43 @@ from typing import Callable, Protocol
 
 import torch
 
+from psrt.comm import bootstrap
 from psrt.comm.base import Communicator
 from psrt.comm.direct import DirectGroup
+from psrt.comm.mpi import MpiCommunicator
 from psrt.comm.watchdog import Watchdog
 from psrt.config import Config
 from psrt.ps import protocol
 from psrt.ps.protocol import Op
-from psrt.ps.roles import Roles
+from psrt.ps.roles import Roles, assign_roles
 from psrt.ps.server import Server
 
 
 class _Closable(Protocol):
     def close(self) -> None: ...
+
+
+def split_job(job: MpiCommunicator, config: Config, watchdog: Watchdog
+              ) -> tuple[MpiCommunicator | None, WorkerLink | None, Callable[[], None] | None]:
+    """Split the job into servers and workers: (the workers' world, this worker's link to
+    the servers, None) on a worker, (None, None, the function that serves) on a server.
+    Collective over the job, inside ``psrt.init()``."""
+    local = job.split_by_host()
+    host_leader = local.allgather_object(job.rank)[0]
+    local.free()
+    assigned = assign_roles(job.allgather_object(host_leader), config.num_servers)
+    watchdog.name_ranks(assigned.describe_rank, world_to_job=assigned.workers)
+    server = assigned.is_server(job.rank)
+    link_comm = job.split(0, key=job.rank)  # worker <-> server traffic, apart from collectives
+    workers = job.split(None if server else 0, key=job.rank)
+    assert link_comm is not None
+    if server:
+        def serve() -> None:
+            run_server(link_comm, assigned, config, watchdog, bootstrap.abort_job)
+            link_comm.free()
+        return None, None, serve
+    assert workers is not None
+    return workers, WorkerLink(link_comm, assigned, config, watchdog), None
 
 
 def run_server(comm: Communicator, roles: Roles, config: Config, watchdog: Watchdog,
@@ -69,6 +96,11 @@ class WorkerLink:
         """A new store's id (the same on every worker that creates stores in the same order)."""
         self._stores.append(store)
         return next(self._store_ids)
+
+    def release(self) -> None:
+        """Free the link's communicator (after :meth:`close`, once the runtime's topology
+        is freed)."""
+        self.comm.free()
 
     def close(self) -> None:
         """Finish every store's requests, send an empty message on every push tag (which
