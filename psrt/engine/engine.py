@@ -83,8 +83,6 @@ class Engine:
         self._join_requested = False
         self._join_done = threading.Event()
         self._join_value: int | BaseException | None = None
-        # Callers' announcements by the arguments that made them, reused by repeated calls.
-        self.announcements: dict[tuple, object] = {}
         # Whoever holds the driver runs the next cycle: the engine thread, or a caller
         # blocked on a collective (no hand-off to another thread and back).  Only the
         # driver touches the state below.

@@ -1,38 +1,41 @@
-"""Pieces shared by every collective of the torch API: turning a call into engine work."""
+"""Pieces shared by every collective of the torch API: turning a call into engine work.
+
+Each public collective looks the current runtime up once (it is an API edge, as Horovod's
+free functions are) and hands it to these pieces, which never look it up themselves."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 import torch
 
-from psrt import runtime
 from psrt.comm.base import Communicator
 from psrt.engine import Announcement, Descriptor, Reduction, Work
+from psrt.runtime import Runtime
 from psrt.topology import ProcessSet
 from psrt.torch.validation import check_name, check_tensor
 
 
-def set_ranks(process_set: ProcessSet) -> list[int]:
-    """The world ranks of ``process_set``; raises before init, for an unregistered set, or
-    when the caller is not a member."""
-    topology = runtime.current().topology
+def set_ranks(current: Runtime, process_set: ProcessSet) -> list[int]:
+    """The world ranks of ``process_set``; raises for an unregistered set, or when the
+    caller is not a member."""
+    topology = current.topology
     topology.communicator(process_set)
     return topology.ranks_of(process_set)
 
 
-def prepare(tensor: object, name: object,
-             process_set: ProcessSet) -> tuple[torch.Tensor, list[int]]:
-    """Validate on the calling rank; returns the tensor and the set's world ranks."""
+def prepare(tensor: object, name: object) -> torch.Tensor:
+    """Validate on the calling rank (before the runtime is looked up: bad input fails the
+    same with or without ``init()``); returns the tensor."""
     tensor = check_tensor(tensor)
     check_name(name)
-    return tensor, set_ranks(process_set)
+    return tensor
 
 
-def tensor_work(collective: str, tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
-          ranks: list[int], agreed: dict, execute, finish=lambda value: value):
+def tensor_work(current: Runtime, collective: str, tensor: torch.Tensor, name: str | None,
+                process_set: ProcessSet, ranks: list[int], agreed: dict, execute, finish=lambda value: value):
     """An engine work whose ranks must agree on dtype, device and ``agreed``."""
     descriptor = (("dtype", tensor.dtype), ("device", tensor.device.type), *agreed.items())
-    return make_work(collective, name, process_set, ranks, descriptor, tensor.device,
+    return make_work(current, collective, name, process_set, ranks, descriptor, tensor.device,
                              execute=execute, finish=finish)
 
 
@@ -41,46 +44,44 @@ def rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     return (1, ()) if tensor.dim() == 0 else (tensor.shape[0], tuple(tensor.shape[1:]))
 
 
-def make_work(collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
+def make_work(current: Runtime, collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
               descriptor: Descriptor, device: torch.device, *,
               buffers: list[torch.Tensor] | None = None, reduction: Reduction | None = None,
               execute: Callable[[Communicator, Communicator], object] | None = None,
               finish: Callable[[object], object] = lambda value: value) -> Work:
     """A work for the engine (see :func:`announce`)."""
-    return Work(announce(collective, name, process_set, ranks, descriptor, reduction), device=device,
+    return Work(announce(current, collective, name, process_set, ranks, descriptor, reduction), device=device,
                 buffers=buffers, execute=execute, finish=finish)
 
 
-def announce(collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
+def announce(current: Runtime, collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
              descriptor: Descriptor, reduction: Reduction | None = None) -> Announcement:
     """What ranks negotiate about a call.  Unnamed ops get Horovod's counter-based name (see
     :mod:`psrt.engine.names`) and stay out of the response cache, since their names never
     repeat."""
-    names = runtime.current().names
+    names = current.names
     return Announcement(
         key=(process_set.process_set_id, name if name is not None else names.unnamed(collective)),
         ranks=tuple(ranks), descriptor=(("collective", collective), *descriptor),
         reduction=reduction, cacheable=name is not None)
 
 
-def remembered(signature: tuple) -> object:
+def remembered(current: Runtime, signature: tuple) -> object:
     """What an earlier call with the same signature worked out (see :func:`remember`)."""
-    return runtime.current().engine.announcements.get(signature)
+    return current.announcements.get(signature)
 
 
-def remember(signature: tuple, known: object) -> None:
+def remember(current: Runtime, signature: tuple, known: object) -> None:
     """Keep what a call worked out (its announcement, ...) for later calls whose arguments
-    give the same ``signature``; on the runtime's engine, so a new runtime starts afresh, and
+    give the same ``signature``; on the runtime, so a new runtime starts afresh, and
     bounded like the response cache, whose entries these mostly are."""
-    current = runtime.current()
-    if len(current.engine.announcements) < current.config.cache_capacity:
-        current.engine.announcements[signature] = known
+    if len(current.announcements) < current.config.cache_capacity:
+        current.announcements[signature] = known
 
 
-def submit(work: Work, blocking: bool) -> object:
+def submit(current: Runtime, work: Work, blocking: bool) -> object:
     """Hand a work to the engine and return a handle, or run it (on this thread, see
     :meth:`Engine.run`) and return its output."""
-    current = runtime.current()
     return current.engine.run(work) if blocking else current.handles.register(current.engine.submit(work))
 
 

@@ -3,12 +3,6 @@ handles live in the runtime's table (:mod:`psrt.engine.handles`)."""
 from __future__ import annotations
 
 from psrt import runtime
-from psrt.engine.handles import Completion
-
-
-def register(completion: Completion) -> int:
-    """A new handle for ``completion`` in the current runtime's table."""
-    return runtime.current().handles.register(completion)
 
 
 def poll(handle: int) -> bool:

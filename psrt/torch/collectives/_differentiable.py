@@ -44,8 +44,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from psrt.engine.handles import HandleTable
 from psrt.errors import InvalidArgumentError
-from psrt.torch.handles import poll, register, synchronize
 from psrt.torch.ops import ReduceOp
 from psrt.torch.validation import check_tensor_list
 
@@ -77,19 +77,19 @@ def tensor_group(tensors: object, collective: str) -> list[torch.Tensor]:
 
 
 class HandleGroup:
-    """Several handles completed and released as one (a ``handles.Completion``)."""
+    """Several handles of one table completed and released as one (a ``handles.Completion``)."""
 
-    def __init__(self, members: list[int], combine: Callable[[list], object]) -> None:
-        self._members, self._combine = members, combine
+    def __init__(self, table: HandleTable, members: list[int], combine: Callable[[list], object]) -> None:
+        self._table, self._members, self._combine = table, members, combine
 
     def done(self) -> bool:
-        return all([poll(h) for h in self._members])
+        return all([self._table.poll(h) for h in self._members])
 
     def result(self) -> object:
         results, error = [], None
         for handle in self._members:  # release every member, even after one failed
             try:
-                results.append(synchronize(handle))
+                results.append(self._table.synchronize(handle))
             except Exception as exc:
                 error = error or exc
         if error is not None:
@@ -97,9 +97,10 @@ class HandleGroup:
         return self._combine(results)
 
 
-def issue_each(start: Callable[[int, torch.Tensor], int], tensors: list[torch.Tensor],
-                combine: Callable[[list], object] = list) -> int:
-    """Start one operation per tensor; one handle whose synchronize returns ``combine(outputs)``.
+def issue_each(table: HandleTable, start: Callable[[int, torch.Tensor], int], tensors: list[torch.Tensor],
+               combine: Callable[[list], object] = list) -> int:
+    """Start one operation per tensor (each registering its handle in ``table``, the runtime's);
+    one handle whose synchronize returns ``combine(outputs)``.
 
     If starting one fails, the ones already started are completed and released
     (their peers started them too) before the error propagates.
@@ -110,6 +111,6 @@ def issue_each(start: Callable[[int, torch.Tensor], int], tensors: list[torch.Te
             members.append(start(index, tensor))
     except Exception:
         with contextlib.suppress(Exception):
-            HandleGroup(members, list).result()
+            HandleGroup(table, members, list).result()
         raise
-    return register(HandleGroup(members, combine))
+    return table.register(HandleGroup(table, members, combine))

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from psrt import runtime
 from psrt.comm.base import Communicator
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
@@ -25,7 +26,7 @@ from psrt.torch.ops import ReduceOp
 from psrt.torch.validation import check_name, check_tensor
 
 
-def _allgather_work(tensor, name, process_set, ranks):
+def _allgather_work(current, tensor, name, process_set, ranks):
     rows, tail = _common.rows_and_tail(tensor)
     send = _common.contiguous_buffer(tensor).reshape(-1)
 
@@ -36,12 +37,14 @@ def _allgather_work(tensor, name, process_set, ranks):
         data.allgatherv(send, output.view(-1), [r * row for r in all_rows]).wait()
         return output
 
-    return _common.tensor_work("allgather", tensor, name, process_set, ranks, {"trailing_shape": tail}, execute)
+    return _common.tensor_work(current, "allgather", tensor, name, process_set, ranks, {"trailing_shape": tail}, execute)
 
 
 def _allgather(tensor, name, process_set, blocking):
-    tensor, ranks = _common.prepare(tensor, name, process_set)
-    return _common.submit(_allgather_work(tensor, name, process_set, ranks), blocking)
+    tensor = _common.prepare(tensor, name)
+    current = runtime.current()
+    ranks = _common.set_ranks(current, process_set)
+    return _common.submit(current, _allgather_work(current, tensor, name, process_set, ranks), blocking)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -82,7 +85,9 @@ def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str |
         to; default ``global_process_set`` (every rank).
     :returns: the handle (an int) for ``poll`` and ``synchronize``.
     """
-    tensor, ranks = _common.prepare(tensor, name, process_set)
+    tensor = _common.prepare(tensor, name)
+    current = runtime.current()
+    ranks = _common.set_ranks(current, process_set)
     output = check_tensor(output, "output")
     if not output.is_contiguous() or output.dtype != tensor.dtype or output.device != tensor.device \
             or output.numel() != tensor.numel() * len(ranks):
@@ -98,8 +103,9 @@ def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str |
         data.allgatherv(send, output.view(-1), [send.numel()] * len(ranks)).wait()
         return output
 
-    work = _common.tensor_work("allgather_into", tensor, name, process_set, ranks, {"numel": send.numel()}, execute)
-    return _common.submit(work, False)
+    work = _common.tensor_work(current, "allgather_into", tensor, name, process_set, ranks, {"numel": send.numel()},
+                               execute)
+    return _common.submit(current, work, False)
 
 
 def _rows(shape: torch.Size) -> int:
@@ -169,7 +175,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     """
     tensors = tensor_group(tensors, "grouped_allgather")
     check_name(name)
-    return issue_each(lambda i, t: allgather_async(t, name=derived(name, str(i)), process_set=process_set),
+    return issue_each(runtime.current().handles, lambda i, t: allgather_async(t, name=derived(name, str(i)), process_set=process_set),
                       tensors)
 
 

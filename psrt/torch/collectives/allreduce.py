@@ -84,17 +84,17 @@ def _repeat_key(tensors: list[torch.Tensor], name: object, op: object, average: 
             *[(t.dtype, t.shape, t.device) for t in tensors])
 
 
-def _plan(tensors: list[torch.Tensor], grouped: bool, name: object, op: object, average: object,
+def _plan(current: runtime.Runtime, tensors: list[torch.Tensor], grouped: bool, name: object, op: object, average: object,
           prescale_factor: object, postscale_factor: object, process_set: ProcessSet) -> _Plan:
     """Validate a call's arguments and announce its work, or take what an earlier call with
     the same arguments worked out (building it costs more than the rest of a small
     allreduce's Python)."""
     key = _repeat_key(tensors, name, op, average, prescale_factor, postscale_factor, process_set)
-    known = _common.remembered(key) if key is not None else None
+    known = _common.remembered(current, key) if key is not None else None
     if known is not None:
         return known
     op, pre, post = _resolve({t.dtype for t in tensors}, name, op, average, prescale_factor, postscale_factor)
-    ranks = _common.set_ranks(process_set)
+    ranks = _common.set_ranks(current, process_set)
     if op is ReduceOp.Adasum:
         adasum.check_arguments(tensors, len(ranks), "grouped_allreduce" if grouped else "allreduce")
     folds = [_folded_scale(t, op, post, len(ranks)) for t in tensors]
@@ -103,17 +103,17 @@ def _plan(tensors: list[torch.Tensor], grouped: bool, name: object, op: object, 
         reduction = Reduction(process_set.process_set_id, str(tensors[0].device), transport_op(op),
                               tuple(Piece(t.numel(), t.dtype, 1.0 if f is None else f)
                                     for t, f in zip(tensors, folds)))
-        announcement = _common.announce("allreduce", name, process_set, ranks,
+        announcement = _common.announce(current, "allreduce", name, process_set, ranks,
                                         _descriptor(tensors, op, pre, post), reduction)
     plan = _Plan(op, pre, post, len(ranks), announcement, folds,
                  Express(announcement) if announcement is not None and pre == 1.0 and len(tensors) == 1
                  and folds[0] is not None else None)
     if key is not None:
-        _common.remember(key, plan)
+        _common.remember(current, key, plan)
     return plan
 
 
-def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, plan: _Plan, name: str | None,
+def _allreduce_work(current: runtime.Runtime, tensors: list[torch.Tensor], in_place: bool, plan: _Plan, name: str | None,
                     process_set: ProcessSet, grouped: bool) -> Work:
     """The engine work reducing ``tensors`` (one, or a grouped call's): prescaled now;
     Average and postscale folded into the reduction for floating-point tensors, applied when
@@ -142,7 +142,7 @@ def _allreduce_work(tensors: list[torch.Tensor], in_place: bool, plan: _Plan, na
             return outputs if grouped else outputs[0]
 
     if op is ReduceOp.Adasum:  # not elementwise: the engine cannot fuse it, it runs on its own
-        return _common.make_work("allreduce", name, process_set, _common.set_ranks(process_set),
+        return _common.make_work(current, "allreduce", name, process_set, _common.set_ranks(current, process_set),
                                  _descriptor(tensors, op, pre, post), tensors[0].device,
                                  execute=lambda host, _: adasum.allreduce_(host, buffers), finish=finish)
     return Work(announcement, device=tensors[0].device, buffers=buffers, finish=finish)
@@ -162,16 +162,18 @@ def _descriptor(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: flo
 def _allreduce(tensor, in_place, blocking, name, op, average, prescale_factor,
                postscale_factor, process_set):
     tensors = [check_tensor(tensor)]
-    plan = _plan(tensors, False, name, op, average, prescale_factor, postscale_factor, process_set)
+    current = runtime.current()  # once per call, handed down
+    plan = _plan(current, tensors, False, name, op, average, prescale_factor, postscale_factor, process_set)
     if blocking and plan.express is not None:
         buffer = tensor if in_place else tensor.detach().clone(memory_format=torch.contiguous_format)
         if buffer.is_contiguous():
             announcement = plan.announcement
-            if runtime.current().engine.express(
+            if current.engine.express(
                     plan.express, buffer, lambda: Work(announcement, device=buffer.device, buffers=[buffer])):
                 return buffer
             tensors, in_place = [buffer], True  # the copy made is reduced where it lies
-    return _common.submit(_allreduce_work(tensors, in_place, plan, name, process_set, grouped=False), blocking)
+    return _common.submit(current, _allreduce_work(current, tensors, in_place, plan, name, process_set, grouped=False),
+                          blocking)
 
 
 def _folded_scale(tensor: torch.Tensor, op: ReduceOp, post: float, set_size: int) -> float | None:
@@ -361,8 +363,10 @@ def _grouped(tensors, in_place, blocking, name, op, average, prescale_factor, po
     if len({t.device for t in tensors}) > 1:
         raise InvalidArgumentError(f"grouped_allreduce needs all tensors on one device, got "
                                    f"{sorted({str(t.device) for t in tensors})}")
-    plan = _plan(tensors, True, name, op, average, prescale_factor, postscale_factor, process_set)
-    return _common.submit(_allreduce_work(tensors, in_place, plan, name, process_set, grouped=True), blocking)
+    current = runtime.current()  # once per call, handed down
+    plan = _plan(current, tensors, True, name, op, average, prescale_factor, postscale_factor, process_set)
+    return _common.submit(current, _allreduce_work(current, tensors, in_place, plan, name, process_set, grouped=True),
+                          blocking)
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
@@ -579,6 +583,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
             result._values().div_(set_size, rounding_mode="trunc")
         return result
 
-    handle = issue_each(lambda i, t: allgather_family.allgather_async(t, name=derived(name, suffixes[i]),
+    handle = issue_each(runtime.current().handles,
+                        lambda i, t: allgather_family.allgather_async(t, name=derived(name, suffixes[i]),
                                                                       process_set=process_set), parts, combine)
     return functools.partial(synchronize, handle)

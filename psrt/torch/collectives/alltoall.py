@@ -15,13 +15,16 @@ from psrt.comm.base import Communicator
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
+from psrt import runtime
 from psrt.torch import _common
 from psrt.torch.collectives._differentiable import derived, tracked
 from psrt.torch.validation import check_splits
 
 
 def _alltoall(tensor, splits, name, process_set, blocking):
-    tensor, ranks = _common.prepare(tensor, name, process_set)
+    tensor = _common.prepare(tensor, name)
+    current = runtime.current()
+    ranks = _common.set_ranks(current, process_set)
     if tensor.dim() == 0:
         raise InvalidArgumentError("alltoall needs a tensor with at least one dimension")
     rows, tail = _common.rows_and_tail(tensor)
@@ -36,8 +39,8 @@ def _alltoall(tensor, splits, name, process_set, blocking):
                        [r * row for r in received]).wait()
         return output, torch.tensor(received, dtype=torch.int32)
 
-    work = _common.tensor_work("alltoall", tensor, name, process_set, ranks, {"trailing_shape": tail}, execute)
-    return _common.submit(work, blocking)
+    work = _common.tensor_work(current, "alltoall", tensor, name, process_set, ranks, {"trailing_shape": tail}, execute)
+    return _common.submit(current, work, blocking)
 
 
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,

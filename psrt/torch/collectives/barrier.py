@@ -6,6 +6,7 @@ import torch
 from psrt.comm.base import Communicator
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
+from psrt import runtime
 from psrt.torch import _common
 
 
@@ -20,10 +21,11 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     :param process_set: the ranks that wait for each other: a registered process set this rank
         belongs to; default ``global_process_set`` (every rank).
     """
-    ranks = _common.set_ranks(process_set)
+    current = runtime.current()
+    ranks = _common.set_ranks(current, process_set)
 
     def execute(host: Communicator, data: Communicator) -> None:
         host.barrier().wait()
 
-    _common.submit(_common.make_work("barrier", "barrier", process_set, ranks, (),
+    _common.submit(current, _common.make_work(current, "barrier", "barrier", process_set, ranks, (),
                                      torch.device("cpu"), execute=execute), True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from psrt import runtime
 from psrt.comm.base import Communicator
 from psrt.runtime import global_process_set
 from psrt.runtime import rank as world_rank
@@ -21,7 +22,9 @@ from psrt.torch.validation import check_root
 
 
 def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
-    tensor, ranks = _common.prepare(tensor, name, process_set)
+    tensor = _common.prepare(tensor, name)
+    current = runtime.current()
+    ranks = _common.set_ranks(current, process_set)
     root = check_root(root_rank, ranks)
     if in_place:
         buffer = _common.contiguous_buffer(tensor)
@@ -32,10 +35,10 @@ def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
     def execute(host: Communicator, data: Communicator) -> None:
         data.broadcast(buffer, ranks.index(root)).wait()
 
-    work = _common.tensor_work("broadcast", tensor, name, process_set, ranks,
-                 {"shape": tuple(tensor.shape), "root_rank": root}, execute,
-                 lambda _: _common.write_back(target, buffer))
-    return _common.submit(work, blocking)
+    work = _common.tensor_work(current, "broadcast", tensor, name, process_set, ranks,
+                               {"shape": tuple(tensor.shape), "root_rank": root}, execute,
+                               lambda _: _common.write_back(target, buffer))
+    return _common.submit(current, work, blocking)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,

@@ -32,11 +32,11 @@ def reducescatter_rows(rows: int, set_size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(set_size)]
 
 
-def _reducescatter_work(tensor, name, op, pre, post, process_set, ranks):
+def _reducescatter_work(current, tensor, name, op, pre, post, process_set, ranks):
     rows, tail = _common.rows_and_tail(tensor)
     row = math.prod(tail)
     kept = reducescatter_rows(rows, len(ranks))
-    me = ranks.index(runtime.rank())
+    me = ranks.index(current.topology.world.rank)
     send = _common.contiguous_buffer(tensor)
     if pre != 1.0:
         send = send.clone()
@@ -53,11 +53,13 @@ def _reducescatter_work(tensor, name, op, pre, post, process_set, ranks):
 
     agreed = {"shape": tuple(tensor.shape), "op": op.name, "prescale_factor": pre,
               "postscale_factor": post}
-    return _common.tensor_work("reducescatter", tensor, name, process_set, ranks, agreed, execute, finish)
+    return _common.tensor_work(current, "reducescatter", tensor, name, process_set, ranks, agreed, execute, finish)
 
 
 def _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_factor, blocking):
-    tensor, ranks = _common.prepare(tensor, name, process_set)
+    tensor = _common.prepare(tensor, name)
+    current = runtime.current()
+    ranks = _common.set_ranks(current, process_set)
     if tensor.dim() == 0:
         raise InvalidArgumentError("reducescatter needs a tensor with at least one dimension")
     op = resolve_op(op)
@@ -67,8 +69,8 @@ def _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_fac
         raise UnsupportedOperationError(f"reducescatter supports only Sum and Average, got {op.name}")
     pre = check_scale(prescale_factor, "prescale_factor")
     post = check_scale(postscale_factor, "postscale_factor")
-    work = _reducescatter_work(tensor, name, op, pre, post, process_set, ranks)
-    return _common.submit(work, blocking)
+    work = _reducescatter_work(current, tensor, name, op, pre, post, process_set, ranks)
+    return _common.submit(current, work, blocking)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
@@ -183,7 +185,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """
     tensors = tensor_group(tensors, "grouped_reducescatter")
     check_name(name)
-    return issue_each(lambda i, t: reducescatter_async(
+    return issue_each(runtime.current().handles, lambda i, t: reducescatter_async(
         t, name=derived(name, str(i)), op=op, process_set=process_set,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor), tensors)
 
