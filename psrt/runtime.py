@@ -80,9 +80,13 @@ class Runtime:
     #: What the framework layer's calls worked out (their announcements, ...), by the
     #: arguments that made them, for repeated calls to reuse (see psrt.torch._common.remember).
     announcements: dict[tuple, object] = field(default_factory=dict)
-    #: Collectives run by the parallel layers outside the engine, by family
-    #: ("tensor-parallel", "context-parallel", "expert-parallel"): counts and seconds.
-    stats: defaultdict[str, CommStats] = field(default_factory=lambda: defaultdict(CommStats))
+
+    @property
+    def stats(self) -> defaultdict[str, CommStats]:
+        """Collectives run by the parallel layers outside the engine, by family
+        ("tensor-parallel", "context-parallel", "expert-parallel"): counts and seconds
+        (kept by the topology, whose direct groups run them)."""
+        return self.topology.stats
 
 
 _runtime: Runtime | None = None
@@ -181,7 +185,7 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
         layout = bootstrap.host_layout(world)
         topology = Topology(layout.world, layout.local, layout.cross, global_process_set, watchdog,
                             hierarchical_allreduce=config.hierarchical_allreduce,
-                            tuned=tuner.in_use(config, layout.world))
+                            tuned=tuner.in_use(config, layout.world), tp_check_shapes=config.tp_check_shapes)
         tuner.establish(layout.world, layout.local, topology.hierarchical, config)
         engine = Engine(topology, config, watchdog)
     return Runtime(config=config, topology=topology, engine=engine, watchdog=watchdog, ps=link), None

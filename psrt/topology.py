@@ -8,6 +8,7 @@ DP, TP and PP groups of the process grid are process sets too.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Iterable, Sequence
 
 import torch
@@ -16,6 +17,7 @@ from psrt.comm.base import Communicator
 from psrt.comm.direct import DirectGroup
 from psrt.comm.hierarchical import HierarchicalCommunicator, hierarchical_or_none
 from psrt.comm.staged import device_transport
+from psrt.comm.stats import CommStats
 from psrt.comm.watchdog import Watchdog
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ProcessSetError
 
@@ -40,6 +42,12 @@ class ProcessSet:
             raise ProcessSetError(f"{self!r} is not registered; call add_process_set() on "
                                   "every rank first")
         return self._topology
+
+    @property
+    def topology(self) -> Topology:
+        """The topology the set is registered with: what a layer given the set reaches its
+        direct group, check setting and counts through (raises while unregistered)."""
+        return self._bound()
 
     def included(self) -> bool:
         """Whether the calling rank is a member."""
@@ -80,12 +88,17 @@ class Topology:
 
     def __init__(self, world: Communicator, local: Communicator, cross: Communicator,
                  global_set: ProcessSet, watchdog: Watchdog, *,
-                 hierarchical_allreduce: bool = False, tuned: bool = False) -> None:
+                 hierarchical_allreduce: bool = False, tuned: bool = False, tp_check_shapes: bool = True) -> None:
         """Collective over ``world``.  ``hierarchical_allreduce`` makes the global set's host
         allreduces hierarchical where that helps; else, with ``tuned``, a job over several
         hosts gets the hierarchical communicator too, for the tuning table to choose it by
-        size (see :mod:`psrt.comm.tuner`)."""
+        size (see :mod:`psrt.comm.tuner`).  ``tp_check_shapes``: whether tensor-parallel
+        collectives on the direct groups run the agreement check (``PSRT_TP_CHECK_SHAPES``)."""
         self.world, self.local, self.cross = world, local, cross
+        self.tp_check_shapes = tp_check_shapes
+        #: Collectives the parallel layers run on the direct groups, by family
+        #: ("tensor-parallel", "context-parallel", "expert-parallel"): counts and seconds.
+        self.stats: defaultdict[str, CommStats] = defaultdict(CommStats)
         self._watchdog = watchdog  # registering sets and placing ranks wait on every rank
         # Registering process sets happens on the caller's thread while the engine
         # thread runs collectives on the sets' communicators: it gets its own.

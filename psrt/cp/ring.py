@@ -21,31 +21,32 @@ import time
 
 import torch
 
-from psrt import runtime
 from psrt.autograd import skips_without_gradient
 from psrt.comm.stats import CommStats
 from psrt.cp import zigzag
 from psrt.errors import ArgumentTypeError, CommunicationError, InvalidArgumentError
+from psrt.runtime import Runtime, given
 from psrt.topology import ProcessSet
 
 _LABEL = "context-parallel"
 
 
-def stats() -> CommStats:
-    """The ring hops this runtime has run since the last ``reset()`` and the seconds spent in
-    them, for tests and the benchmark."""
-    return runtime.current().stats[_LABEL]
+def stats(runtime: Runtime | None = None) -> CommStats:
+    """The ring hops ``runtime`` (default: the current one) has run since the last ``reset()``
+    and the seconds spent in them, for tests and the benchmark."""
+    return given(runtime).stats[_LABEL]
 
 
 FORWARD_TAG, BACKWARD_TAG = 21, 22
 
 
 class _Ring:
-    """Hops of a block from each rank of the CP set to the next."""
+    """Hops of a block from each rank of the CP set to the next, on the set's direct group
+    (from the topology the set is registered with)."""
 
     def __init__(self, process_set: ProcessSet) -> None:
-        current = runtime.current()
-        self.group, self.stats = current.topology.direct(process_set), current.stats[_LABEL]
+        topology = process_set.topology
+        self.group, self.stats = topology.direct(process_set), topology.stats[_LABEL]
         self.rank, self.size = process_set.rank(), process_set.size()
 
     def agree(self, q: torch.Tensor, k: torch.Tensor) -> None:

@@ -12,18 +12,18 @@ from typing import Sequence
 
 import torch
 
-from psrt import runtime
 from psrt.autograd import skips_without_gradient
 from psrt.comm.stats import CommStats
+from psrt.runtime import Runtime, given
 from psrt.topology import ProcessSet
 
 _LABEL = "expert-parallel"
 
 
-def stats() -> CommStats:
-    """The expert-parallel all-to-alls this runtime has run since the last ``reset()`` and the
-    seconds spent in them."""
-    return runtime.current().stats[_LABEL]
+def stats(runtime: Runtime | None = None) -> CommStats:
+    """The expert-parallel all-to-alls ``runtime`` (default: the current one) has run since the
+    last ``reset()`` and the seconds spent in them."""
+    return given(runtime).stats[_LABEL]
 
 
 
@@ -33,10 +33,9 @@ def exchange(tensor: torch.Tensor, send_rows: Sequence[int], process_set: Proces
     arrived (in member order) and how many rows came from each member (``received``: known
     already, agreed with the members, which skips their exchange).  No autograd."""
     start = time.perf_counter()
-    current = runtime.current()
-    out, arrived = current.topology.direct(process_set).all_to_all(tensor, list(send_rows), label=_LABEL,
-                                                                   received=received)
-    current.stats[_LABEL].add("all_to_all", start)
+    topology = process_set.topology  # the set's registration gives its direct group and counts
+    out, arrived = topology.direct(process_set).all_to_all(tensor, list(send_rows), label=_LABEL, received=received)
+    topology.stats[_LABEL].add("all_to_all", start)
     return out, arrived
 
 

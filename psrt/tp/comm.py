@@ -19,18 +19,19 @@ import time
 
 import torch
 
-from psrt import runtime
 from psrt.comm.base import ReduceOp
 from psrt.comm.direct import DirectGroup, check_divisible
 from psrt.comm.stats import CommStats
+from psrt.runtime import Runtime, given
 from psrt.topology import ProcessSet
 
 _LABEL = "tensor-parallel"
 
 
-def stats() -> CommStats:
-    """The tensor-parallel collectives this runtime has run since the last ``reset()``."""
-    return runtime.current().stats[_LABEL]
+def stats(runtime: Runtime | None = None) -> CommStats:
+    """The tensor-parallel collectives ``runtime`` (default: the current one) has run since the
+    last ``reset()``."""
+    return given(runtime).stats[_LABEL]
 
 
 def group_size(process_set: ProcessSet | None) -> int:
@@ -94,6 +95,7 @@ def agree(process_set: ProcessSet | None, value: object) -> list:
 
 def _group(process_set: ProcessSet) -> tuple[DirectGroup, bool, CommStats]:
     """The set's direct group; whether calls on it are checked (a setting every rank of the
-    set must share: the group compares it on its first collective); the runtime's counts."""
-    current = runtime.current()
-    return current.topology.direct(process_set), current.config.tp_check_shapes, current.stats[_LABEL]
+    set must share: the group compares it on its first collective); the counts.  All from the
+    topology the set is registered with: nothing is looked up per call."""
+    topology = process_set.topology
+    return topology.direct(process_set), topology.tp_check_shapes, topology.stats[_LABEL]
