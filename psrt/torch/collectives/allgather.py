@@ -175,8 +175,8 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     """
     tensors = tensor_group(tensors, "grouped_allgather")
     check_name(name)
-    return issue_each(runtime.current().handles, lambda i, t: allgather_async(t, name=derived(name, str(i)), process_set=process_set),
-                      tensors)
+    return issue_each(runtime.current().handles,
+                      lambda i, t: allgather_async(t, name=derived(name, str(i)), process_set=process_set), tensors)
 
 
 class HorovodGroupedAllgather(torch.autograd.Function):
