@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from psrt.pp.cut import StageLayout
+from psrt.models.layout import StageLayout
 from psrt.tp.plan import Plan
 
 

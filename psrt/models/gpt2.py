@@ -7,7 +7,7 @@ from torch import nn
 
 from psrt.errors import InvalidArgumentError
 from psrt.models import BlockInputs, Family, causal_mask, has
-from psrt.pp.cut import StageLayout
+from psrt.models.layout import StageLayout
 from psrt.tp import plan as tp
 
 BLOCKS = "transformer.h"

@@ -10,45 +10,24 @@ submodules at their own paths, so the stage's ``state_dict`` keys are the model'
 
 How a block is called (positions, rotary tables, attention masks, recomputed on every
 stage from the activation's shape) is the model family's business: a
-:class:`StageLayout` that :mod:`psrt.models` provides for the families it knows, or that
-the caller describes by naming the parts (each block then gets the hidden states alone).
+:class:`~psrt.models.layout.StageLayout` that :mod:`psrt.models` provides for the families
+it knows, or that the caller describes by naming the parts (each block then gets the hidden
+states alone).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from psrt import models
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.models.layout import StageLayout
 from psrt.pp.partition import balanced_split
 from psrt.pp.stage import PipelineStage
 from psrt.topology import ProcessSet
-
-RunPart = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (piece, tensor) -> tensor
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """Where a decoder model's parts are and how each runs on a stage.
-
-    ``before``/``after``: module paths run before and after the blocks; ``blocks``: the path
-    of the block list; ``shared``: modules every block needs that hold no persistent state
-    (rotary tables).  ``embed(piece, ids)`` and ``head(piece, hidden)`` run the parts around
-    the blocks; ``run_block(piece, block, hidden, length)`` one block, ``length`` being the
-    whole sequence's (the hidden states may hold one block of it under sequence parallelism).
-    """
-
-    before: tuple[str, ...]
-    blocks: str
-    after: tuple[str, ...]
-    embed: RunPart
-    run_block: Callable[[nn.Module, nn.Module, torch.Tensor, int], torch.Tensor]
-    head: RunPart
-    shared: tuple[str, ...] = ()
-
 
 def named_layout(before: Sequence[str], blocks: str, after: Sequence[str]) -> StageLayout:
     """The layout of a model described by its parts: the ``before`` modules run in order on
@@ -139,8 +118,6 @@ def split(model: nn.Module, process_set: ProcessSet, *, chunks: int = 1, split: 
     Collective with ``balance="measured"``: every rank of the world calls it, in the same
     order.  Otherwise ``split`` does not communicate.
     """
-    from psrt import models  # the families' layouts
-
     if not isinstance(process_set, ProcessSet):
         raise ArgumentTypeError(f"process_set must be the pipeline ProcessSet, got {type(process_set).__name__}")
     if blocks is not None:

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from psrt import models
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.tp import comm, regions
 from psrt.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -57,8 +58,6 @@ def parallelize(model: nn.Module, process_set: ProcessSet | None, plan: Plan | s
     Collective when run: every rank of ``process_set`` runs the rewritten model's forward and
     backward in the same order.  ``parallelize`` itself does not communicate.
     """
-    from psrt import models  # model families build plans from this module's styles
-
     if process_set is not None and not isinstance(process_set, ProcessSet):
         raise ArgumentTypeError(f"process_set must be the tensor-parallel ProcessSet, got {type(process_set).__name__}")
     if not isinstance(model, nn.Module):

@@ -1,0 +1,127 @@
+"""psrt's import graph follows its layers: no module imports one of a higher layer, and no
+strategy package imports, through any chain, one that imports it back.
+
+The graph is grimp's (the library behind import-linter), built from the source, so an
+import inside a function counts as much as one at the top of a module: a lazy import only
+hides a dependency from the interpreter, not from the design.
+"""
+from __future__ import annotations
+
+import ast
+import itertools
+import pathlib
+
+import grimp
+import pytest
+
+import psrt
+
+# The layers, bottom-up, as DESIGN.md's table has them plus what exists beside it.  A module
+# may import its own layer and the ones below, never one above.  Each line says why it sits
+# where it does.
+LAYERS: list[tuple[str, ...]] = [
+    # leaves every layer uses: errors, the typed configuration, small tensor and file helpers
+    ("psrt.errors", "psrt.config", "psrt.autograd", "psrt.checkpoint_files", "psrt.safetensors_slices",
+     "psrt.probe_job"),
+    # transport and the direct layer beside it: the only place that touches mpi4py or cupy
+    ("psrt.comm",),
+    # world, local and cross groups, process sets and their direct groups
+    ("psrt.topology",),
+    # the Horovod-style background engine
+    ("psrt.engine",),
+    # the runtime object that holds configuration, topology and engine (and what it exports)
+    ("psrt.runtime", "psrt.horovod_env"),
+    # the DP x CP x TP x PP grid, built from a runtime's topology
+    ("psrt.grid",),
+    # the framework binding: the Horovod-shaped torch API and the torch.distributed backend
+    ("psrt.torch",),
+    # the tensor-parallel plan vocabulary: plain values that model families write plans in
+    ("psrt.tp.plan",),
+    # model families: their TP plans and pipeline layouts, as values for the generic machinery
+    ("psrt.models",),
+    # parallelism strategies, built on the torch API and the topology (TP and PP apply the
+    # families' plans and layouts)
+    ("psrt.zero", "psrt.ps", "psrt.tp", "psrt.pp", "psrt.cp", "psrt.ep"),
+    # what combines strategies: elastic training, full state, pretrained weights, plans, tuning, CLI
+    ("psrt.elastic", "psrt.full_state", "psrt.pretrained", "psrt.plan", "psrt.tune", "psrt.cli",
+     "psrt.torch.elastic"),
+]
+# Imports up a layer that the design accepts, each with its reason.
+ACCEPTED_UPWARD = {
+    # ``hvd.elastic`` is Horovod's name for the elastic API: the module (in the top layer)
+    # only forwards, on first use, to psrt.elastic, which builds on psrt.torch.
+    ("psrt.torch", "psrt.torch.elastic"),
+}
+STRATEGIES = ("psrt.zero", "psrt.ps", "psrt.tp", "psrt.pp", "psrt.cp", "psrt.ep")
+
+
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    return grimp.build_graph("psrt")
+
+
+def _layer_of(module: str) -> int | None:
+    """The layer of ``module``: that of the longest name it falls under (``psrt.torch.elastic``
+    before ``psrt.torch``); None for the root package, which only re-exports."""
+    best, level = -1, None
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, level = len(name), index
+    return level
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def _edges(graph: grimp.ImportGraph):
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            yield importer, imported
+
+
+def _where(graph: grimp.ImportGraph, importer: str, imported: str) -> str:
+    lines = sorted(d["line_number"] for d in graph.get_import_details(importer=importer, imported=imported))
+    return f"{importer} -> {imported} (line {', '.join(map(str, lines))})"
+
+
+def test_every_module_has_a_layer(graph):
+    unplaced = sorted(m for m in graph.modules if m != "psrt" and _layer_of(m) is None)
+    assert not unplaced, f"modules in no layer of LAYERS (add them where they belong): {unplaced}"
+
+
+def test_no_module_imports_a_higher_layer(graph):
+    upward = [_where(graph, importer, imported) for importer, imported in _edges(graph)
+              if imported != "psrt" and importer != "psrt" and _layer_of(importer) < _layer_of(imported)
+              and (importer, imported) not in ACCEPTED_UPWARD]
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_no_import_circle_across_strategy_packages(graph):
+    circles = []
+    for first, second in itertools.combinations(STRATEGIES, 2):
+        there = graph.find_shortest_chain(importer=first, imported=second, as_packages=True)
+        back = graph.find_shortest_chain(importer=second, imported=first, as_packages=True)
+        if there and back:
+            circles.append(f"{first} <-> {second}: {' -> '.join(there)}; back: {' -> '.join(back)}")
+    assert not circles, "strategy packages that import each other:\n" + "\n".join(circles)
+
+
+def test_no_package_imports_another_packages_private_names(graph):
+    """A name with a leading underscore (a module or what a module defines) is its package's
+    own: another package that needs it needs a public interface instead."""
+    root = pathlib.Path(psrt.__file__).parent
+    private = []
+    for importer, imported in _edges(graph):
+        if _package(importer) != _package(imported) and any(p.startswith("_") for p in imported.split(".")):
+            private.append(_where(graph, importer, imported))
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(("psrt", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("psrt") \
+                    and _package(node.module) != _package(module):
+                names = [alias.name for alias in node.names if alias.name.startswith("_")]
+                if names:
+                    private.append(f"{module} imports {', '.join(names)} from {node.module} (line {node.lineno})")
+    assert not private, "imports of another package's private names:\n" + "\n".join(private)
