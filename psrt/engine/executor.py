@@ -48,7 +48,11 @@ _LONGEST_QUIET_NAP_S = 50e-3
 
 
 class Executor:
-    """The background cycle (see the module's docstring)."""
+    """The background cycle (see the module's docstring).
+
+    Works on the state :class:`~psrt.engine.Engine` builds; of the other parts it calls the
+    supervisor's ``_failed`` (a cycle raised), ``_inspect_stalls`` and ``_shut_down`` (a
+    round reported ranks shutting down)."""
 
     # -- timeline -----------------------------------------------------------------------------
     def start_timeline(self, path: str, mark_cycles: bool = False, asked_by: str = "start_timeline()") -> None:

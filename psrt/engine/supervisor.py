@@ -28,7 +28,10 @@ _UNSUBMITTED = "a collective some ranks have not submitted"
 
 
 class Supervisor:
-    """Stalls, failure and shutdown (see the module's docstring)."""
+    """Stalls, failure and shutdown (see the module's docstring).
+
+    Works on the state :class:`~psrt.engine.Engine` builds; of the other parts it calls the
+    executor's ``stop_timeline`` when shutting down."""
 
     def shutdown(self) -> None:
         """Stop this rank's engine once every rank has called shutdown (collective, as

@@ -6,7 +6,8 @@ from psrt.pp.step import StepProfile
 from psrt.pp.partition import balanced_split, explicit_split
 from psrt.pp.schedule import Action, Op, build, gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
 from psrt.pp.simulate import Event, bubble_fraction, check, in_flight, makespan, simulate
-from psrt.pp.cut import SplitStage, StageLayout, split
+from psrt.models.layout import StageLayout
+from psrt.pp.cut import SplitStage, split
 from psrt.pp.stage import PipelineStage
 from psrt.pp.timeline import render
 
