@@ -36,8 +36,8 @@ _PLAIN = (bool, int, float, str, bytes, type(None), torch.Tensor, torch.dtype, t
 
 
 def _check_plain(value: object, where: str) -> None:
-    """Commits hold tensors and plain data only (they are read back with ``weights_only``,
-    so a commit can never run code): refuse anything else, naming where it is."""
+    """Commits hold tensors and plain data only (safetensors and JSON, so a commit can never
+    run code): refuse anything else, naming where it is."""
     if isinstance(value, dict):
         for key, item in value.items():
             _check_plain(key, where)
