@@ -202,12 +202,20 @@ class FullState:
         self.module, self.optimizer, self.grid = module, optimizer, grid
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"model": full_state_dict(...), "optimizer": full_optimizer_state_dict(...)}``, on
+        every rank.
+
+        Collective: every rank of the world calls it, in the same order (no communication
+        without a grid).
+        """
         document: dict[str, Any] = {"model": full_state_dict(self.module, self.grid)}
         if self.optimizer is not None:
             document["optimizer"] = full_optimizer_state_dict(self.module, self.optimizer, self.grid)
         return document
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take this rank's part of what :meth:`state_dict` returned on any grid.  No
+        communication."""
         load_full_state_dict(self.module, state_dict["model"])
         if self.optimizer is not None and "optimizer" in state_dict:
             load_full_optimizer_state_dict(self.module, self.optimizer, state_dict["optimizer"])
