@@ -42,9 +42,14 @@ class ShardedStateful(Protocol):
     checkpoint_name: str
 
     def save(self, directory: str) -> None:
-        """Write the checkpoint.  Collective over the state's process set."""
+        """Write the checkpoint into ``directory`` (the same on every rank).
+
+        Collective: every rank of the state's process set calls it, in the same order.
+        """
 
     def load(self, directory: str) -> object:
-        """Restore a checkpoint written by any number of ranks.  Collective over the state's
-        process set."""
+        """Restore the checkpoint in ``directory``, written by any number of ranks.
+
+        Collective: every rank of the state's process set calls it, in the same order.
+        """
 
