@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+import torch
+
 from psrt import checkpoint_files, tune
 from psrt.engine import timeline_summary
 from psrt.errors import PsrtError
@@ -30,7 +32,6 @@ def _zero_to_full(args: argparse.Namespace) -> None:
 
 
 def _write_torch_file(document: dict, path: str) -> checkpoint_files.FileRecord:
-    import torch
     with open(path + ".tmp", "wb") as f:
         torch.save(document, f)
         f.flush()
