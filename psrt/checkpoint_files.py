@@ -1,12 +1,17 @@
 """Checkpoint files that are written whole and read back only if they are what was saved.
 
-Shared by the parameter-server and ZeRO checkpoints.  Each writes its tensor files with
-:func:`save_tensors`, which returns the file's size and sha256, and records them in its
-commit record (the PS ``manifest.json``, the ZeRO ``zero_meta.json``), written once every
-file is in place.  :func:`load_tensors` compares a file with its record before unpickling
-anything, and then unpickles with ``weights_only=True``: a damaged, truncated or swapped
-file is refused with the file named and what is wrong with it, and a crafted one can
-never run code, even when its commit record was rewritten to match.
+Shared by the parameter-server, ZeRO and elastic checkpoints.  Each writes its tensor files
+with :func:`save_tensors`, which returns the file's size and sha256, and records them in its
+commit record (the PS ``manifest.json``, the ZeRO ``zero_meta.json``, the elastic
+``latest.json``), written once every file is in place.  :func:`load_tensors` compares a
+file with its record before reading anything in it: a damaged, truncated or swapped file
+is refused with the file named and what is wrong with it.
+
+The files are safetensors files (:mod:`psrt.checkpoint_document` says how a document's
+structure travels in their metadata, as JSON): nothing in them is pickled, so a crafted
+file can never run code, even when its commit record was rewritten to match.  Files that
+psrt wrote before (``torch.save`` zip archives; the names stay ``*.pt``) are still read,
+with ``torch.load(weights_only=True)``, which unpickles tensors and plain data only.
 """
 from __future__ import annotations
 
@@ -17,11 +22,15 @@ import zipfile
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
+from psrt import checkpoint_document
 from psrt.errors import PsrtError
 
 _CHUNK_BYTES = 1 << 20
 _FIX = "restore it from a backup or save again"
+FORMAT = "psrt-tensors/1"  # a file's own format, in its safetensors metadata
 
 
 @dataclass(frozen=True)
@@ -46,12 +55,16 @@ def fingerprint(path: str) -> FileRecord:
 
 
 def save_tensors(document: object, path: str) -> FileRecord:
-    """Write ``document`` (tensors and plain data only) to ``path`` so that a crash never
-    leaves half a file under that name; returns the record to keep in the commit record."""
-    with open(path + ".tmp", "wb") as f:
-        torch.save(document, f)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename makes it the file
+    """Write ``document`` (tensors and plain data only; anything else raises ``TypeError``
+    naming where it is) to ``path`` as a safetensors file, so that a crash never leaves half
+    a file under that name; returns the record to keep in the commit record."""
+    tensors, skeleton = checkpoint_document.encode(document)
+    save_file(tensors, path + ".tmp", metadata={"format": FORMAT, "document": skeleton})
+    fd = os.open(path + ".tmp", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # on disk before the rename makes it the file
+    finally:
+        os.close(fd)
     record = fingerprint(path + ".tmp")
     os.replace(path + ".tmp", path)
     return record
@@ -95,13 +108,37 @@ def record_of(records: object, path: str, commit_record: str, error: type[PsrtEr
 
 
 def load_tensors(path: str, record: FileRecord | None, error: type[PsrtError]) -> object:
-    """What :func:`save_tensors` wrote to ``path``, after checking the file against ``record``
-    (``None``: a checkpoint from before records were kept, loaded unchecked); raises ``error``
-    naming the file and what is wrong.  Never runs code stored in the file."""
+    """What :func:`save_tensors` wrote to ``path`` (or, from an older psrt, ``torch.save``),
+    after checking the file against ``record`` (``None``: a checkpoint from before records
+    were kept, loaded unchecked); raises ``error`` naming the file and what is wrong.  Never
+    runs code stored in the file."""
     _check_file(path, record, error)
-    if not zipfile.is_zipfile(path):  # torch.save always writes a zip archive
-        raise error(f"{path} is not a torch checkpoint file (no zip archive: damaged, cut short, "
-                    f"or not written by psrt); nothing in it was read; {_FIX}")
+    if zipfile.is_zipfile(path):  # what psrt wrote before safetensors
+        return _load_legacy(path, error)
+    if not _looks_like_safetensors(path):
+        raise error(f"{path} is not a psrt checkpoint file (no safetensors header and no zip archive: damaged, "
+                    f"cut short, or not written by psrt); nothing in it was read; {_FIX}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != FORMAT:
+                raise ValueError(f"its metadata names format {metadata.get('format')!r}, not {FORMAT!r}")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        return checkpoint_document.decode(tensors, metadata["document"])
+    except (SafetensorError, ValueError, KeyError, OSError) as e:
+        raise error(f"{path} cannot be loaded as a psrt checkpoint file ({type(e).__name__}: {e}); nothing in it "
+                    f"was run. The file is damaged or was not written by psrt: {_FIX}") from None
+
+
+def _looks_like_safetensors(path: str) -> bool:
+    """An 8-byte header length that fits the file, then a JSON object."""
+    with open(path, "rb") as f:
+        start = f.read(9)
+    return len(start) == 9 and 0 < int.from_bytes(start[:8], "little") < os.path.getsize(path) and start[8:] == b"{"
+
+
+def _load_legacy(path: str, error: type[PsrtError]) -> object:
+    """A file psrt wrote with ``torch.save``, unpickled with ``weights_only``."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # whatever the file holds, the caller gets the file's name and a reason

@@ -8,7 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+import torch
 
 from psrt import checkpoint_files, tune
 from psrt.engine import timeline_summary
@@ -17,15 +20,24 @@ from psrt.plan import cli as plan_cli
 
 
 def _zero_to_full(args: argparse.Namespace) -> None:
-    """Every shard is checked against the checkpoint's records and read with ``weights_only``;
-    the output holds only tensors and plain data, so ``torch.load(OUT, weights_only=True)``
-    reads it, and it is written whole or not at all."""
+    """Every shard is checked against the checkpoint's records before it is read.  The output
+    is for PyTorch, not psrt: an ordinary ``torch.save`` file of tensors and plain data only,
+    so ``torch.load(OUT, weights_only=True)`` reads it; it is written whole or not at all."""
     from psrt.zero.checkpoint import consolidate
     full = consolidate(args.checkpoint)
-    record = checkpoint_files.save_tensors(full, args.output)
+    record = _write_torch_file(full, args.output)
     print(f"psrt: wrote {len(full['model'])} model entries and the optimizer state of "
           f"{len(full['optimizer']['state'])} parameters ({full['world_size']} shards, stage "
           f"{full['stage']}) to {args.output} (sha256 {record.sha256})")
+
+
+def _write_torch_file(document: dict, path: str) -> checkpoint_files.FileRecord:
+    with open(path + ".tmp", "wb") as f:
+        torch.save(document, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return checkpoint_files.fingerprint(path)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -4,9 +4,10 @@ An MPI job cannot shrink or grow in place, so ``psrun`` relaunches it, and a com
 outlive the processes that made it: it is written to the directory psrun names in
 ``PSRT_ELASTIC_DIR`` (a filesystem every host sees, as for any checkpoint)::
 
-    commit-000007/       what commit 7 wrote: replicated.pt (rank 0 only), rank-00003.pt
-                         (each rank's own: RNG states, and a sharded model's pieces), and the
-                         sharded optimizers' own checkpoints (zero/, ps/)
+    commit-000007/       what commit 7 wrote: replicated.pt (rank 0 only: the replicated
+                         state, a TP x PP model whole), rank-00003.pt (each rank's own: RNG
+                         states), and the sharded optimizers' own checkpoints (zero/, ps/);
+                         the .pt files are safetensors files (psrt.checkpoint_files)
     latest.json          {"commit": 7, "size": 3, ...}: written by rank 0 once every rank has
                          finished commit 7, after which the commit it replaces is removed
 
@@ -36,7 +37,8 @@ from psrt.errors import ElasticError
 
 ENV_DIR = "PSRT_ELASTIC_DIR"
 ENV_HOSTS_VERSION = "PSRT_ELASTIC_HOSTS_VERSION"
-FORMAT = "psrt-elastic/1"
+FORMAT = "psrt-elastic/2"  # safetensors files; a TP x PP model committed whole
+TORCH_FILES_FORMAT = "psrt-elastic/1"  # earlier psrt's: torch.save files (read with weights_only)
 LATEST = "latest.json"
 HOSTS = "hosts.json"
 RESET = "reset.json"
@@ -90,7 +92,7 @@ class CommitStore:
         except ElasticError as exc:
             raise ElasticError(f"{exc} ({self.root} holds {self._found()}; nothing was resumed or removed)") \
                 from None
-        if record.get("format") != FORMAT or not isinstance(record.get("commit"), int) \
+        if record.get("format") not in (FORMAT, TORCH_FILES_FORMAT) or not isinstance(record.get("commit"), int) \
                 or not isinstance(record.get("files"), dict):
             raise ElasticError(f"{path} is not a psrt elastic commit record (format {record.get('format')!r}): "
                                f"the directory belongs to something else ({self._found()}); point --elastic-dir "

@@ -3,10 +3,13 @@
 ``commit()`` keeps a copy in memory (``restore()`` goes back to it, as in Horovod) and,
 under ``psrun --min-np/--max-np``, writes it to the job's commit directory
 (:mod:`psrt.elastic.commits`) so that a relaunched job starts from it: replicated state
-once (rank 0), each rank's own state (its RNG states, a TP/PP model's pieces) per rank,
-and ZeRO and parameter-server optimizers through their own sharded checkpoints, which a
-job of another size loads.  A state is made of parts, one per thing it covers, each
-knowing how to copy, restore, agree across ranks and be written.
+once (rank 0), each rank's own state (its RNG states, the TP RNG tracker's streams) per
+rank, and sharded optimizers (ZeRO, parameter servers) through their own checkpoints, which
+a job of another size loads.  What is committed is told by the state protocol
+(:mod:`psrt.stateful`), never by an optimizer's type: a :class:`~psrt.stateful.Stateful`
+optimizer is committed with the model, a :class:`~psrt.stateful.ShardedStateful` one writes
+its own directory.  A TP x PP model is committed whole (:class:`psrt.full_state.FullState`,
+gathered over the grid), so that a commit restores on another grid, or without one.
 """
 from __future__ import annotations
 
@@ -22,16 +25,19 @@ from psrt import runtime
 from psrt.elastic.commits import ENV_HOSTS_VERSION, REPLICATED, CommitStore, rank_file
 from psrt.elastic.sampler import ElasticSampler
 from psrt.errors import ArgumentTypeError, ElasticError, HostsUpdatedInterrupt
+from psrt.full_state import FullState
 from psrt.runtime import global_process_set
+from psrt.stateful import ShardedStateful, Stateful
 from psrt.topology import ProcessSet
 from psrt.torch import functions
+from psrt.tp.random import rng_tracker
 
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.Tensor, torch.dtype, torch.Size)
 
 
 def _check_plain(value: object, where: str) -> None:
-    """Commits hold tensors and plain data only (they are read back with ``weights_only``,
-    so a commit can never run code): refuse anything else, naming where it is."""
+    """Commits hold tensors and plain data only (safetensors and JSON, so a commit can never
+    run code): refuse anything else, naming where it is."""
     if isinstance(value, dict):
         for key, item in value.items():
             _check_plain(key, where)
@@ -116,13 +122,18 @@ class State(abc.ABC):
         return {}
 
     def _layout(self) -> dict:
-        """What a commit must match to be read back at all (e.g. a TP/PP grid)."""
+        """The layout the state was committed on (e.g. a TP/PP grid)."""
         return {}
 
+    def _restores_on_any_layout(self) -> bool:
+        """Whether a commit of this state may be read back on another layout than its own."""
+        return True
+
     @abc.abstractmethod
-    def _read(self, replicated: dict, mine: dict | None) -> None:
+    def _read(self, replicated: dict, mine: dict | None, same_layout: bool) -> None:
         """Take the committed state: ``replicated`` (rank 0's file) and ``mine`` (this rank's,
-        None for a rank the commit's job did not have), then restore it."""
+        None for a rank the commit's job did not have; from another layout when not
+        ``same_layout``), then restore it."""
 
     def _open_store(self) -> dict | None:
         """The record of the last commit in the directory, or None; collective, once per
@@ -163,6 +174,7 @@ class State(abc.ABC):
         if not errors and runtime.rank() == 0:
             try:
                 self._store.publish({"commit": number, "size": runtime.size(), "layout": self._layout(),
+                                     "any_layout": self._restores_on_any_layout(),
                                      "files": {name: rec for _, written in outcomes for name, rec in written.items()}},
                                     replaces=self._commit_number)
             except Exception as exc:
@@ -190,11 +202,13 @@ class State(abc.ABC):
         if record is None:
             return False
         failure = None
+        same_layout = record.get("layout", {}) == self._layout()
         try:
-            if record.get("layout", {}) != self._layout():
+            if not same_layout and not record.get("any_layout"):
                 raise ElasticError(f"commit {record['commit']} was made with layout {record.get('layout')}, this "
-                                   f"launch has {self._layout()}: a state sharded over a TP/PP grid restores "
-                                   "only on the same grid (keep --min-np and --max-np at its size)")
+                                   f"launch has {self._layout()}: its state is sharded over the TP/PP grid (a "
+                                   "sharded optimizer's, or a per-rank commit of an earlier psrt) and restores only "
+                                   "on the same grid (keep --min-np and --max-np at its size)")
             replicated = self._store.load(record, REPLICATED)
             name = rank_file(runtime.rank())
             mine = self._store.load(record, name) if name in record["files"] else None
@@ -204,7 +218,7 @@ class State(abc.ABC):
         if errors:
             raise ElasticError(f"cannot resume from commit {record['commit']}: {'; '.join(errors)}")
         self._commit_number = self.restored_from = record["commit"]
-        self._read(replicated, mine)
+        self._read(replicated, mine, same_layout)
         return True
 
 
@@ -237,15 +251,17 @@ class ObjectState(State):
     def _replicated_document(self) -> dict:
         return {"objects": self._saved_state}
 
-    def _read(self, replicated: dict, mine: dict | None) -> None:
+    def _read(self, replicated: dict, mine: dict | None, same_layout: bool) -> None:
         self._saved_state = replicated["objects"]
         self.restore()
 
 
 class _Rng:
     """This rank's random number generators: Python's, NumPy's and torch's (CPU, and CUDA's
-    once CUDA is in use).  Each rank keeps its own; a rank of a larger relaunch that had
-    no counterpart keeps the generators it started with."""
+    once CUDA is in use), and the TP RNG tracker's streams (dropout in tensor-parallel
+    regions).  Each rank keeps its own; a rank of a larger relaunch that had no counterpart
+    keeps the generators it started with, and a relaunch on another layout keeps the
+    tracker's streams that ``psrt.tp.manual_seed`` made (their seeds follow the TP rank)."""
 
     @staticmethod
     def capture() -> dict:
@@ -254,6 +270,7 @@ class _Rng:
                  "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss]}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
+        state["tp"] = rng_tracker().state_dict()
         return state
 
     @staticmethod
@@ -264,6 +281,8 @@ class _Rng:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
+        if "tp" in state:  # commits of psrt before the tracker was committed lack it
+            rng_tracker().load_state_dict(state["tp"])
 
 
 class TorchState(ObjectState):
@@ -275,9 +294,13 @@ class TorchState(ObjectState):
     ``optimizer`` may be a ``psrt.torch.DistributedOptimizer`` or plain torch optimizer
     (replicated: committed once), a ``psrt.zero.ZeroOptimizer`` (its sharded checkpoint,
     which holds the model too, and loads at any size) or a ``psrt.ps.DistributedOptimizer``
-    (the servers' checkpoint; the model is pulled back from the servers).  ``grid``
-    (psrt's addition) says the model is a TP/PP stage: model and optimizer are then
-    committed per rank, agree over ``grid.dp_set``, and restore on the same grid only.
+    (the servers' checkpoint; the model is pulled back from the servers): any
+    :class:`~psrt.stateful.Stateful` or :class:`~psrt.stateful.ShardedStateful` optimizer.
+    ``grid`` (psrt's addition) says the model is a TP/PP stage: model and optimizer agree
+    over ``grid.dp_set``, and a commit gathers them whole over the grid
+    (:class:`psrt.full_state.FullState`), so it restores on any grid, or as a plain data-
+    parallel model (the same single-process model's names); a sharded optimizer's commit
+    restores on the same grid only.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, grid=None, **kwargs) -> None:
@@ -289,14 +312,15 @@ class TorchState(ObjectState):
         for name, sampler in self.samplers.items():
             setattr(self, name, sampler)
         self.model, self.optimizer, self.grid = model, optimizer, grid
-        self._kind = _optimizer_kind(optimizer)
+        self._sharded = _is_sharded(optimizer)
+        self._full: dict | None = None  # the model and optimizer, whole, gathered at the last commit
         self._process_set: ProcessSet = grid.dp_set if grid is not None else global_process_set
         self._copies: dict = {}
         self.save()
 
     def _owns_model(self) -> bool:
         """Whether the model's values are committed here (a ZeRO or PS optimizer keeps them)."""
-        return self.model is not None and self._kind == "torch"
+        return self.model is not None and not self._sharded
 
     def save(self) -> None:
         super().save()
@@ -304,7 +328,7 @@ class TorchState(ObjectState):
                   "samplers": {name: sampler.state_dict() for name, sampler in self.samplers.items()}}
         if self._owns_model():
             copies["model"] = {key: value.detach().clone() for key, value in self.model.state_dict().items()}
-        if self.optimizer is not None and self._kind == "torch":
+        if self.optimizer is not None and not self._sharded:
             copies["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         self._copies = copies
 
@@ -324,8 +348,9 @@ class TorchState(ObjectState):
             self.model.load_state_dict(copies["model"])
         if "optimizer" in copies:
             self.optimizer.load_state_dict(copy.deepcopy(copies["optimizer"]))
-        if self._kind in ("zero", "ps") and self._commit_number:
-            self.optimizer.load(os.path.join(self._store.directory(self._commit_number), self._kind))
+        if self._sharded and self._commit_number:
+            self.optimizer.load(os.path.join(self._store.directory(self._commit_number),
+                                             self.optimizer.checkpoint_name))
 
     def sync(self) -> None:
         """Make every rank hold rank 0's state (the model and optimizer over ``grid.dp_set`` with a
@@ -336,7 +361,7 @@ class TorchState(ObjectState):
         root = self.grid.runtime.topology.ranks_of(self._process_set)[0] if self.grid is not None else 0
         if self._owns_model():
             functions.broadcast_parameters(self.model.state_dict(), root, process_set=self._process_set)
-        if self.optimizer is not None and self._kind == "torch":
+        if self.optimizer is not None and not self._sharded:
             functions.broadcast_optimizer_state(self.optimizer, root, model=self.model,
                                                 process_set=self._process_set)
         for name, sampler in self.samplers.items():  # rank 0's position, as Horovod, and every rank's marks
@@ -346,20 +371,21 @@ class TorchState(ObjectState):
         self.save()
 
     def _write_collective(self, directory: str) -> None:
-        if self._kind in ("zero", "ps"):
-            self.optimizer.save(os.path.join(directory, self._kind))
+        if self._sharded:
+            self.optimizer.save(os.path.join(directory, self.optimizer.checkpoint_name))
+        elif self.grid is not None and self._owns_model():  # commit() saved just now: the live model is the copy
+            self._full = FullState(self.model, self.optimizer, self.grid).state_dict()
 
     def _replicated_document(self) -> dict:
         document = dict(super()._replicated_document(), samplers=self._copies["samplers"])
         if self.grid is None:
             document.update({key: self._copies[key] for key in ("model", "optimizer") if key in self._copies})
+        elif self._full is not None:
+            document["full"] = self._full
         return document
 
     def _rank_document(self) -> dict:
-        document = {"rng": self._copies["rng"]}
-        if self.grid is not None:
-            document.update({key: self._copies[key] for key in ("model", "optimizer") if key in self._copies})
-        return document
+        return {"rng": self._copies["rng"]}
 
     def _layout(self) -> dict:
         if self.grid is None:
@@ -368,25 +394,34 @@ class TorchState(ObjectState):
         return {"size": runtime.size(),
                 "grid": {"dp": shape.dp, "tp": shape.tp, "pp": shape.pp, "cp": shape.cp, "ep": shape.ep}}
 
-    def _read(self, replicated: dict, mine: dict | None) -> None:
-        held = replicated if self.grid is None else (mine or {})
+    def _restores_on_any_layout(self) -> bool:
+        return self.grid is None or self._owns_model()
+
+    def _read(self, replicated: dict, mine: dict | None, same_layout: bool) -> None:
         self._saved_state = replicated["objects"]
-        self._copies = {"rng": mine["rng"] if mine is not None else _Rng.capture(),
-                        "samplers": replicated["samplers"],
+        rng = mine["rng"] if mine is not None else _Rng.capture()
+        if not same_layout:
+            rng.pop("tp", None)
+        if "full" in replicated and self._owns_model():  # a TP x PP commit, made on any grid
+            FullState(self.model, self.optimizer, self.grid).load_state_dict(replicated["full"])
+            held = {"model": {key: value.detach().clone() for key, value in self.model.state_dict().items()}}
+            if self.optimizer is not None:
+                held["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+        else:  # grid-less commits, and per-rank TP x PP ones of an earlier psrt (same grid)
+            held = replicated if self.grid is None else (mine or {})
+        self._copies = {"rng": rng, "samplers": replicated["samplers"],
                         **{key: held[key] for key in ("model", "optimizer") if key in held}}
-        self.restore()  # ZeRO and PS optimizers load the commit's own checkpoint here
+        self.restore()  # sharded optimizers load the commit's own checkpoint here
 
 
-def _optimizer_kind(optimizer) -> str:
-    """How an optimizer's state is committed: "torch" (its state_dict), "zero" or "ps"
-    (their own sharded checkpoints)."""
-    from psrt.ps.optimizer import _PsOptimizer
-    from psrt.zero.optimizer import ZeroOptimizer
-    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, _PsOptimizer):
-        return "torch"
-    if isinstance(optimizer, ZeroOptimizer):
-        return "zero"
-    if isinstance(optimizer, _PsOptimizer):
-        return "ps"
+def _is_sharded(optimizer: object) -> bool:
+    """Whether ``optimizer`` writes its own sharded checkpoint (which holds the model too), or
+    is committed through its ``state_dict``."""
+    if isinstance(optimizer, ShardedStateful):
+        return True
+    if optimizer is None or isinstance(optimizer, Stateful):
+        return False
     raise ArgumentTypeError(f"TorchState(optimizer=...) takes a torch optimizer, a psrt DistributedOptimizer, "
-                            f"ZeroOptimizer or parameter-server DistributedOptimizer, got {type(optimizer).__name__}")
+                            "ZeroOptimizer or parameter-server DistributedOptimizer (an object with state_dict() "
+                            "and load_state_dict(), or a psrt.stateful.ShardedStateful), got "
+                            f"{type(optimizer).__name__}")

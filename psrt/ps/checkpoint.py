@@ -7,10 +7,11 @@ the servers' save replies carry) once every server has saved, so a save that
 crashed halfway is never taken for a checkpoint.  A job restarted with the
 same number of servers (and the same keys, initialised in the same order, and
 the same optimizer) restores every chunk in place.  Loading checks every
-server's file first (against the manifest before unpickling anything, and
-with ``weights_only``, so a file can never run code) and restores only if all
-of them are right; anything else is refused with the file and the reason,
-before anything is changed.
+server's file first (against the manifest before reading anything; the files
+are safetensors, so none can run code, and those of earlier psrt, ``torch.save``
+archives, are read with ``weights_only``) and restores only if all of them are
+right; anything else is refused with the file and the reason, before anything is
+changed.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from psrt.errors import ParameterServerError
 if TYPE_CHECKING:
     from psrt.ps.store import Store
 
-FORMAT = "psrt-ps-checkpoint-2"
+FORMAT = "psrt-ps-checkpoint-3"  # safetensors files
+# Written by earlier psrt, whose files are torch.save archives (still read, with weights_only):
+TORCH_FILES_FORMAT = "psrt-ps-checkpoint-2"
 # Written before the manifest recorded each file's size and sha256: still loaded (with
 # weights_only, as every file), without the check against the manifest.
 UNCHECKED_FORMAT = "psrt-ps-checkpoint-1"
@@ -51,10 +54,10 @@ def read_manifest(path: str) -> dict | str:
         manifest = checkpoint_files.read_json(target, ParameterServerError)
     except ParameterServerError as e:
         return str(e)
-    if manifest.get("format") not in (FORMAT, UNCHECKED_FORMAT):
+    if manifest.get("format") not in (FORMAT, TORCH_FILES_FORMAT, UNCHECKED_FORMAT):
         return f"{target} is not a psrt parameter-server manifest (format {manifest.get('format')!r})"
     if not isinstance(manifest.get("save_id"), str) or (
-            manifest["format"] == FORMAT and not isinstance(manifest.get("files"), dict)):
+            manifest["format"] != UNCHECKED_FORMAT and not isinstance(manifest.get("files"), dict)):
         return f"{target} is damaged (no save id or no file records): restore it from a backup or save again"
     return manifest
 
@@ -88,7 +91,7 @@ def load_server(path: str, index: int, num_servers: int, stores: dict[int, Store
     record = None if files is None else checkpoint_files.record_of(
         files, target, os.path.join(path, MANIFEST), ParameterServerError)
     document = checkpoint_files.load_tensors(target, record, ParameterServerError)
-    if not isinstance(document, dict) or document.get("format") not in (FORMAT, UNCHECKED_FORMAT):
+    if not isinstance(document, dict) or document.get("format") not in (FORMAT, TORCH_FILES_FORMAT, UNCHECKED_FORMAT):
         raise ParameterServerError(f"{target} is not a psrt parameter-server checkpoint")
     if document.get("save_id") != save_id:
         raise ParameterServerError(f"{target} was written by another save than the one {MANIFEST} "

@@ -407,8 +407,9 @@ class KVStore:
     def load(self, path: str) -> int:
         """Restore what :meth:`save` wrote (every store on the servers; after the same inits and
         set_optimizer calls).  Every server's file is checked (against the size and sha256 the
-        manifest records, then unpickled with ``weights_only``) before any is restored; a refused
-        load raises on every worker and leaves the servers as they were.
+        manifest records, then read as safetensors, or an earlier psrt's ``torch.save`` file with
+        ``weights_only``) before any is restored; a refused load raises on every worker and
+        leaves the servers as they were.
 
         Collective: every worker calls it, in the same order.
 

@@ -100,6 +100,9 @@ def _hyperparameters(base: type, group: dict) -> dict:
 class _PsOptimizer:
     """Mixin placed before the wrapped optimizer's class."""
 
+    #: its directory in an elastic commit: a psrt.stateful.ShardedStateful
+    checkpoint_name = "ps"
+
     def _setup_servers(self, base: type, named_parameters, store: KVStore) -> None:
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         if named_parameters is None:

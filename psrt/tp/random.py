@@ -92,6 +92,24 @@ class RNGStatesTracker:
         for name, devices in states.items():
             self._states[name] = {device: state.clone() for device, state in devices.items()}
 
+    def state_dict(self) -> dict:
+        """Every stream's seed and generator states (copies): the tracker's part of a
+        checkpoint or elastic commit, so that dropout in TP regions resumes exactly."""
+        return {"seeds": dict(self._seeds), "states": self.get_states()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace every stream by those of :meth:`state_dict` (the streams ``manual_seed``
+        added are dropped: a commit made on another TP rank holds another seed)."""
+        seeds, states = state["seeds"], state["states"]
+        if set(states) - set(seeds):
+            raise InvalidArgumentError(f"RNG tracker state has generator states for streams "
+                                       f"{sorted(set(states) - set(seeds))} without a seed: it is not a "
+                                       "state_dict() of an RNGStatesTracker")
+        self.reset()
+        for name, seed in seeds.items():
+            self.add(name, seed)
+        self.set_states(states)
+
     @contextlib.contextmanager
     def fork(self, name: str = TENSOR_PARALLEL_STREAM) -> Iterator[None]:
         """Draw from stream ``name`` inside the block; the default generators are untouched."""

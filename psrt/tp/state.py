@@ -13,7 +13,7 @@ from torch import nn
 
 from psrt.errors import InvalidArgumentError
 from psrt.tp import comm
-from psrt.tp.sharding import sharding_of
+from psrt.tp.sharding import Sharding, sharding_of
 from psrt.topology import ProcessSet
 
 
@@ -54,13 +54,20 @@ def full_state_dict(module: nn.Module, process_set: ProcessSet | None) -> dict[s
     problems = [p for p in comm.agree(process_set, misplaced) if p is not None]
     if problems:  # raised on every rank of the set alike
         raise InvalidArgumentError(f"{problems[0]}: pass the tensor-parallel process set the module was built with")
-    full = {}
-    for name, tensor in entries.items():
-        sharding = sharding_of(tensor)
-        tensor = tensor.detach()
-        if sharding is None or sharding.parts == 1:
-            full[name] = tensor.clone() if sharding is None else sharding.unshard([tensor])
-            continue
-        blocks = comm.all_gather(tensor.unsqueeze(0), 0, process_set)
-        full[name] = sharding.unshard(list(blocks.unbind(0)))
-    return full
+    return {name: gather_block(tensor.detach(), sharding_of(tensor), process_set) for name, tensor in entries.items()}
+
+
+def gather_block(block: torch.Tensor, sharding: Sharding | None, process_set: ProcessSet | None) -> torch.Tensor:
+    """The full tensor whose block ``block`` is on this rank, laid out by ``sharding`` (None: the
+    tensor is replicated, and a copy of it is returned).  A parameter's, or a same-shaped
+    optimizer state of it (Adam's moments).
+
+    Collective over ``process_set`` when the tensor is split over more than one rank: every rank
+    of the set calls it for the same tensor, in the same order.
+    """
+    if sharding is None:
+        return block.clone()
+    if sharding.parts == 1:
+        return sharding.unshard([block])
+    blocks = comm.all_gather(block.unsqueeze(0), 0, process_set)
+    return sharding.unshard(list(blocks.unbind(0)))

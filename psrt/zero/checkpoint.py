@@ -6,9 +6,11 @@ state, the optimizer's hyperparameters and the loss scale), ``extras.pt`` (the m
 and frozen parameters, which are not sharded) and ``zero_meta.json``, written by rank 0 only
 after every rank has written its files, naming the layout (stage, parameters, flat groups,
 shard count), every file's size and sha256, and a save id that every other file carries: a
-directory without it, or with a file from another save, is refused.  Each file is checked
-against its record before it is unpickled (with ``weights_only``, so it can never run code),
-and a damaged one is refused naming the file and what is wrong.  Stage 0 holds one shard
+directory without it, or with a file from another save, is refused.  The ``.pt`` files are
+safetensors files (:mod:`psrt.checkpoint_files`: nothing pickled, so none can run code; those
+of earlier psrt, ``torch.save`` archives, are read with ``weights_only``).  Each file is
+checked against its record before it is read, and a damaged one is refused naming the file
+and what is wrong.  Stage 0 holds one shard
 (every rank has everything), so rank 0 alone writes it.
 
 Loading undoes the sharding of the checkpoint's layout and applies the current one, so a
@@ -28,7 +30,9 @@ from psrt import checkpoint_files
 from psrt.errors import CheckpointError, InvalidArgumentError
 from psrt.zero.partition import ParamInfo, Partition
 
-FORMAT = "psrt-zero/2"
+FORMAT = "psrt-zero/3"  # safetensors files
+# Written by earlier psrt, whose files are torch.save archives (still read, with weights_only):
+TORCH_FILES_FORMAT = "psrt-zero/2"
 # Written before the metadata recorded each file's size and sha256: still loaded (with
 # weights_only, as every file), without the check against the metadata.
 UNCHECKED_FORMAT = "psrt-zero/1"
@@ -129,9 +133,9 @@ def read_meta(directory: str) -> dict:
         raise InvalidArgumentError(f"{directory!r} is not a complete psrt ZeRO checkpoint: {META} is missing "
                                    "(the directory is wrong, or the save did not finish)")
     meta = checkpoint_files.read_json(path, InvalidArgumentError)
-    if meta.get("format") not in (FORMAT, UNCHECKED_FORMAT):
+    if meta.get("format") not in (FORMAT, TORCH_FILES_FORMAT, UNCHECKED_FORMAT):
         raise InvalidArgumentError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    missing = [key for key in _META_KEYS + (("files",) if meta["format"] == FORMAT else ()) if key not in meta]
+    missing = [key for key in _META_KEYS + (("files",) if meta["format"] != UNCHECKED_FORMAT else ()) if key not in meta]
     if missing:
         raise InvalidArgumentError(f"{path} is damaged: it lacks {missing}; restore it from a backup or save again")
     return meta

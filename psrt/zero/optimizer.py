@@ -92,6 +92,9 @@ class ZeroOptimizer:
         ``betas``, ...): every group's defaults, checked here by the optimizer itself.
     """
 
+    #: its directory in an elastic commit: a psrt.stateful.ShardedStateful
+    checkpoint_name = "zero"
+
     def __init__(self, model: torch.nn.Module, optimizer_class: type, *, stage: int = 2,
                  process_set: ProcessSet = global_process_set, compute_dtype: torch.dtype | None = None,
                  loss_scale: float | str | None = None, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,

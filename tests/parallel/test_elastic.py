@@ -10,6 +10,7 @@ samples per step, so only the summation order differs).
 from __future__ import annotations
 
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -231,3 +232,45 @@ def test_a_directory_that_lost_latest_json_is_refused_and_its_commit_kept(tmp_pa
     assert "giving up: launches 1 and 2 could not restore the last commit" in done.stderr, done.stderr[-3000:]
     assert "launch 3:" not in done.stderr
     assert sorted(path.name for path in directory.glob("commit-*")) == kept
+
+
+def test_tp_pp_commit_restores_on_another_grid_and_matches_one_process(tmp_path):
+    """A TP 2 x PP 2 job on 4 ranks commits the tiny GPT whole; relaunches on 2 ranks as TP 2
+    x PP 1 and as plain data parallelism (TP 1 x PP 1) continue from that commit, and both
+    match one process training all the steps (in double precision, as tests/parallel/
+    scripts/gpt_check.py compares layouts: in single precision AdamW turns the rounding of
+    nearly-zero gradients, such as the key bias's, into whole steps)."""
+    first, again = tmp_path / "tppp", tmp_path / "copy"
+    train(tmp_path, "tp2pp2", ["-np", "4", "--elastic-dir", str(first)], ["--mode", "tppp", "--float64"])
+    shutil.copytree(first, again)
+    steps = ["--steps", str(GPT_STEPS + COMMIT_EVERY), "--float64"]
+    reference = tmp_path / "one-process.pt"
+    subprocess.run([sys.executable, SCRIPT, "--mode", "tppp", "--tp", "1", "--pp", "1", *steps, "--out",
+                    str(reference)], cwd=REPO, env=job_env(), capture_output=True, timeout=JOB_TIMEOUT_S, check=True)
+    want = torch.load(reference)
+    for name, directory, grid in (("tp2pp1", first, ["--tp", "2", "--pp", "1"]),
+                                  ("dp2", again, ["--tp", "1", "--pp", "1"])):
+        run, output = train(tmp_path, name, ["-np", "2", "--elastic-dir", str(directory)],
+                            ["--mode", "tppp", *grid, *steps])
+        assert f"2 ranks from step {GPT_STEPS} (resumed from commit {GPT_STEPS // COMMIT_EVERY})" in output, \
+            output[-3000:]
+        what = f"committed on TP 2 x PP 2, resumed as {name}, vs one process"
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(want["losses"]), rtol=1e-9, atol=1e-12,
+                                   msg=lambda m: f"{what}: losses\n{m}")
+        assert sorted(run["model"]) == sorted(want["model"])
+        for key, value in want["model"].items():
+            torch.testing.assert_close(run["model"][key], value, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, k=key: f"{what}: {k}\n{m}")
+
+
+def test_tp_dropout_resumes_exactly_after_a_killed_rank(tmp_path):
+    """Dropout in TP regions draws from the TP RNG tracker's per-rank streams: a relaunch must
+    restore them from the commit to reproduce the uninterrupted run bit for bit."""
+    dropout = ["--mode", "tppp", "--tp", "2", "--pp", "1", "--dropout", "0.2"]
+    reference, _ = train(tmp_path, "uninterrupted", ["-np", "2", "--min-np", "2"], dropout)
+    step = kill_step(steps=GPT_STEPS)
+    run, output = train(tmp_path, "killed", ["--hostfile", slot_groups(tmp_path, 3), "--min-np", "2", "--max-np",
+                                             "2", "--restarts", "1"],
+                        [*dropout, "--kill-step", str(step), "--kill-rank", "1"])
+    assert f"resumed from commit {step // COMMIT_EVERY}" in output, output[-3000:]
+    assert_identical(run, reference, f"TP dropout, killed after step {step}, resumed at the same size")

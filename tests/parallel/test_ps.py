@@ -8,8 +8,10 @@ import json
 
 import pytest
 import torch
-
 from conftest import launch
+
+from psrt import checkpoint_files
+from psrt.errors import ParameterServerError
 
 pytestmark = pytest.mark.parallel
 
@@ -123,7 +125,8 @@ def test_a_checkpoint_of_another_model_or_an_unfinished_save_is_refused(resumed)
 
 def test_a_checkpoint_saved_right_after_loading_holds_the_same_optimizer_state(resumed):
     directory, _, _ = resumed
-    load = lambda sub: torch.load(directory / sub / "server-0-of-1.pt", weights_only=False)  # noqa: E731
+    load = lambda sub: checkpoint_files.load_tensors(  # noqa: E731
+        str(directory / sub / "server-0-of-1.pt"), None, ParameterServerError)
     saved, again = load("ckpt")["stores"], load("again")["stores"]
     assert saved.keys() == again.keys()
     for store_id, store in saved.items():

@@ -67,7 +67,9 @@ COLLECTIVE = {
     "psrt.tp.sequence_parallel_parameters", "psrt.tp.vocab_parallel_cross_entropy", "psrt.tp.full_state_dict",
     # psrt.cp, psrt.ep, psrt.pp, psrt.full_state
     "psrt.cp.ring_attention", "psrt.ep.MoE.forward", "psrt.ep.all_to_all", "psrt.pp.Pipeline.step",
-    "psrt.full_state.full_state_dict", "psrt.pretrained.save_pretrained",
+    "psrt.full_state.full_state_dict", "psrt.full_state.full_optimizer_state_dict",
+    "psrt.full_state.FullState.state_dict", "psrt.pretrained.save_pretrained",
+    "psrt.stateful.ShardedStateful.save", "psrt.stateful.ShardedStateful.load",
     # psrt.elastic
     "psrt.elastic.run", "psrt.elastic.State.commit", "psrt.elastic.State.check_host_updates",
     "psrt.elastic.State.sync", "psrt.elastic.ObjectState.sync", "psrt.elastic.TorchState.sync",
@@ -102,7 +104,10 @@ LOCAL = {
     "psrt.pp.bubble_fraction", "psrt.pp.build", "psrt.pp.check", "psrt.pp.explicit_split", "psrt.pp.gpipe",
     "psrt.pp.in_flight", "psrt.pp.interleaved_one_f_one_b", "psrt.pp.makespan", "psrt.pp.one_f_one_b",
     "psrt.pp.render", "psrt.pp.simulate", "psrt.pp.zero_bubble_h1",
-    "psrt.full_state.load_full_state_dict", "psrt.pretrained.load_pretrained",
+    "psrt.full_state.load_full_state_dict", "psrt.full_state.load_full_optimizer_state_dict",
+    "psrt.full_state.FullState", "psrt.full_state.FullState.load_state_dict", "psrt.pretrained.load_pretrained",
+    "psrt.stateful.Stateful", "psrt.stateful.Stateful.state_dict", "psrt.stateful.Stateful.load_state_dict",
+    "psrt.stateful.ShardedStateful",
     "psrt.tp.parallelize", "psrt.pp.split", "psrt.pp.SplitStage",
     "psrt.elastic.ElasticSampler", "psrt.elastic.ElasticSampler.set_epoch", "psrt.elastic.ElasticSampler.reset",
     "psrt.elastic.ElasticSampler.record_batch", "psrt.elastic.ElasticSampler.record_indices",

@@ -244,3 +244,62 @@ def test_a_restore_that_fails_in_an_optimizer_checkpoint_is_reported_for_psrun_t
         two_commits(fresh)
     reason = json.loads((elastic_dir / commits.RESTORE_FAILED).read_text())["reason"]
     assert reason == "CheckpointError: zero/meta.json: sha256 differs"
+
+
+def test_the_tp_rng_tracker_is_committed_so_tp_dropout_resumes_exactly(world_of_one, elastic_dir):
+    from psrt import tp
+    tp.manual_seed(11)
+    state = hvd.elastic.TorchState(step=0)
+    with tp.rng_tracker().fork():
+        torch.rand(3)  # the stream moves on before the commit
+    state.commit()
+    with tp.rng_tracker().fork():
+        after_commit = torch.rand(3)
+    state.restore()
+    with tp.rng_tracker().fork():
+        assert torch.equal(torch.rand(3), after_commit)
+    tp.manual_seed(11)  # what a relaunched job does before it resumes
+    assert hvd.elastic.TorchState(step=0)._resume()
+    with tp.rng_tracker().fork():
+        assert torch.equal(torch.rand(3), after_commit)
+
+
+def test_a_grid_commit_holds_the_model_whole_and_restores_without_a_grid(world_of_one, elastic_dir):
+    """A TP x PP stage's commit is the single-process model and optimizer (gathered over the
+    grid), so another layout, here none, restores it; the multi-rank case is in test_elastic."""
+    from psrt.grid import ProcessGrid
+    model, optimizer, _ = trained()
+    hvd.elastic.TorchState(model, optimizer, grid=ProcessGrid(dp=1, tp=1, pp=1)).commit()
+    record = CommitStore(str(elastic_dir)).latest()
+    assert record["any_layout"] and record["layout"]["grid"]["tp"] == 1
+    fresh_model, fresh_optimizer, _ = trained(seed=1)
+    fresh_optimizer.state.clear()
+    assert hvd.elastic.TorchState(fresh_model, fresh_optimizer)._resume()
+    torch.manual_seed(2)
+    step(model, optimizer)
+    torch.manual_seed(2)
+    step(fresh_model, fresh_optimizer)
+    assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_optimizers_are_told_apart_by_the_state_protocol_not_their_type(world_of_one, elastic_dir):
+    class Sharded:
+        """A ShardedStateful: writes its own directory in each commit."""
+        checkpoint_name = "mine"
+        loaded: list = []
+
+        def save(self, directory):
+            import os
+            os.makedirs(directory)
+
+        def load(self, directory):
+            self.loaded.append(directory)
+
+    sharded = Sharded()
+    state = hvd.elastic.TorchState(torch.nn.Linear(2, 2), sharded, epoch=1)
+    state.commit()
+    assert (elastic_dir / "commit-000001" / "mine").is_dir()
+    state.restore()
+    assert sharded.loaded == [str(elastic_dir / "commit-000001" / "mine")]
+    with pytest.raises(ArgumentTypeError, match="state_dict\\(\\) and load_state_dict\\(\\).*got object"):
+        hvd.elastic.TorchState(torch.nn.Linear(2, 2), object())

@@ -3,7 +3,10 @@
 ``--mode dp|zero2|ps`` trains a small MLP on fixed synthetic data with an ElasticSampler and
 a global batch kept at every size (plain DistributedOptimizer with SGD + momentum, ZeRO-2
 with Adam, or a synchronous parameter server with SGD + momentum); ``--mode tppp`` trains
-the tiny GPT on a TP 2 x PP 2 grid.  The losses are kept in the committed state, so the
+the tiny GPT on a TP 2 x PP 2 grid (``--tp``, ``--pp``: another grid, the rest of the ranks
+data-parallel; ``--dropout``: its dropout, drawn per TP rank in the attention; ``--float64``:
+in double precision, where AdamW's steps of nearly-zero gradient entries no longer depend on
+the summation order, so that layouts can be compared closely).  The losses are kept in the committed state, so the
 last launch ends holding the whole run's losses; rank 0 saves them and the full model to
 ``--out``.  Run under plain ``python`` it is the one-process reference.
 
@@ -35,6 +38,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("dp", "zero2", "ps", "tppp"), default="dp")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default=None)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--float64", action="store_true")
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--commit-every", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=24)
@@ -113,9 +120,12 @@ def gpt_job(args: argparse.Namespace):
     from psrt.full_state import full_state_dict
     from psrt.grid import ProcessGrid
 
-    grid = ProcessGrid(dp=hvd.size() // 4, tp=2, pp=2)
+    if args.float64:
+        torch.set_default_dtype(torch.float64)
+    grid = ProcessGrid(dp=hvd.size() // (args.tp * args.pp), tp=args.tp, pp=args.pp)
     data, alphabet = corpus()
-    config = GPTConfig(vocab_size=len(alphabet), sequence_length=16, dim=32, heads=4, layers=4)
+    config = GPTConfig(vocab_size=len(alphabet), sequence_length=16, dim=32, heads=4, layers=4,
+                       dropout=args.dropout)
     trainer = build_trainer(config, grid, microbatches=2)
     generator = torch.Generator().manual_seed(5)
     state = hvd.elastic.TorchState(trainer.stage, trainer.optimizers[0], grid=grid, step=0, losses=[],
