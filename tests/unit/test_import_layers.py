@@ -22,7 +22,7 @@ import psrt
 LAYERS: list[tuple[str, ...]] = [
     # leaves every layer uses: errors, the typed configuration, small tensor and file helpers
     ("psrt.errors", "psrt.config", "psrt.autograd", "psrt.checkpoint_files", "psrt.safetensors_slices",
-     "psrt.probe_job"),
+     "psrt.probe_job", "psrt.checkpoint_document", "psrt.stateful"),
     # transport and the direct layer beside it: the only place that touches mpi4py or cupy
     ("psrt.comm",),
     # world, local and cross groups, process sets and their direct groups
