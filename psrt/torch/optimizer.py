@@ -2,7 +2,7 @@
 
 Every rank computes gradients on its own batch; the wrapper averages them over
 the process set before the wrapped optimizer's step.  Parameters are split
-into buckets (planned by ``_buckets``, in the order backward completes their
+into buckets (planned by ``psrt.torch._buckets``, in the order backward completes their
 gradients), and each bucket's allreduce starts during backward as soon as its
 last gradient is accumulated, so communication overlaps the rest of backward.
 
@@ -161,7 +161,7 @@ class _Averaging(BucketStrategy):
     are one grouped allreduce.  A sparse gradient is allgathered (Horovod's
     ``sparse_allreduce_async``) or, with ``sparse_as_dense``, reduced as a dense copy."""
 
-    def __init__(self, optimizer: "_DistributedOptimizer") -> None:
+    def __init__(self, optimizer: _DistributedOptimizer) -> None:
         self.optimizer = optimizer
 
     def launch(self, bucket: Bucket) -> None:
