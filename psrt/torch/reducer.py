@@ -199,13 +199,6 @@ class GradientReducer:
             bucket.reset()
         self._counts = [0] * len(self.params)
 
-    def zero_buffers(self) -> None:
-        """Zero every gradient that is a view, one pass per bucket buffer (``zero_grad`` with
-        ``set_to_none=False``); other gradients are the caller's."""
-        for bucket in self.buckets:
-            if bucket.buffer is not None:
-                bucket.buffer.zero_()
-
 
 def _give_buffer(bucket: Bucket) -> None:
     first = bucket.params[0]
