@@ -26,7 +26,9 @@ torch thread per rank, for
   mpi4py  after backward, ``comm.Allreduce(MPI.IN_PLACE, ...)`` on a numpy view of each
           gradient, then divide by the ranks;
   flat    every gradient is a view of one flat buffer, reduced by one mpi4py Allreduce
-          after backward (the best a loop that communicates only after backward can do).
+          after backward (the best a loop that communicates only after backward can do;
+          psrt's buckets are such buffers too, one allreduce each, with the average folded
+          into the reduction).
 
 The implementations take turns: each round gives every one a few untimed warm-up steps
 and then one timed window, so drift on a busy box hits all alike.  A window starts
@@ -248,6 +250,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     record["psrt_over_ddp"] = round(record["psrt"]["samples_per_s"] / record["ddp"]["samples_per_s"], 3)
     record["psrt_over_flat"] = round(record["psrt"]["samples_per_s"] / record["flat"]["samples_per_s"], 3)
     record["psrt_over_no_comm"] = round(record["psrt"]["samples_per_s"] / record["no_comm"]["samples_per_s"], 3)
+    for baseline in ("ddp", "flat"):
+        record[f"psrt_overlap_over_{baseline}"] = round(
+            record["psrt_overlap"]["samples_per_s"] / record[baseline]["samples_per_s"], 3)
     return record
 
 
@@ -261,7 +266,8 @@ def model_table(name: str, record: dict) -> str:
         sync = str(r["in_sync"]).lower() if "in_sync" in r else "-"
         lines.append(f"{impl:<12} {r['samples_per_s']:>10.1f} {r['step_ms']:>8.2f} {eff:>10} {sync:>7}")
     lines.append(f"psrt/ddp {record['psrt_over_ddp']:.2f}   psrt/flat {record['psrt_over_flat']:.2f}   "
-                 f"psrt/no_comm {record['psrt_over_no_comm']:.2f}")
+                 f"psrt/no_comm {record['psrt_over_no_comm']:.2f}   psrt_overlap/ddp "
+                 f"{record['psrt_overlap_over_ddp']:.2f}   psrt_overlap/flat {record['psrt_overlap_over_flat']:.2f}")
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ import torch
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.ps.client import KVStore, optimizer_spec
 from psrt.ps.handles import Handle
-from psrt.torch.optimizer import _check_names
+from psrt.torch.reducer import Bucket, BucketStrategy, GradientReducer, check_names
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, *, mode: str | None = None,
@@ -109,7 +109,7 @@ class _PsOptimizer:
             named = [(f"param.{i}", p) for i, p in enumerate(params)]
         else:
             in_optimizer = {id(p) for p in params}
-            named = [(n, p) for n, p in _check_names(list(named_parameters), params) if id(p) in in_optimizer]
+            named = [(n, p) for n, p in check_names(list(named_parameters), params) if id(p) in in_optimizer]
         self.store = store  # the first group's; self.stores holds one per group
         self._named = named
         self._pulled = {name: torch.empty_like(p, device="cpu") for name, p in named}
@@ -128,8 +128,9 @@ class _PsOptimizer:
             self.stores.append(group_store)
             self._sent_lr.append(hyperparameters.get("lr"))
         self._pull_parameters()
-        for name, p in named:
-            p.register_post_accumulate_grad_hook(functools.partial(_push_hook, self, name))
+        # One bucket per parameter: each gradient is pushed as soon as backward completes it.
+        self._reducer = GradientReducer([p for _, p in named], [[i] for i in range(len(named))], _Push(self),
+                                        names=[name for name, _ in named], param_names=[name for name, _ in named])
 
     def _pull_parameters(self) -> None:
         """Every worker starts from (and, after a load, resumes with) the servers' values."""
@@ -143,10 +144,6 @@ class _PsOptimizer:
                 p.copy_(handle.wait())
 
     def _push(self, name: str, gradient: torch.Tensor) -> None:
-        if name in self._inflight:
-            raise InvalidArgumentError(f"the gradient of {name!r} was computed twice before step(): "
-                                       "gradient accumulation is not supported by the parameter-server "
-                                       "optimizer; call step() after every backward")
         if not self._inflight:
             self._send_learning_rate()
         self._inflight[name] = self._store_of[name].push_pull_async(name, gradient, self._pulled[name])
@@ -166,13 +163,7 @@ class _PsOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for name, p in self._named:
-            if name not in self._inflight:
-                self._push(name, p.grad if p.grad is not None else torch.zeros_like(p))
-        params = dict(self._named)
-        handles = [(params[name], handle) for name, handle in self._inflight.items()]
-        self._inflight = {}
-        self._write(handles)
+        self._reducer.synchronize()
         return loss
 
     def stats(self) -> dict:
@@ -209,5 +200,22 @@ class _PsOptimizer:
         return steps
 
 
-def _push_hook(optimizer: _PsOptimizer, name: str, param: torch.Tensor) -> None:
-    optimizer._push(name, param.grad)
+class _Push(BucketStrategy):
+    """The parameter server's bucket, one parameter: its gradient pushed to the servers with a
+    request for the updated value, which ``finish`` writes into the parameter."""
+
+    def __init__(self, optimizer: _PsOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def launch(self, bucket: Bucket) -> None:
+        self.optimizer._push(bucket.name, bucket.params[0].grad)
+
+    def finish(self, bucket: Bucket) -> None:
+        handle = self.optimizer._inflight.pop(bucket.name)
+        with torch.no_grad():
+            bucket.params[0].copy_(handle.wait())
+
+    def too_many_passes(self, name: str) -> BaseException:
+        return InvalidArgumentError(f"the gradient of {name!r} was computed twice before step(): gradient "
+                                    "accumulation is not supported by the parameter-server optimizer; call "
+                                    "step() after every backward")

@@ -7,9 +7,9 @@ Parameters are taken in the order their gradients become ready in backward
 allreduces overlap the rest of backward.  The plan is a pure function of
 tensor sizes: it is computed, and can be tested, without any communication.
 
-There are no flat buffers behind the buckets: each gradient is the tensor
-autograd produced, and the engine reduces a grouped call as one message, in
-place for large tensors, copying (packing) only the small ones.
+The gradient reducer (``psrt.torch.reducer``) gives each planned bucket one flat
+buffer whose views are its parameters' gradients, so a bucket is reduced as one
+contiguous message, in place.
 """
 from __future__ import annotations
 

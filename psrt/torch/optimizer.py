@@ -2,18 +2,21 @@
 
 Every rank computes gradients on its own batch; the wrapper averages them over
 the process set before the wrapped optimizer's step.  Parameters are split
-into buckets (planned by ``_buckets``, in the order backward completes their
+into buckets (planned by ``psrt.torch._buckets``, in the order backward completes their
 gradients), and each bucket's allreduce starts during backward as soon as its
 last gradient is accumulated, so communication overlaps the rest of backward.
 
-Gradients are whatever autograd produces: ``.grad`` is assigned by autograd
-and a bucket is one grouped allreduce of its parameters' ``.grad`` tensors,
-reduced in place.  There are no persistent flat buffers behind the
-gradients: keeping gradients as views of such buffers costs two extra memory
-passes per step (zeroing the buffer, and autograd accumulating into an
-existing ``.grad`` instead of just taking the fresh gradient tensor), which
-is more than the engine spends on a grouped call, where it reduces large
-tensors where they lie and copies (packs) only the small ones.
+The hooks, readiness counting, bucket launch and end-of-step wait are the
+gradient reducer's (``psrt.torch.reducer``, shared with ZeRO and the parameter
+server); this module says what a bucket's completion is: an allreduce, in place.
+Each bucket owns one flat buffer and its parameters' ``.grad`` are views of it
+(DDP's ``gradient_as_bucket_view``), so a bucket travels as one contiguous
+tensor, reduced where it lies, and a step costs the reduction and nothing else.
+``zero_grad()`` behaves as torch's: after it, ``.grad`` is None; backward's
+fresh gradient is copied into its view once (cheaper than zeroing the buffer
+and accumulating into it).  ``op=hvd.Adasum`` and compressors other than
+``Compression.none`` and ``Compression.fp16`` keep autograd's own tensors, each
+reduced as it is in a grouped allreduce.
 
 Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as Horovod
 reduces them: by default each is allgathered (indices and values) and stays
@@ -30,12 +33,9 @@ rank or on none.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
-import weakref
-from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -44,14 +44,12 @@ from psrt import runtime
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import adasum
-from psrt.torch._buckets import Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
 from psrt.torch.compression import Compression, compressor
+from psrt.torch.reducer import (Bucket, Bucketing, BucketStrategy, GradientReducer, Slot, check_names,
+                                overlap_pays_here, plan_buckets, split_evenly)
 from psrt.torch.ops import Adasum, Average, Sum
 
-__all__ = ["Bucketing", "DistributedOptimizer"]
-
-_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
-                    "Increase backward_passes_per_step to accumulate gradients locally.")
+__all__ = ["Bucketing", "DistributedOptimizer", "overlap_pays_here"]
 _ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                         "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 
@@ -143,23 +141,68 @@ def _wrapped_class(base: type) -> type:
     return type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
 
 
-class _GradientBucket:
-    """One bucket's parameters (ready-order positions) and the state of its reduction in this step."""
+class _Reduction:
+    """What a bucket's reduction started: the dense tensors reduced in place (the bucket buffer,
+    or its members' gradients), their compression contexts, dense copies standing for sparse
+    gradients (``sparse_as_dense``), and the allgathers of sparse ones."""
 
-    __slots__ = ("name", "members", "waiting", "started", "handle", "grads", "ctxs", "targets", "sparse")
+    __slots__ = ("dense", "ctxs", "densified", "sparse")
 
-    def __init__(self, name: str, members: tuple[int, ...]) -> None:
-        self.name, self.members = name, members
-        self.reset()
+    def __init__(self) -> None:
+        self.dense: list[torch.Tensor] = []
+        self.ctxs: list[object] = []
+        self.densified: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dense copy, the sparse gradient)
+        self.sparse: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
 
-    def reset(self) -> None:
-        self.waiting = len(self.members)  # members whose gradient is not complete for this step
-        self.started = False
-        self.handle: int | None = None  # the grouped allreduce of the dense gradients, if any
-        self.grads: list[torch.Tensor] = []  # the dense gradients submitted, which receive the result
-        self.ctxs: list[object] = []  # compression contexts, one per dense gradient
-        self.targets: list[torch.Tensor | None] = []  # per dense gradient: the sparse one it stands for
-        self.sparse: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []  # allgathered gradients
+
+class _Averaging(BucketStrategy):
+    """DistributedOptimizer's bucket: its gradients averaged (``op=Sum``: summed) over the set,
+    in place.  With views the bucket buffer is one allreduce; otherwise the members' gradients
+    are one grouped allreduce.  A sparse gradient is allgathered (Horovod's
+    ``sparse_allreduce_async``) or, with ``sparse_as_dense``, reduced as a dense copy."""
+
+    def __init__(self, optimizer: _DistributedOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def launch(self, bucket: Bucket) -> None:
+        opt = self.optimizer
+        work = bucket.work = _Reduction()
+        for slot, param in enumerate(bucket.params):
+            grad = param.grad
+            if not grad.is_sparse:
+                if bucket.buffer is None:
+                    work.dense.append(grad)
+            elif opt.sparse_as_dense:
+                dense = bucket.views[slot].copy_(grad.to_dense()) if bucket.buffer is not None else grad.to_dense()
+                work.densified.append((dense, grad))
+                if bucket.buffer is None:
+                    work.dense.append(dense)
+            else:
+                name = f"{bucket.name}.{opt._parameter_names[param]}"
+                work.sparse.append((grad, hvd.sparse_allreduce_async(grad, name=name, op=opt.op,
+                                                                     process_set=opt.process_set)))
+        if bucket.buffer is not None and (len(work.sparse) < len(bucket.params)):
+            work.dense.append(bucket.buffer)
+        if not work.dense:
+            return
+        packed = [opt._compression.compress(tensor) for tensor in work.dense]
+        work.ctxs = [ctx for _, ctx in packed]
+        prescale, postscale = opt._scales
+        bucket.handle = hvd.grouped_allreduce_async_([wire for wire, _ in packed], name=bucket.name, op=opt.op,
+                                                     prescale_factor=prescale, postscale_factor=postscale,
+                                                     process_set=opt.process_set)
+
+    def finish(self, bucket: Bucket) -> None:
+        work = bucket.work
+        outputs = hvd.synchronize(bucket.handle) if bucket.handle is not None else []
+        for tensor, wire, ctx in zip(work.dense, outputs, work.ctxs):
+            reduced = self.optimizer._compression.decompress(wire, ctx)
+            if reduced is not tensor:
+                tensor.copy_(reduced)
+        for dense, target in work.densified:  # given back sparse, as in Horovod
+            target.zero_().add_(dense.to_sparse(target.sparse_dim()))
+        for grad, handle in work.sparse:
+            grad.zero_().add_(handle())
 
 
 class _DistributedOptimizer:
@@ -187,70 +230,21 @@ class _DistributedOptimizer:
             self._overlap = False
         elif self._overlap is None:
             self._overlap = overlap_pays_here(ordered)
-        self._synchronized = False
         self._should_synchronize = True
         self._params = ordered
-        self._bucket_of: list[_GradientBucket] = [None] * len(ordered)  # type: ignore[list-item]
-        self._buckets = self._build_buckets(explicit, bucketing)
-        self._counts = [0] * len(ordered)
-        hooks = [p.register_post_accumulate_grad_hook(_grad_ready_hook(weakref.ref(self), i))
-                 for i, p in enumerate(ordered)]
-        weakref.finalize(self, _remove_hooks, hooks)
-
-    def _build_buckets(self, explicit, bucketing: Bucketing) -> list[_GradientBucket]:
-        slots = [Slot(p.numel(), p.element_size(), (p.dtype, p.device)) for p in self._params]
+        slots = [Slot(p.numel(), p.element_size(), (p.dtype, p.device)) for p in ordered]
         plan = plan_buckets(slots, explicit,
                             first_bucket_bytes=bucketing.first_bucket_bytes, bucket_bytes=bucketing.bucket_bytes)
         prefix = runtime.current().names.instance("DistributedOptimizer", self.process_set.process_set_id) + ".bucket"
-        buckets = [_GradientBucket(f"{prefix}.{number}", spec.members) for number, spec in enumerate(plan)]
-        for bucket in buckets:
-            for index in bucket.members:
-                self._bucket_of[index] = bucket
-        return buckets
-
-    def _on_grad_ready(self, index: int) -> None:
-        """A backward pass finished accumulating parameter ``index``'s gradient."""
-        self._synchronized = False
-        self._counts[index] += 1
-        if self._counts[index] > self.backward_passes_per_step:
-            raise AssertionError(_TOO_MANY_PASSES)
-        if self._counts[index] == self.backward_passes_per_step:
-            bucket = self._bucket_of[index]
-            bucket.waiting -= 1
-            if bucket.waiting == 0 and self._overlap:
-                self._submit(bucket)
-
-    def _submit(self, bucket: _GradientBucket) -> None:
-        """Start reducing the bucket's gradients: one grouped allreduce of the dense ones, in
-        place, and an allgather of each sparse one (Horovod's ``sparse_allreduce_async``).
-
-        A parameter without a gradient gets zeros (every rank then submits the same names and
-        shapes); with ``sparse_as_dense`` a sparse gradient is reduced as a dense copy.
-        """
-        bucket.started = True
-        for index in bucket.members:
-            param = self._params[index]
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grad = param.grad
-            if not grad.is_sparse:
-                bucket.grads.append(grad)
-                bucket.targets.append(None)
-            elif self.sparse_as_dense:
-                bucket.grads.append(grad.to_dense())
-                bucket.targets.append(grad)
-            else:
-                name = f"{bucket.name}.{self._parameter_names[param]}"
-                bucket.sparse.append((grad, hvd.sparse_allreduce_async(grad, name=name, op=self.op,
-                                                                       process_set=self.process_set)))
-        if not bucket.grads:
-            return
-        packed = [self._compression.compress(grad) for grad in bucket.grads]
-        bucket.ctxs = [ctx for _, ctx in packed]
-        prescale, postscale = self._scales
-        bucket.handle = hvd.grouped_allreduce_async_([wire for wire, _ in packed], name=bucket.name, op=self.op,
-                                                     prescale_factor=prescale, postscale_factor=postscale,
-                                                     process_set=self.process_set)
+        # Views need the bucket to travel whole: not for Adasum (which reduces parameter changes)
+        # nor for a compressor of the user's, which compresses each gradient on its own.
+        views = op != Adasum and compressor(compression) in (Compression.none, Compression.fp16)
+        self._reducer = GradientReducer(
+            ordered, [spec.members for spec in plan], _Averaging(self),
+            names=[f"{prefix}.{number}" for number in range(len(plan))],
+            param_names=[self._parameter_names.get(p, "?") for p in ordered],
+            passes_per_step=backward_passes_per_step, overlap=self._overlap, views=views)
+        self._buckets = self._reducer.buckets
 
     def synchronize(self) -> None:
         """Finish reducing the gradients accumulated since the last step: start the buckets
@@ -258,24 +252,9 @@ class _DistributedOptimizer:
         rank starts the same buckets) and wait for all of them.  Every rank of the process set
         must call it; calling it again before the next backward or step changes nothing.
         With ``op=hvd.Adasum`` there is nothing to do before ``step()``, as in Horovod."""
-        if self._synchronized or self.op == Adasum:
+        if self._reducer.synchronized or self.op == Adasum:
             return
-        for bucket in self._buckets:
-            if not bucket.started:
-                self._submit(bucket)
-        for bucket in self._buckets:
-            outputs = hvd.synchronize(bucket.handle) if bucket.handle is not None else []
-            for grad, target, wire, ctx in zip(bucket.grads, bucket.targets, outputs, bucket.ctxs):
-                reduced = self._compression.decompress(wire, ctx)
-                if target is not None:  # sparse_as_dense: given back sparse, as in Horovod
-                    target.zero_().add_(reduced.to_sparse(target.sparse_dim()))
-                elif reduced is not grad:
-                    grad.copy_(reduced)
-            for grad, handle in bucket.sparse:
-                grad.zero_().add_(handle())
-            bucket.reset()
-        self._counts = [0] * len(self._params)
-        self._synchronized = True
+        self._reducer.synchronize()
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -294,12 +273,12 @@ class _DistributedOptimizer:
         if self.op == Adasum:
             return self._adasum_step(closure)
         if self._should_synchronize:
-            if self._synchronized:
+            if self._reducer.synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
                               "optimizer.synchronize(); the gradients are already reduced and are used as they "
                               "are. Use optimizer.skip_synchronize() around step() after synchronize().")
             self.synchronize()
-        self._synchronized = False
+        self._reducer.synchronized = False
         return super().step(closure)
 
     def _adasum_step(self, closure):
@@ -324,15 +303,13 @@ class _DistributedOptimizer:
                     delta.copy_(reduced)
         for delta, start in zip(deltas, starts):
             delta.add_(start)
-        self._counts = [0] * len(self._params)
-        for bucket in self._buckets:
-            bucket.reset()
+        self._reducer.wait()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: set every gradient to None, or with ``set_to_none=False`` zero it in place.
         Raises, as Horovod does, while allreduces of this step are outstanding."""
-        if any(bucket.started for bucket in self._buckets):
+        if self._reducer.in_flight:
             raise AssertionError(_ZERO_GRAD_IN_FLIGHT)
         super().zero_grad(set_to_none)
 
@@ -345,34 +322,7 @@ class _DistributedOptimizer:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
         self.backward_passes_per_step = passes
-        self._counts = [0] * len(self._params)
-        for bucket in self._buckets:
-            bucket.waiting = len(bucket.members)
-
-
-def overlap_pays_here(params: Iterable[torch.Tensor]) -> bool:
-    """:func:`overlap_pays` for this process's ranks, cores and torch threads: the default
-    of every optimizer that can overlap communication with backward."""
-    return overlap_pays({p.device for p in params}, hvd.local_size(), _usable_cores(), torch.get_num_threads())
-
-
-def _usable_cores() -> int:
-    """CPU cores this process may run on (its affinity; all of them under ``--bind-to none``)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _remove_hooks(hooks: list) -> None:
-    for hook in hooks:
-        hook.remove()
-
-
-def _grad_ready_hook(optimizer_ref: weakref.ref, index: int):
-    """A post-accumulate-grad hook that does nothing once its optimizer is gone."""
-    def hook(_param: torch.Tensor) -> None:
-        optimizer = optimizer_ref()
-        if optimizer is not None:
-            optimizer._on_grad_ready(index)
-    return hook
+        self._reducer.set_passes_per_step(passes)
 
 
 def _parameter_names(param_groups, named: list | None) -> dict[torch.Tensor, str]:
@@ -389,26 +339,10 @@ def _ready_order(param_groups, named_parameters) -> list[torch.Tensor]:
     the reverse of registration order (``named_parameters``' order when given)."""
     params = [p for group in param_groups for p in group["params"]]
     if named_parameters is not None:
-        named = _check_names(list(named_parameters), params)
+        named = check_names(list(named_parameters), params)
         in_optimizer = {id(p) for p in params}
         params = list({id(p): p for _, p in named if id(p) in in_optimizer}.values())
     return [p for p in reversed(params) if p.requires_grad]
-
-
-def _check_names(named: list, params: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
-                         "model.named_parameters().")
-    duplicates = sorted(name for name, times in Counter(name for name, _ in named).items() if times > 1)
-    if duplicates:
-        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
-                         f"{', '.join(map(str, duplicates))}")
-    named_ids = {id(p) for _, p in named}
-    unnamed = [f"#{i} (shape {tuple(p.shape)})" for i, p in enumerate(params) if id(p) not in named_ids]
-    if unnamed:
-        raise ValueError(f"named_parameters was specified, but one or more model parameters were not named: "
-                         f"optimizer parameters {', '.join(unnamed)} (counted over param_groups)")
-    return named
 
 
 def _resolve_groups(groups, ordered: list[torch.Tensor]) -> list[list[int]] | None:

@@ -27,7 +27,7 @@ import torch
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import Runtime, given, global_process_set
 from psrt.topology import ProcessSet
-from psrt.torch.optimizer import overlap_pays_here
+from psrt.torch.reducer import Bucket, BucketStrategy, GradientReducer, overlap_pays_here
 from psrt.zero import comm
 from psrt.zero.flat import ShardedGroup
 from psrt.zero.precision import LossScaler
@@ -120,15 +120,20 @@ class ZeroOptimizer:
             [dict(options, params=[group.master for group, g in zip(self.groups, owner) if g == index])
              for index, (options, _) in enumerate(layout.optimizer_groups)], **optimizer_kwargs)
         self._group_of = {id(param): group for group in self.groups for param in group.params}
-        self._ready = {id(group): 0 for group in self.groups}
-        self._in_flight: dict[int, tuple[ShardedGroup, int]] = {}
-        self._end_of_backward_queued = False
         self._reduced = False             # stages 0-1: this step's gradients are reduced
         self._step_ok: bool | None = None  # master gradients prepared: False if they overflowed
-        if stage >= 2:
-            for group in self.groups:
-                for param in group.params:
-                    param.register_post_accumulate_grad_hook(self._gradient_ready)
+        params = [param for group in self.groups for param in group.params]
+        name_of = {id(param): name for param, name in zip(layout.params, layout.names)}
+        starts = [0]
+        for group in self.groups:
+            starts.append(starts[-1] + len(group.params))
+        # Stages 2 and 3 reduce at the end of every backward (only the shard is kept between
+        # backward passes); stages 0 and 1 once per step, in synchronize().
+        self._reducer = GradientReducer(
+            params, [range(start, stop) for start, stop in zip(starts, starts[1:])], _ReduceIntoShards(self),
+            names=[group.name for group in self.groups],
+            param_names=[name_of[id(param)] for param in params],
+            overlap=self.overlap, hooks=stage >= 2, every_backward=stage >= 2)
         self.gatherer = None
         self._state_dict_allowed = stage < 3
         if stage == 3:
@@ -156,9 +161,7 @@ class ZeroOptimizer:
 
         :param set_to_none: accepted for torch's signature; ZeRO always frees the gradients.
         """
-        self._wait_reductions()
-        self._ready = dict.fromkeys(self._ready, 0)
-        self._end_of_backward_queued = False
+        self._reducer.wait()
         for group in self.groups:
             group.grad = None
             group.master.grad = None
@@ -202,10 +205,8 @@ class ZeroOptimizer:
         """
         if self.stage <= 1 and not self._reduced:
             self._reduced = True
-            handles = [(group, group.start_reduction()) for group in self.groups]
-            for group, handle in handles:
-                group.finish_reduction(handle)
-        self._wait_reductions()
+            self._reducer.synchronize()
+        self._reducer.wait()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (1 without float16): call backward on this.
@@ -328,37 +329,6 @@ class ZeroOptimizer:
             if id(param) in self._group_of and entry is not None and entry is not param:
                 state_dict[prefix + name] = entry.clone()
 
-    def _gradient_ready(self, param: torch.nn.Parameter) -> None:
-        """Post-accumulate hook (stages 2 and 3): once a group's last gradient is in, reduce it
-        (with ``overlap``) and, in stage 3, free its parameters."""
-        if not self._end_of_backward_queued:
-            self._end_of_backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        group = self._group_of[id(param)]
-        self._ready[id(group)] += 1
-        if self._ready[id(group)] == len(group.params):
-            if self.overlap:
-                self._in_flight[id(group)] = (group, group.start_reduction())
-            if self.gatherer is not None:
-                group.release()
-
-    def _end_of_backward(self) -> None:
-        """Every group is reduced exactly once per backward, with zeros for parameters that got
-        no gradient, so that every rank runs the same collectives."""
-        self._end_of_backward_queued = False
-        for group in self.groups:
-            if id(group) not in self._in_flight:
-                self._in_flight[id(group)] = (group, group.start_reduction())
-            self._ready[id(group)] = 0
-        self._wait_reductions()
-        if self.gatherer is not None:
-            self.gatherer.release_all()
-
-    def _wait_reductions(self) -> None:
-        in_flight, self._in_flight = self._in_flight, {}
-        for group, handle in in_flight.values():
-            group.finish_reduction(handle)
-
     def _prepare_master_gradients(self) -> bool:
         """Reduce, hand the shard gradients to the master copies and unscale them, once per step;
         False if the loss scaler found an overflow on some rank (the step must be skipped)."""
@@ -374,3 +344,26 @@ class ZeroOptimizer:
             warnings.warn(f"ZeRO: gradients overflowed; step skipped, loss scale lowered to "
                           f"{self.loss_scaler.value:g}")
         return self._step_ok
+
+
+class _ReduceIntoShards(BucketStrategy):
+    """ZeRO's bucket, a flat group: its gradients reduce-scattered into this rank's shard
+    (averaged in place in stage 0); stage 3 frees the group's parameters once their gradients
+    are in, and whatever is still gathered once backward's groups are reduced."""
+
+    def __init__(self, zero: ZeroOptimizer) -> None:
+        self.zero = zero
+
+    def ready(self, bucket: Bucket) -> None:
+        if self.zero.gatherer is not None:
+            self.zero.groups[bucket.index].release()
+
+    def launch(self, bucket: Bucket) -> None:
+        bucket.handle = self.zero.groups[bucket.index].start_reduction()
+
+    def finish(self, bucket: Bucket) -> None:
+        self.zero.groups[bucket.index].finish_reduction(bucket.handle)
+
+    def all_finished(self) -> None:
+        if self.zero.gatherer is not None:
+            self.zero.gatherer.release_all()

@@ -15,7 +15,7 @@ import torch
 import psrt.torch as hvd
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.topology import ProcessSet
-from psrt.torch._buckets import Slot, plan_buckets
+from psrt.torch.reducer import Slot, plan_buckets
 from psrt.zero.partition import ParamInfo, Partition
 
 STAGES = (0, 1, 2, 3)

@@ -18,7 +18,8 @@ OPTIMIZER = [
     "op_sum_sums_gradients", "fp16_compression_is_close_to_single_process", "overlap_on_equals_overlap_off",
     "overlap_starts_allreduces_during_backward", "groups_match_single_process",
     "clip_between_synchronize_and_step", "unused_parameter_matches_single_process",
-    "model_zero_grad_set_to_none", "process_set_of_all_but_the_last_rank", "wrapper_is_the_optimizers_class",
+    "model_zero_grad_set_to_none", "views_with_accumulation_zero_grad_and_an_unused_parameter",
+    "process_set_of_all_but_the_last_rank", "wrapper_is_the_optimizers_class",
     "names_must_be_unique_and_complete", "misuse_raises_horovods_errors",
 ]
 BROADCAST = [

@@ -131,6 +131,31 @@ def model_zero_grad_set_to_none(key) -> None:
     assert_params_close(model, reference(key, sgd), key)
 
 
+def views_with_accumulation_zero_grad_and_an_unused_parameter(key) -> None:
+    """Gradients stay views of the bucket buffers over steps that zero them both ways
+    (set_to_none=True, then False), accumulate two backward passes each, and leave the extra
+    head without a gradient except in step 1: the same parameters as one process."""
+    model = Mlp(key)
+    optimizer = DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=2, bucketing=SMALL)
+    reference_model = Mlp(key)
+    zero_grads(reference_model)
+    reference_optimizer = sgd(reference_model.parameters())
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
+        reference_optimizer.zero_grad(set_to_none=False)
+        for micro in range(2):
+            x, y = global_batch(key, step, micro)
+            (loss_of(model, my_rows(x), my_rows(y), use_extra=step == 1) / 2).backward()
+            (loss_of(reference_model, x, y, use_extra=step == 1) / 2).backward()
+        optimizer.step()
+        reference_optimizer.step()
+        for bucket in optimizer._buckets:
+            assert all(param.grad._base is bucket.buffer for param in bucket.params), (
+                f"{key}: step {step}: a gradient of {bucket.name} is not a view of its buffer")
+    assert_params_close(model, reference_model, key)
+
+
 def process_set_of_all_but_the_last_rank(key) -> None:
     """Members average among themselves (the reference trains on their rows); the last rank,
     outside the set, trains alone on its own rows."""
@@ -212,6 +237,8 @@ def add_checks(checks: Checks) -> None:
     checks.add("optimizer/clip_between_synchronize_and_step", clip_between_synchronize_and_step)
     checks.add("optimizer/unused_parameter_matches_single_process", unused_parameter)
     checks.add("optimizer/model_zero_grad_set_to_none", model_zero_grad_set_to_none)
+    checks.add("optimizer/views_with_accumulation_zero_grad_and_an_unused_parameter",
+               views_with_accumulation_zero_grad_and_an_unused_parameter)
     checks.add("optimizer/process_set_of_all_but_the_last_rank", process_set_of_all_but_the_last_rank)
     checks.add("optimizer/wrapper_is_the_optimizers_class", wrapper_is_the_optimizers_class)
     checks.add("optimizer/names_must_be_unique_and_complete", names_must_be_unique_and_complete)

@@ -1,0 +1,285 @@
+"""The gradient reducer under every data-parallel optimizer: backward hooks, readiness, buckets.
+
+``hvd.DistributedOptimizer``, ``psrt.zero.ZeroOptimizer`` and ``psrt.ps.DistributedOptimizer``
+do the same thing during backward: count, per parameter, the backward passes that finished
+accumulating its gradient; once every member of a bucket is complete, start the bucket's
+communication (during backward, where overlapping pays); at the end, start the buckets
+backward did not complete -- a parameter without a gradient gets zeros, so every rank starts
+the same buckets -- and wait for all of them.  They differ only in what a bucket's
+communication is, a :class:`BucketStrategy`: average in place (DistributedOptimizer),
+reduce-scatter into shards (ZeRO), push to the servers (parameter server).
+
+With ``views``, each bucket owns one flat buffer and every member's ``.grad`` is a view of it
+(DDP's ``gradient_as_bucket_view``), so a bucket is reduced as one contiguous tensor, in
+place: no fusion copy in and out.  Autograd accumulates into a ``.grad`` it finds, in place,
+so views cost nothing when gradients are accumulated (``backward_passes_per_step > 1``,
+``zero_grad(set_to_none=False)``).  Where autograd made a fresh tensor instead (the first
+backward after ``zero_grad()``'s default ``set_to_none=True``, or a ``.grad`` the user or an
+optimizer replaced), the post-accumulate hook copies it into its view once and puts the view
+back as ``.grad``: one pass over the gradient, cheaper than zeroing the buffer before backward
+and accumulating into it (two writes and two reads), and ``.grad`` is None between
+``zero_grad()`` and backward as torch promises.  A parameter whose gradient comes sparse keeps
+it (the strategy reduces it its own way); its slot in the buffer is zeros.
+
+Collective: every rank builds the same reducer (same parameters, buckets and names) and runs
+the same backward passes and ``synchronize()`` calls, in the same order.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from collections import Counter
+from typing import Iterable, Sequence
+
+import torch
+
+from psrt.torch._buckets import Bucket as BucketPlan, Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
+
+__all__ = ["Bucket", "BucketPlan", "BucketStrategy", "Bucketing", "GradientReducer", "Slot", "check_names",
+           "overlap_pays", "overlap_pays_here", "plan_buckets", "split_evenly"]
+
+#: Horovod's message for one backward pass too many (DistributedOptimizer keeps its wording).
+TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+                   "Increase backward_passes_per_step to accumulate gradients locally.")
+
+
+class Bucket:
+    """One bucket: its members' positions in the reducer's parameter list, their parameters, and
+    this step's state.  ``handle`` and ``work`` belong to the strategy (what it started, and
+    whatever it keeps until ``finish``); ``buffer`` and ``views`` exist with views."""
+
+    __slots__ = ("index", "name", "members", "params", "waiting", "launched", "handle", "work",
+                 "buffer", "views", "sparse")
+
+    def __init__(self, index: int, name: str, members: tuple[int, ...], params: list[torch.Tensor]) -> None:
+        self.index, self.name, self.members, self.params = index, name, members, params
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []  # each member's slot of ``buffer``
+        self.sparse: set[int] = set()  # slots whose gradient came sparse (kept as it is)
+        self.reset()
+
+    def reset(self) -> None:
+        self.waiting = len(self.members)  # members whose gradient is not complete for this step
+        self.launched = False
+        self.handle: object | None = None
+        self.work: object | None = None
+
+    def grads(self) -> list[torch.Tensor]:
+        """The members' gradients (complete and zero-filled once the bucket is launched)."""
+        return [param.grad for param in self.params]
+
+
+class BucketStrategy:
+    """What a bucket's communication is.  ``launch`` starts it once every member's gradient is
+    complete (``bucket.grads()``); ``finish`` waits for it and leaves the result where the
+    optimizer expects it.  Called in the same order on every rank."""
+
+    def ready(self, bucket: Bucket) -> None:
+        """Every member's gradient is complete for this step (called during backward, whether
+        or not the bucket is launched now)."""
+
+    def launch(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def finish(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def all_finished(self) -> None:
+        """Every bucket of the step is finished (the end of ``GradientReducer.synchronize``)."""
+
+    def too_many_passes(self, name: str) -> BaseException:
+        """The error for one backward pass more than the step takes (parameter ``name``)."""
+        return AssertionError(TOO_MANY_PASSES)
+
+
+class GradientReducer:
+    """Counts gradients as backward completes them and has ``strategy`` reduce each bucket.
+
+    :param params: the parameters, in the order backward completes their gradients.
+    :param buckets: lists of positions in ``params``, each parameter in one; launched in this
+        order by ``synchronize()``.
+    :param names: the buckets' names (the same on every rank).
+    :param param_names: each parameter's name, for errors.
+    :param passes_per_step: backward passes accumulated before a bucket is complete.
+    :param overlap: launch a bucket during backward as soon as it is complete; otherwise in
+        ``synchronize()``.
+    :param hooks: count backward passes (a post-accumulate hook per parameter); without hooks
+        every bucket is launched by ``synchronize()``.
+    :param every_backward: call ``synchronize()`` at the end of every backward (autograd's
+        final callback) instead of leaving it to the optimizer's step.
+    :param views: make every dense gradient a view of its bucket's flat buffer; the buckets'
+        members must share dtype and device.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], buckets: Sequence[Sequence[int]], strategy: BucketStrategy,
+                 *, names: Sequence[str], param_names: Sequence[str], passes_per_step: int = 1, overlap: bool = True,
+                 hooks: bool = True, every_backward: bool = False, views: bool = False) -> None:
+        self.params, self.strategy, self.param_names = list(params), strategy, list(param_names)
+        self.passes_per_step, self.overlap, self.every_backward = passes_per_step, overlap, every_backward
+        self.buckets = [Bucket(i, name, tuple(members), [self.params[m] for m in members])
+                        for i, (name, members) in enumerate(zip(names, buckets))]
+        self._place = [(0, 0)] * len(self.params)  # per parameter: (its bucket, its slot there)
+        for bucket in self.buckets:
+            for slot, member in enumerate(bucket.members):
+                self._place[member] = (bucket.index, slot)
+        self._counts = [0] * len(self.params)
+        self._end_queued = False
+        self.synchronized = False  # nothing accumulated since the last synchronize()
+        if views:
+            for bucket in self.buckets:
+                _give_buffer(bucket)
+        if hooks:
+            handles = [p.register_post_accumulate_grad_hook(_ready_hook(weakref.ref(self), i))
+                       for i, p in enumerate(self.params)]
+            weakref.finalize(self, _remove_hooks, handles)
+
+    # -- during backward ------------------------------------------------------------------
+    def gradient_ready(self, index: int) -> None:
+        """Backward finished accumulating parameter ``index``'s gradient (its hook)."""
+        self.synchronized = False
+        if self.every_backward and not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        count = self._counts[index] + 1
+        if count > self.passes_per_step:
+            raise self.strategy.too_many_passes(self.param_names[index])
+        self._counts[index] = count
+        b, slot = self._place[index]
+        bucket = self.buckets[b]
+        if bucket.buffer is not None:
+            _adopt(bucket, slot)
+        if count == self.passes_per_step:
+            bucket.waiting -= 1
+            if bucket.waiting == 0:
+                if self.overlap:
+                    self._launch(bucket)
+                self.strategy.ready(bucket)
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        self.synchronize()
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        self.strategy.launch(bucket)
+
+    # -- at the step ----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Launch every bucket not launched yet (a member without a gradient gets zeros), wait
+        for all of them, and start counting the next step's passes."""
+        for bucket in self.buckets:
+            if not bucket.launched:
+                _zero_fill(bucket)
+                self._launch(bucket)
+        self.wait()
+        self.synchronized = True
+        self.strategy.all_finished()
+
+    def wait(self) -> None:
+        """Finish the buckets launched so far, drop the rest's progress: the state a new step
+        starts from (after ``synchronize()``, or after a backward that raised)."""
+        try:
+            for bucket in self.buckets:
+                if bucket.launched:
+                    self.strategy.finish(bucket)
+        finally:
+            for bucket in self.buckets:
+                bucket.reset()
+            self._counts = [0] * len(self.params)
+            self._end_queued = False  # a backward that raised never ran its final callback
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some bucket of this step is launched and not finished."""
+        return any(bucket.launched for bucket in self.buckets)
+
+    def set_passes_per_step(self, passes: int) -> None:
+        self.passes_per_step = passes
+        for bucket in self.buckets:
+            bucket.reset()
+        self._counts = [0] * len(self.params)
+
+
+def _give_buffer(bucket: Bucket) -> None:
+    first = bucket.params[0]
+    bucket.buffer = torch.zeros(sum(p.numel() for p in bucket.params), dtype=first.dtype, device=first.device)
+    views = bucket.buffer.split([p.numel() for p in bucket.params])
+    bucket.views = [view.view(p.shape) for view, p in zip(views, bucket.params)]
+    for slot, param in enumerate(bucket.params):
+        if param.grad is not None:
+            _adopt(bucket, slot)
+
+
+def _adopt(bucket: Bucket, slot: int) -> None:
+    """Make the member's dense ``.grad`` its view of the bucket buffer (copying a fresh one in);
+    a sparse gradient stays what it is, and its slot stays zeros."""
+    param, view = bucket.params[slot], bucket.views[slot]
+    grad = param.grad
+    if grad is view:
+        return
+    if grad.is_sparse:
+        if slot not in bucket.sparse:
+            bucket.sparse.add(slot)
+            view.zero_()
+        return
+    view.copy_(grad)
+    param.grad = view
+
+
+def _zero_fill(bucket: Bucket) -> None:
+    """Zeros for members without a gradient (their view, zeroed, with views); dense gradients
+    into their views."""
+    for slot, param in enumerate(bucket.params):
+        if bucket.buffer is None:
+            if param.grad is None:  # not zeros_like: a released ZeRO-3 parameter refuses to be read
+                param.grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+        elif param.grad is None:
+            view = bucket.views[slot]
+            view.zero_()
+            param.grad = view
+        else:
+            _adopt(bucket, slot)
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _ready_hook(reducer_ref: weakref.ref, index: int):
+    """A post-accumulate-grad hook that does nothing once its reducer is gone."""
+    def hook(_param: torch.Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer.gradient_ready(index)
+    return hook
+
+
+def overlap_pays_here(params: Iterable[torch.Tensor]) -> bool:
+    """:func:`overlap_pays` for this process's ranks, cores and torch threads: the default
+    of every optimizer that can overlap communication with backward."""
+    import psrt.torch as hvd
+    return overlap_pays({p.device for p in params}, hvd.local_size(), _usable_cores(), torch.get_num_threads())
+
+
+def _usable_cores() -> int:
+    """CPU cores this process may run on (its affinity; all of them under ``--bind-to none``)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_names(named: list, params: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Check Horovod's ``named_parameters``: ``(name, parameter)`` pairs with unique names that
+    name every parameter of ``params``; returns them."""
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                         "model.named_parameters().")
+    duplicates = sorted(name for name, times in Counter(name for name, _ in named).items() if times > 1)
+    if duplicates:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
+                         f"{', '.join(map(str, duplicates))}")
+    named_ids = {id(p) for _, p in named}
+    unnamed = [f"#{i} (shape {tuple(p.shape)})" for i, p in enumerate(params) if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(f"named_parameters was specified, but one or more model parameters were not named: "
+                         f"optimizer parameters {', '.join(unnamed)} (counted over param_groups)")
+    return named
