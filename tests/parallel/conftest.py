@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 os.environ.update(UNTUNED)  # for the tests that start psrun themselves (see jobs.UNTUNED)
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 JOB_TIMEOUT_S = 240.0
+SERVER_SCRIPT_TIMEOUT_S = 240.0  # scripts/_job_server.py's SCRIPT_TIMEOUT_S
 _TAIL = 3000
 
 
@@ -42,6 +43,7 @@ class JobReport:
     stdout: str = ""
     stderr: str = ""
     log: str = ""  # the log psrun wrote of a failed job's stderr
+    ended_by: str = ""  # why a job server stopped inside this script, if it did
 
     @property
     def hung(self) -> str | None:
@@ -49,6 +51,8 @@ class JobReport:
         return next((n for n in self.order if self.records[n].get("hung")), None)
 
     def why_incomplete(self) -> str:
+        if self.ended_by:
+            return self.ended_by
         if self.returncode is None:
             return f"the job was killed after {JOB_TIMEOUT_S:g} s"
         if self.hung is not None:
@@ -113,11 +117,10 @@ def _parse(report: JobReport, stdout: str) -> None:
             report.done = record["done"]
 
 
-def launch(script: str, np: int, env: Mapping[str, str] | None = None,
-           args: tuple[str, ...] = (), timeout_s: float = JOB_TIMEOUT_S,
-           psrun_args: tuple[str, ...] = ()) -> JobReport:
-    """Run ``script`` on ``np`` ranks with psrun (and its ``psrun_args``, e.g. ``--mpirun``)
-    and parse its report (never raises on failure)."""
+def _psrun(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...], timeout_s: float,
+           psrun_args: tuple[str, ...] = ()) -> tuple[int | None, str, str, float]:
+    """Run ``script`` on ``np`` ranks with psrun; (exit code or None if killed, stdout, stderr,
+    seconds)."""
     command = [sys.executable, "-m", "launcher.cli", *psrun_args, "-np", str(np), sys.executable,
                str(SCRIPTS / script), *args]
     # Only the settings a job asks for: a PSRT_* or HOROVOD_* variable in the caller's
@@ -126,8 +129,6 @@ def launch(script: str, np: int, env: Mapping[str, str] | None = None,
     full_env.update(UNTUNED)
     full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
-    extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    label = "`" + " ".join(filter(None, [extra, "psrun", *psrun_args, f"-np {np} {script}", *args])) + "`"
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, errors="replace",
@@ -144,24 +145,158 @@ def launch(script: str, np: int, env: Mapping[str, str] | None = None,
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
         returncode = None
-    report = JobReport(label=label, returncode=returncode, seconds=time.monotonic() - start,
+    return returncode, stdout, stderr, time.monotonic() - start
+
+
+def _label(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...],
+           psrun_args: tuple[str, ...] = ()) -> str:
+    extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    return "`" + " ".join(filter(None, [extra, "psrun", *psrun_args, f"-np {np} {script}", *args])) + "`"
+
+
+def launch(script: str, np: int, env: Mapping[str, str] | None = None,
+           args: tuple[str, ...] = (), timeout_s: float = JOB_TIMEOUT_S,
+           psrun_args: tuple[str, ...] = ()) -> JobReport:
+    """Run ``script`` on ``np`` ranks with psrun (and its ``psrun_args``, e.g. ``--mpirun``)
+    and parse its report (never raises on failure)."""
+    returncode, stdout, stderr, seconds = _psrun(script, np, env, args, timeout_s, psrun_args)
+    report = JobReport(label=_label(script, np, env, args, psrun_args), returncode=returncode, seconds=seconds,
                        stdout=stdout, stderr=stderr, log=take_log(stderr))
     _parse(report, stdout)
     return report
 
 
+#: A job: (script, rank count, its environment as sorted pairs, its arguments).
+JobKey = tuple[str, int, tuple[tuple[str, str], ...], tuple[str, ...]]
+
+#: The jobs each test file asks ``parallel_jobs`` for.  Those of the selected tests' files
+#: that may share a job (see :func:`_shareable`) run together, one job server per rank count,
+#: when the first of them is asked for; a job missing here still runs, in a job of its own.
+JOBS_BY_FILE: dict[str, list[tuple[str, int, dict[str, str], tuple[str, ...]]]] = {
+    "test_transport.py": [("transport_check.py", 2, {}, ()), ("transport_check.py", 4, {}, ())],
+    "test_direct_across_ranks.py": [("direct_check.py", 2, {}, ())],
+    "test_cp_ep.py": [(s, n, {}, ()) for s in ("cp_check.py", "ep_check.py") for n in (2, 4)],
+    "test_plan_reality.py": [("plan_reality.py", 2, {}, ())],
+    "test_horovod_compat.py": [("horovod_compat_check.py", 2, {}, ()), ("horovod_compat_check.py", 4, {}, ())],
+    "test_autograd.py": [("autograd_check.py", 2, {}, ()), ("autograd_check.py", 4, {}, ())],
+    "test_hierarchical.py": [("hierarchical_check.py", 4, {"PSRT_HIERARCHICAL_ALLREDUCE": "1"}, ())],
+    "test_hf.py": [("hf_check.py", 2, {}, ()), ("hf_check.py", 4, {}, ())],
+    "test_training.py": [("training_check.py", 2, {}, ()), ("training_check.py", 4, {}, ()),
+                         ("training_check.py", 2, {"PSRT_FUSION_THRESHOLD": "0"}, ()),
+                         ("training_check.py", 2, {"PSRT_FUSION_THRESHOLD": "1024"}, ())],
+    "test_torch_backend.py": [("torch_backend_check.py", 2, {}, ()), ("torch_backend_check.py", 4, {}, ())],
+    "test_zero.py": [("zero_check.py", 2, {}, ()), ("zero_check.py", 4, {}, ()), ("zero_gpt2_check.py", 2, {}, ())],
+    "test_tp_pp.py": [("tp_check.py", 2, {}, ()), ("tp_check.py", 4, {}, ()), ("pp_check.py", 2, {}, ()),
+                      ("pp_check.py", 4, {}, ()), ("gpt_check.py", 4, {}, ())],
+    "test_engine.py": [("engine_check.py", 2, {}, ()), ("engine_check.py", 4, {}, ()),
+                       ("engine_check.py", 2, {"PSRT_FUSION_THRESHOLD": "1024"}, ())],
+    "test_collective_errors.py": [("errors_check.py", 2, {}, ()), ("errors_check.py", 4, {}, ())],
+    "test_collectives.py": [(s, n, e, a) for n in (2, 4) for s, e, a in (
+        ("collectives_check.py", {}, ()),
+        ("collectives_check.py", {"PSRT_RING_THRESHOLD": "64", "PSRT_RING_SEGMENT": "64"}, ("--ring",)))],
+}
+#: Settings a job server can change between two scripts: only ``psrt.init()`` reads them.
+#: (``PSRT_NUM_SERVERS`` cannot: parameter servers exit their process at shutdown.)
+SERVER_SETTINGS = {"PSRT_FUSION_THRESHOLD", "PSRT_RING_THRESHOLD", "PSRT_RING_SEGMENT",
+                   "PSRT_HIERARCHICAL_ALLREDUCE"}
+#: Arguments a script reads only to choose its checks.  (engine_check.py's
+#: ``--without-persistent-collectives`` changes a psrt module flag for the rest of the process.)
+SERVER_ARGS = {(), ("--ring",)}
+_wanted: list[JobKey] = []  # the shareable jobs of the selected tests' files, in a fixed order
+
+
+def _key(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...]) -> JobKey:
+    return script, np, tuple(sorted((env or {}).items())), tuple(args)
+
+
+def _shareable(key: JobKey) -> bool:
+    return all(name in SERVER_SETTINGS for name, _ in key[2]) and key[3] in SERVER_ARGS
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    files = {Path(str(item.fspath)).name for item in session.items}
+    keys = [_key(*job) for name, jobs in JOBS_BY_FILE.items() if name in files for job in jobs]
+    _wanted[:] = [key for key in dict.fromkeys(keys) if _shareable(key)]
+
+
+def _server_reports(keys: list[JobKey]) -> dict[JobKey, JobReport]:
+    """Run ``keys`` (one rank count) in turn in one job server; a report for each that began."""
+    np = keys[0][1]
+    plan = json.dumps([[script, list(args), dict(env)] for script, _, env, args in keys])
+    timeout_s = SERVER_SCRIPT_TIMEOUT_S * len(keys) + JOB_TIMEOUT_S
+    returncode, stdout, stderr, seconds = _psrun("_job_server.py", np, None, (plan,), timeout_s)
+    log = take_log(stderr)
+    segments: dict[int, list[str]] = {}
+    ends: dict[int, dict] = {}
+    entry: int | None = None
+    for line in stdout.splitlines():
+        marker = _server_marker(line)
+        if marker is not None and marker["job_server"] == "begin":
+            entry = marker["entry"]
+            segments[entry] = []
+        elif marker is not None and marker["job_server"] == "end":
+            ends[marker["entry"]] = marker
+        elif entry is not None:
+            segments[entry].append(line)
+    reports = {}
+    for entry, lines in segments.items():
+        script, _, env, args = keys[entry]
+        end = ends.get(entry)
+        label = _label(script, np, dict(env), args)[:-1] + f"` (script {entry + 1} of {len(keys)} in one job)"
+        report = JobReport(label=label, returncode=0 if end else returncode,
+                           seconds=end["seconds"] if end else seconds, stdout="\n".join(lines),
+                           stderr=stderr, log=log)
+        _parse(report, report.stdout)
+        if end is None:
+            report.ended_by = next((f"the job server ended it: {m['detail']}" for m in map(_server_marker, lines)
+                                    if m is not None and m["job_server"] in ("failed", "timeout")), "")
+        reports[keys[entry]] = report
+    return reports
+
+
+def _server_marker(line: str) -> dict | None:
+    start = line.find('{"job_server"')
+    if start < 0:
+        return None
+    try:
+        return json.loads(line[start:])
+    except json.JSONDecodeError:
+        return None
+
+
 class ParallelJobs:
-    """Each distinct job runs once per session, on first use."""
+    """Each distinct job runs once per session, on first use; shareable ones (see
+    :data:`JOBS_BY_FILE`) together with the others of their rank count."""
 
     def __init__(self) -> None:
-        self._reports: dict[tuple, JobReport] = {}
+        self._reports: dict[JobKey, JobReport] = {}
 
     def get(self, script: str, np: int, env: Mapping[str, str] | None = None,
             args: tuple[str, ...] = ()) -> JobReport:
-        key = (script, np, tuple(sorted((env or {}).items())), args)
+        key = _key(script, np, env, args)
         if key not in self._reports:
-            self._reports[key] = launch(script, np, env, args)
+            batch = [k for k in _wanted if k[1] == np and k not in self._reports]
+            if key in batch and len(batch) > 1:
+                self._run_together(batch)
+            else:
+                self._reports[key] = launch(script, np, env, args)
         return self._reports[key]
+
+    def _run_together(self, batch: list[JobKey]) -> None:
+        """Run ``batch`` in job servers until every job has a report: a job server that ends
+        early leaves the scripts it never began to the next one."""
+        while batch:
+            if len(batch) == 1:
+                script, np, env, args = batch[0]
+                self._reports[batch[0]] = launch(script, np, dict(env), args)
+                return
+            reports = _server_reports(batch)
+            self._reports.update(reports)
+            if not reports:  # the server never began a script: no use trying again together
+                for script, np, env, args in batch:
+                    self._reports[(script, np, env, args)] = launch(script, np, dict(env), args)
+                return
+            batch = [k for k in batch if k not in reports]
 
 
 @pytest.fixture(scope="session")
