@@ -1,173 +1,17 @@
-"""Launch the check scripts of ``tests/parallel/scripts`` through psrun and read their reports.
-
-Each script runs every check of one kind inside one job (starting Python and
-importing torch on every rank costs seconds, so launches are kept few) and
-prints one JSON line per check on rank 0.  The ``parallel_jobs`` fixture runs
-each (script, rank count, environment) once per session, with a hard timeout,
-and the tests assert on the individual checks.
-"""
+"""The ``parallel_jobs`` fixture: each check-script job the tests ask for runs once per session,
+with a hard timeout, and the tests assert on its individual checks (see check_jobs.py)."""
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import pytest
-from jobs import UNTUNED, take_log
+from check_jobs import REPO, SCRIPTS, JobKey, JobReport, job_key, launch, run_together
+from jobs import UNTUNED
 
-REPO = Path(__file__).resolve().parents[2]
+__all__ = ["REPO", "SCRIPTS", "launch"]  # what test files import from here
 os.environ.update(UNTUNED)  # for the tests that start psrun themselves (see jobs.UNTUNED)
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-JOB_TIMEOUT_S = 240.0
-SERVER_SCRIPT_TIMEOUT_S = 240.0  # scripts/_job_server.py's SCRIPT_TIMEOUT_S
-_TAIL = 3000
-
-
-@dataclass
-class JobReport:
-    """What one job printed: a record per check, how it ended, and its output for diagnosis."""
-
-    label: str
-    returncode: int | None
-    seconds: float
-    records: dict[str, dict] = field(default_factory=dict)
-    order: list[str] = field(default_factory=list)
-    done: int | None = None
-    stdout: str = ""
-    stderr: str = ""
-    log: str = ""  # the log psrun wrote of a failed job's stderr
-    ended_by: str = ""  # why a job server stopped inside this script, if it did
-
-    @property
-    def hung(self) -> str | None:
-        """The check that hung, if the job ended on one."""
-        return next((n for n in self.order if self.records[n].get("hung")), None)
-
-    def why_incomplete(self) -> str:
-        if self.ended_by:
-            return self.ended_by
-        if self.returncode is None:
-            return f"the job was killed after {JOB_TIMEOUT_S:g} s"
-        if self.hung is not None:
-            return (f"the job ended when check {self.hung!r} hung: "
-                    f"{self.records[self.hung]['detail']}")
-        if self.done is None:
-            return f"the job ended early with exit code {self.returncode}"
-        if self.returncode != 0:
-            return f"the job ran to its end but exited with code {self.returncode}"
-        return "the script never ran it"
-
-    def diagnosis(self) -> str:
-        return (f"{self.label}: exit code {self.returncode} after {self.seconds:.1f} s\n"
-                f"--- stdout (tail) ---\n{self.stdout[-_TAIL:]}\n"
-                f"--- stderr (tail) ---\n{self.stderr[-_TAIL:]}"
-                + (f"\n--- psrun's log (tail) ---\n{self.log[-_TAIL:]}" if self.log else ""))
-
-    def assert_ok(self, name: str) -> dict:
-        """Fail unless check ``name`` ran and passed on every rank; returns its record."""
-        record = self.records.get(name)
-        if record is None:
-            # Without any report the job never got going: show its output.
-            more = "" if self.records else "\n" + self.diagnosis()
-            pytest.fail(f"check {name!r} did not report in {self.label}: "
-                        f"{self.why_incomplete()}{more}", pytrace=False)
-        assert record["ok"], f"{name} failed in {self.label}: {record['detail']}"
-        return record
-
-    def assert_complete(self, expected: Iterable[str]) -> None:
-        """The job ended cleanly and reported exactly the ``expected`` checks, each once."""
-        expected = set(expected)
-        missing = sorted(expected - set(self.records))
-        unexpected = sorted(set(self.records) - expected)
-        repeated = sorted(n for n, times in Counter(self.order).items() if times > 1)
-        problems = []
-        if self.returncode != 0 or self.done is None:
-            problems.append(f"job did not finish cleanly ({self.why_incomplete()})")
-        if missing:
-            problems.append(f"{len(missing)} checks never reported, e.g. {missing[:5]}")
-        if unexpected:
-            problems.append(f"unexpected checks {unexpected[:5]} (add tests for them)")
-        if repeated:
-            problems.append(f"checks reported twice: {repeated[:5]}")
-        if self.done is not None and self.done != len(self.order):
-            problems.append(f"script says it ran {self.done} checks, reported {len(self.order)}")
-        assert not problems, "; ".join(problems) + "\n" + self.diagnosis()
-
-
-def _parse(report: JobReport, stdout: str) -> None:
-    for line in stdout.splitlines():
-        start = line.find("{")
-        if start < 0:
-            continue
-        try:
-            record = json.loads(line[start:])
-        except json.JSONDecodeError:
-            continue
-        if "check" in record:
-            report.order.append(record["check"])
-            report.records[record["check"]] = record
-        elif "done" in record:
-            report.done = record["done"]
-
-
-def _psrun(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...], timeout_s: float,
-           psrun_args: tuple[str, ...] = ()) -> tuple[int | None, str, str, float]:
-    """Run ``script`` on ``np`` ranks with psrun; (exit code or None if killed, stdout, stderr,
-    seconds)."""
-    command = [sys.executable, "-m", "launcher.cli", *psrun_args, "-np", str(np), sys.executable,
-               str(SCRIPTS / script), *args]
-    # Only the settings a job asks for: a PSRT_* or HOROVOD_* variable in the caller's
-    # environment would silently change what every job tests.
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRT_", "HOROVOD_"))}
-    full_env.update(UNTUNED)
-    full_env.update(env or {})
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
-    start = time.monotonic()
-    proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-        returncode: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        # psrun forwards SIGTERM to mpirun, which ends the ranks; then make sure.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        returncode = None
-    return returncode, stdout, stderr, time.monotonic() - start
-
-
-def _label(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...],
-           psrun_args: tuple[str, ...] = ()) -> str:
-    extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    return "`" + " ".join(filter(None, [extra, "psrun", *psrun_args, f"-np {np} {script}", *args])) + "`"
-
-
-def launch(script: str, np: int, env: Mapping[str, str] | None = None,
-           args: tuple[str, ...] = (), timeout_s: float = JOB_TIMEOUT_S,
-           psrun_args: tuple[str, ...] = ()) -> JobReport:
-    """Run ``script`` on ``np`` ranks with psrun (and its ``psrun_args``, e.g. ``--mpirun``)
-    and parse its report (never raises on failure)."""
-    returncode, stdout, stderr, seconds = _psrun(script, np, env, args, timeout_s, psrun_args)
-    report = JobReport(label=_label(script, np, env, args, psrun_args), returncode=returncode, seconds=seconds,
-                       stdout=stdout, stderr=stderr, log=take_log(stderr))
-    _parse(report, stdout)
-    return report
-
-
-#: A job: (script, rank count, its environment as sorted pairs, its arguments).
-JobKey = tuple[str, int, tuple[tuple[str, str], ...], tuple[str, ...]]
 
 #: The jobs each test file asks ``parallel_jobs`` for.  Those of the selected tests' files
 #: that may share a job (see :func:`_shareable`) run together, one job server per rank count,
@@ -205,63 +49,14 @@ SERVER_ARGS = {(), ("--ring",)}
 _wanted: list[JobKey] = []  # the shareable jobs of the selected tests' files, in a fixed order
 
 
-def _key(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...]) -> JobKey:
-    return script, np, tuple(sorted((env or {}).items())), tuple(args)
-
-
 def _shareable(key: JobKey) -> bool:
     return all(name in SERVER_SETTINGS for name, _ in key[2]) and key[3] in SERVER_ARGS
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     files = {Path(str(item.fspath)).name for item in session.items}
-    keys = [_key(*job) for name, jobs in JOBS_BY_FILE.items() if name in files for job in jobs]
+    keys = [job_key(*job) for name, jobs in JOBS_BY_FILE.items() if name in files for job in jobs]
     _wanted[:] = [key for key in dict.fromkeys(keys) if _shareable(key)]
-
-
-def _server_reports(keys: list[JobKey]) -> dict[JobKey, JobReport]:
-    """Run ``keys`` (one rank count) in turn in one job server; a report for each that began."""
-    np = keys[0][1]
-    plan = json.dumps([[script, list(args), dict(env)] for script, _, env, args in keys])
-    timeout_s = SERVER_SCRIPT_TIMEOUT_S * len(keys) + JOB_TIMEOUT_S
-    returncode, stdout, stderr, seconds = _psrun("_job_server.py", np, None, (plan,), timeout_s)
-    log = take_log(stderr)
-    segments: dict[int, list[str]] = {}
-    ends: dict[int, dict] = {}
-    entry: int | None = None
-    for line in stdout.splitlines():
-        marker = _server_marker(line)
-        if marker is not None and marker["job_server"] == "begin":
-            entry = marker["entry"]
-            segments[entry] = []
-        elif marker is not None and marker["job_server"] == "end":
-            ends[marker["entry"]] = marker
-        elif entry is not None:
-            segments[entry].append(line)
-    reports = {}
-    for entry, lines in segments.items():
-        script, _, env, args = keys[entry]
-        end = ends.get(entry)
-        label = _label(script, np, dict(env), args)[:-1] + f"` (script {entry + 1} of {len(keys)} in one job)"
-        report = JobReport(label=label, returncode=0 if end else returncode,
-                           seconds=end["seconds"] if end else seconds, stdout="\n".join(lines),
-                           stderr=stderr, log=log)
-        _parse(report, report.stdout)
-        if end is None:
-            report.ended_by = next((f"the job server ended it: {m['detail']}" for m in map(_server_marker, lines)
-                                    if m is not None and m["job_server"] in ("failed", "timeout")), "")
-        reports[keys[entry]] = report
-    return reports
-
-
-def _server_marker(line: str) -> dict | None:
-    start = line.find('{"job_server"')
-    if start < 0:
-        return None
-    try:
-        return json.loads(line[start:])
-    except json.JSONDecodeError:
-        return None
 
 
 class ParallelJobs:
@@ -273,30 +68,14 @@ class ParallelJobs:
 
     def get(self, script: str, np: int, env: Mapping[str, str] | None = None,
             args: tuple[str, ...] = ()) -> JobReport:
-        key = _key(script, np, env, args)
+        key = job_key(script, np, env, args)
         if key not in self._reports:
             batch = [k for k in _wanted if k[1] == np and k not in self._reports]
             if key in batch and len(batch) > 1:
-                self._run_together(batch)
+                self._reports.update(run_together(batch))
             else:
                 self._reports[key] = launch(script, np, env, args)
         return self._reports[key]
-
-    def _run_together(self, batch: list[JobKey]) -> None:
-        """Run ``batch`` in job servers until every job has a report: a job server that ends
-        early leaves the scripts it never began to the next one."""
-        while batch:
-            if len(batch) == 1:
-                script, np, env, args = batch[0]
-                self._reports[batch[0]] = launch(script, np, dict(env), args)
-                return
-            reports = _server_reports(batch)
-            self._reports.update(reports)
-            if not reports:  # the server never began a script: no use trying again together
-                for script, np, env, args in batch:
-                    self._reports[(script, np, env, args)] = launch(script, np, dict(env), args)
-                return
-            batch = [k for k in batch if k not in reports]
 
 
 @pytest.fixture(scope="session")
