@@ -1,10 +1,9 @@
-"""Check-script jobs: launch one through psrun, or several in turn inside one job server, and
-read their reports.
+"""Check-script jobs: launch one through psrun and read its report.
 
 Each script of ``scripts/`` runs every check of one kind and prints one JSON line per check
-on rank 0 (see ``scripts/_harness.py``).  Starting Python and importing torch on every rank
-costs seconds, so scripts that may share a job run in one (``scripts/_job_server.py``);
-each still gets a report of its own, with its own verdict and diagnosis.
+on rank 0 (see ``scripts/_harness.py``); :class:`JobReport` holds what one job printed, and
+asserts on a check or on the whole job.  job_server.py runs several scripts in one job and
+reports each with the same class.
 """
 from __future__ import annotations
 
@@ -25,16 +24,7 @@ from jobs import UNTUNED, take_log
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 JOB_TIMEOUT_S = 240.0
-SERVER_SCRIPT_TIMEOUT_S = 240.0  # scripts/_job_server.py's SCRIPT_TIMEOUT_S
 _TAIL = 3000
-
-#: A job: (script, rank count, its environment as sorted pairs, its arguments).
-JobKey = tuple[str, int, tuple[tuple[str, str], ...], tuple[str, ...]]
-
-
-def job_key(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...]) -> JobKey:
-    return script, np, tuple(sorted((env or {}).items())), tuple(args)
-
 
 
 @dataclass
@@ -108,7 +98,7 @@ class JobReport:
         assert not problems, "; ".join(problems) + "\n" + self.diagnosis()
 
 
-def _parse(report: JobReport, stdout: str) -> None:
+def parse_report(report: JobReport, stdout: str) -> None:
     for line in stdout.splitlines():
         start = line.find("{")
         if start < 0:
@@ -124,10 +114,9 @@ def _parse(report: JobReport, stdout: str) -> None:
             report.done = record["done"]
 
 
-def _psrun(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...], timeout_s: float,
-           psrun_args: tuple[str, ...] = ()) -> tuple[int | None, str, str, float]:
-    """Run ``script`` on ``np`` ranks with psrun; (exit code or None if killed, stdout, stderr,
-    seconds)."""
+def start_psrun(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...] = (),
+                psrun_args: tuple[str, ...] = (), stdin: int | None = None) -> subprocess.Popen[str]:
+    """Start ``script`` on ``np`` ranks with psrun, its output piped."""
     command = [sys.executable, "-m", "launcher.cli", *psrun_args, "-np", str(np), sys.executable,
                str(SCRIPTS / script), *args]
     # Only the settings a job asks for: a PSRT_* or HOROVOD_* variable in the caller's
@@ -136,10 +125,16 @@ def _psrun(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str,
     full_env.update(UNTUNED)
     full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    return subprocess.Popen(command, cwd=REPO, env=full_env, stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+
+
+def _psrun(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...], timeout_s: float,
+           psrun_args: tuple[str, ...] = ()) -> tuple[int | None, str, str, float]:
+    """Run ``script`` on ``np`` ranks with psrun; (exit code or None if killed, stdout, stderr,
+    seconds)."""
     start = time.monotonic()
-    proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True)
+    proc = start_psrun(script, np, env, args, psrun_args)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
         returncode: int | None = proc.returncode
@@ -155,7 +150,7 @@ def _psrun(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str,
     return returncode, stdout, stderr, time.monotonic() - start
 
 
-def _label(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...],
+def job_label(script: str, np: int, env: Mapping[str, str] | None, args: tuple[str, ...],
            psrun_args: tuple[str, ...] = ()) -> str:
     extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
     return "`" + " ".join(filter(None, [extra, "psrun", *psrun_args, f"-np {np} {script}", *args])) + "`"
@@ -167,78 +162,7 @@ def launch(script: str, np: int, env: Mapping[str, str] | None = None,
     """Run ``script`` on ``np`` ranks with psrun (and its ``psrun_args``, e.g. ``--mpirun``)
     and parse its report (never raises on failure)."""
     returncode, stdout, stderr, seconds = _psrun(script, np, env, args, timeout_s, psrun_args)
-    report = JobReport(label=_label(script, np, env, args, psrun_args), returncode=returncode, seconds=seconds,
+    report = JobReport(label=job_label(script, np, env, args, psrun_args), returncode=returncode, seconds=seconds,
                        stdout=stdout, stderr=stderr, log=take_log(stderr))
-    _parse(report, stdout)
+    parse_report(report, stdout)
     return report
-
-
-def run_together(keys: list[JobKey], psrun_args: tuple[str, ...] = ()) -> dict[JobKey, JobReport]:
-    """Run the jobs ``keys`` (one rank count, each script's settings read only by
-    ``psrt.init()``) in turn inside job servers, and report each as if it had run alone.
-
-    A job server that stops early (a script failed outside its checks, hung, or ran past
-    its limit) has its report on that script; the scripts it never began go on in the next.
-    """
-    reports: dict[JobKey, JobReport] = {}
-    while keys:
-        if len(keys) == 1:
-            script, np, env, args = keys[0]
-            reports[keys[0]] = launch(script, np, dict(env), args, psrun_args=psrun_args)
-            break
-        began = _server_reports(keys, psrun_args)
-        if not began:  # the job server itself failed: no use trying again together
-            for key in keys:
-                reports.update(run_together([key], psrun_args))
-            break
-        reports.update(began)
-        keys = [key for key in keys if key not in began]
-    return reports
-
-
-def _server_reports(keys: list[JobKey], psrun_args: tuple[str, ...]) -> dict[JobKey, JobReport]:
-    """Run ``keys`` in turn in one job server; a report for each script it began."""
-    np = keys[0][1]
-    plan = json.dumps([[script, list(args), dict(env)] for script, _, env, args in keys])
-    timeout_s = SERVER_SCRIPT_TIMEOUT_S * len(keys) + JOB_TIMEOUT_S
-    returncode, stdout, stderr, seconds = _psrun("_job_server.py", np, None, (plan,), timeout_s, psrun_args)
-    log = take_log(stderr)
-    segments: dict[int, list[str]] = {}
-    ends: dict[int, dict] = {}
-    entry: int | None = None
-    for line in stdout.splitlines():
-        marker = _server_marker(line)
-        if marker is not None and marker["job_server"] == "begin":
-            entry = marker["entry"]
-            segments[entry] = []
-        elif marker is not None and marker["job_server"] == "end":
-            ends[marker["entry"]] = marker
-        elif entry is not None:
-            segments[entry].append(line)
-    reports = {}
-    for entry, lines in segments.items():
-        script, _, env, args = keys[entry]
-        end = ends.get(entry)
-        label = (_label(script, np, dict(env), args, psrun_args)
-                 + f" (script {entry + 1} of {len(keys)} in one job of scripts/_job_server.py)")
-        report = JobReport(label=label, returncode=0 if end else returncode,
-                           seconds=end["seconds"] if end else seconds, stdout="\n".join(lines),
-                           stderr=stderr, log=log)
-        _parse(report, report.stdout)
-        if end is None:
-            report.ended_by = next((f"the job server ended it: {m['detail']}" for m in map(_server_marker, lines)
-                                    if m is not None and m["job_server"] in ("failed", "timeout")), "")
-        reports[keys[entry]] = report
-    return reports
-
-
-def _server_marker(line: str) -> dict | None:
-    start = line.find('{"job_server"')
-    if start < 0:
-        return None
-    try:
-        return json.loads(line[start:])
-    except json.JSONDecodeError:
-        return None
-
-

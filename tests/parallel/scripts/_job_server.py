@@ -1,7 +1,10 @@
-"""Runs several check scripts in turn inside one job, so that their ranks start Python, import
-torch (and, at the first optimizer, ``torch._dynamo``) once instead of once per script.
+"""A job that runs the check scripts it is handed, one after another inside the same ranks, so
+that they start Python and import torch (and, at the first optimizer, ``torch._dynamo``) once
+instead of once per script.
 
-``argv[1]`` is a JSON list of ``[script, args, env]`` entries.  For each, every rank sets
+Rank 0 reads one JSON line per script from its standard input (``{"entry": n, "script": ...,
+"args": [...], "env": {...}}``, or ``"quit"``) and hands it to the other ranks, which wait
+for it asleep, not spinning, so that an idle server costs the machine nothing.  Every rank sets
 ``sys.argv`` to ``[script, *args]`` and ``os.environ`` to the job's environment plus ``env``
 (only settings that ``psrt.init()`` reads: tests/parallel/conftest.py decides which), runs the
 script as ``__main__`` (its ``main()`` calls ``psrt.init()``; the harness reports its checks),
@@ -10,11 +13,11 @@ Global state a script may change (random generators, default dtype, threads, wor
 directory, ``sys.path``, warning filters, a ``torch.distributed`` default group) is put back
 before the next one.
 
-Rank 0 brackets each script's report with ``{"job_server": "begin", "script": ...}`` and
+Rank 0 brackets each script's report with ``{"job_server": "begin", "entry": n, ...}`` and
 ``{"job_server": "end", ...}`` lines.  A script that raises on a rank ends the job as it would
 alone (psrt's abort on an uncaught exception), after a ``"failed"`` line naming it; one that
-runs past ``SCRIPT_TIMEOUT_S`` ends the job after a ``"timeout"`` line.  The conftest then
-runs the scripts that never began in jobs of their own.
+runs past ``SCRIPT_TIMEOUT_S`` ends the job after a ``"timeout"`` line; a hung check ends it
+through the harness.  tests/parallel/check_jobs.py then starts a new server for what follows.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,9 +39,14 @@ import torch
 import psrt
 import psrt.runtime
 
+if TYPE_CHECKING:
+    from mpi4py.MPI import Intracomm
+
 SCRIPTS = Path(__file__).resolve().parent
 SCRIPT_TIMEOUT_S = 240.0
 _TIMEOUT_EXIT_CODE = 4
+_ORDER_TAG = 31
+_IDLE_POLL_S = 0.1
 
 
 def _emit(record: dict) -> None:
@@ -117,14 +126,33 @@ def _run(script: str, args: list[str]) -> None:
             raise
 
 
+def _next(comm: Intracomm) -> dict | None:
+    """The next script to run, as rank 0 read it from its standard input; None to stop."""
+    if comm.rank == 0:
+        line = sys.stdin.readline().strip()
+        order = json.loads(line) if line and line != '"quit"' else None
+        for other in range(1, comm.size):
+            comm.send(order, dest=other, tag=_ORDER_TAG)
+        return order
+    request = comm.irecv(source=0, tag=_ORDER_TAG)
+    while True:
+        done, order = request.test()
+        if done:
+            return order
+        time.sleep(_IDLE_POLL_S)
+
+
 def main() -> None:
-    plan = json.loads(sys.argv[1])
-    psrt.init()  # only to learn this rank's place in the job (the scripts start their own runtime)
-    rank = psrt.rank()
+    psrt.init()  # MPI started as psrt starts it; the scripts start runtimes of their own
     psrt.runtime.shutdown()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()  # the server's own: no script can match its messages
+    rank = comm.rank
     state = _State()
     deadline = _Deadline(rank)
-    for entry, (script, args, env) in enumerate(plan):
+    while (order := _next(comm)) is not None:
+        entry, script, args, env = order["entry"], order["script"], order["args"], order["env"]
         state.restore(env)
         if rank == 0:
             _emit({"job_server": "begin", "entry": entry, "script": script})
@@ -141,6 +169,7 @@ def main() -> None:
         deadline.set(None)
         if rank == 0:
             _emit({"job_server": "end", "entry": entry, "script": script, "seconds": round(time.monotonic() - start, 3)})
+    comm.Free()
 
 
 if __name__ == "__main__":
