@@ -6,9 +6,10 @@ Rank 0 reads one JSON line per script from its standard input (``{"entry": n, "s
 "args": [...], "env": {...}}``, or ``"quit"``) and hands it to the other ranks, which wait
 for it asleep, not spinning, so that an idle server costs the machine nothing.  Every rank sets
 ``sys.argv`` to ``[script, *args]`` and ``os.environ`` to the job's environment plus ``env``
-(only settings that ``psrt.init()`` reads: tests/parallel/conftest.py decides which), runs the
-script as ``__main__`` (its ``main()`` calls ``psrt.init()``; the harness reports its checks),
-then shuts psrt down, so the next script starts from a fresh runtime as in a job of its own.
+(only settings that ``psrt.init()`` or the harness reads: tests/parallel/job_server.py decides
+which), runs the script as ``__main__`` (its ``main()`` calls ``psrt.init()``; the harness
+reports its checks), then shuts psrt down, so that the next script starts from a fresh runtime
+as in a job of its own.
 Global state a script may change (random generators, default dtype, threads, working
 directory, ``sys.path``, warning filters, a ``torch.distributed`` default group) is put back
 before the next one.
@@ -17,7 +18,7 @@ Rank 0 brackets each script's report with ``{"job_server": "begin", "entry": n, 
 ``{"job_server": "end", ...}`` lines.  A script that raises on a rank ends the job as it would
 alone (psrt's abort on an uncaught exception), after a ``"failed"`` line naming it; one that
 runs past ``SCRIPT_TIMEOUT_S`` ends the job after a ``"timeout"`` line; a hung check ends it
-through the harness.  tests/parallel/check_jobs.py then starts a new server for what follows.
+through the harness.  tests/parallel/job_server.py then starts a new server for what follows.
 """
 from __future__ import annotations
 
