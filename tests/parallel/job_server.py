@@ -38,7 +38,8 @@ class JobServer:
 
     def __init__(self, np: int, psrun_args: tuple[str, ...] = ()) -> None:
         self.np, self.psrun_args = np, psrun_args
-        self._proc = start_psrun("_job_server.py", np, None, psrun_args=psrun_args, stdin=subprocess.PIPE)
+        self._proc = start_psrun("_job_server.py", np, {"JOB_SERVER_OWNER": str(os.getpid())}, psrun_args=psrun_args,
+                                 stdin=subprocess.PIPE)
         self._stdout: list[str] = []
         self._stderr: list[str] = []
         self._changed = threading.Condition()

@@ -26,6 +26,7 @@ import json
 import os
 import random
 import runpy
+import select
 import sys
 import threading
 import time
@@ -48,6 +49,10 @@ SCRIPT_TIMEOUT_S = 240.0
 _TIMEOUT_EXIT_CODE = 4
 _ORDER_TAG = 31
 _IDLE_POLL_S = 0.1
+#: The process id of the test process that hands this server its scripts.
+OWNER_VARIABLE = "JOB_SERVER_OWNER"
+#: A server left idle this long ends (tests/parallel/job_server.py starts another if needed).
+IDLE_LIMIT_S = 1200.0
 
 
 def _emit(record: dict) -> None:
@@ -127,10 +132,33 @@ def _run(script: str, args: list[str]) -> None:
             raise
 
 
+def _read_order() -> str:
+    """Rank 0: the next line of standard input; "" once the test process that started this
+    server is gone (mpirun does not pass on the end of its input) or after ``IDLE_LIMIT_S``."""
+    owner = int(os.environ.get(OWNER_VARIABLE, "0"))
+    idle_until = time.monotonic() + IDLE_LIMIT_S
+    while time.monotonic() < idle_until:
+        if select.select([sys.stdin], [], [], 1.0)[0]:
+            return sys.stdin.readline().strip()
+        if owner and not _alive(owner):
+            return ""
+    return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _next(comm: Intracomm) -> dict | None:
     """The next script to run, as rank 0 read it from its standard input; None to stop."""
     if comm.rank == 0:
-        line = sys.stdin.readline().strip()
+        line = _read_order()
         order = json.loads(line) if line and line != '"quit"' else None
         for other in range(1, comm.size):
             comm.send(order, dest=other, tag=_ORDER_TAG)
