@@ -26,9 +26,10 @@ from jobs import take_log
 #: process at shutdown.
 SERVER_SETTINGS = {"PSRT_FUSION_THRESHOLD", "PSRT_RING_THRESHOLD", "PSRT_RING_SEGMENT",
                    "PSRT_HIERARCHICAL_ALLREDUCE", "CHECKS_MATCHING"}
-#: Arguments that only choose a script's checks (engine_check.py's
-#: ``--without-persistent-collectives`` changes a psrt module flag for the rest of the process).
-SERVER_ARGS = {(), ("--ring",)}
+#: Arguments whose effect would outlive the script: engine_check.py's
+#: ``--without-persistent-collectives`` changes a psrt module flag for the rest of the process.
+#: (Other arguments choose checks, or where a script writes.)
+UNSHAREABLE_ARGS = {"--without-persistent-collectives"}
 SCRIPT_TIMEOUT_S = 240.0  # as scripts/_job_server.py's SCRIPT_TIMEOUT_S; the first script waits for start-up too
 _QUIT_TIMEOUT_S = 30.0
 
@@ -154,7 +155,7 @@ def _marker(line: str, kind: str | None, entry: int) -> dict | None:
 
 class CheckJobs:
     """Each distinct job runs once, on first use: inside the job server of its rank count
-    when it can (see :data:`SERVER_SETTINGS`, :data:`SERVER_ARGS`), else in a job of its own."""
+    when it can (see :data:`SERVER_SETTINGS`, :data:`UNSHAREABLE_ARGS`), else in a job of its own."""
 
     def __init__(self, psrun_args: tuple[str, ...] = ()) -> None:
         self.psrun_args = psrun_args
@@ -172,7 +173,7 @@ class CheckJobs:
 
     @staticmethod
     def _shareable(env: Mapping[str, str], args: tuple[str, ...]) -> bool:
-        return set(env) <= SERVER_SETTINGS and tuple(args) in SERVER_ARGS
+        return set(env) <= SERVER_SETTINGS and not UNSHAREABLE_ARGS.intersection(args)
 
     def _in_server(self, script: str, np: int, env: Mapping[str, str], args: tuple[str, ...]) -> JobReport | None:
         server = self._servers.get(np)
