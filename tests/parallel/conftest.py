@@ -1,169 +1,22 @@
-"""Launch the check scripts of ``tests/parallel/scripts`` through psrun and read their reports.
-
-Each script runs every check of one kind inside one job (starting Python and
-importing torch on every rank costs seconds, so launches are kept few) and
-prints one JSON line per check on rank 0.  The ``parallel_jobs`` fixture runs
-each (script, rank count, environment) once per session, with a hard timeout,
-and the tests assert on the individual checks.
-"""
+"""The ``parallel_jobs`` fixture: each check-script job the tests ask for runs once per session,
+most of them inside job servers (see job_server.py), and the tests assert on its individual
+checks (see check_jobs.py)."""
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
-from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable, Mapping
+from collections.abc import Iterator
 
 import pytest
-from jobs import UNTUNED, take_log
+from check_jobs import REPO, SCRIPTS, launch
+from job_server import CheckJobs
+from jobs import UNTUNED
 
-REPO = Path(__file__).resolve().parents[2]
+__all__ = ["REPO", "SCRIPTS", "launch"]  # what test files import from here
 os.environ.update(UNTUNED)  # for the tests that start psrun themselves (see jobs.UNTUNED)
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-JOB_TIMEOUT_S = 240.0
-_TAIL = 3000
-
-
-@dataclass
-class JobReport:
-    """What one job printed: a record per check, how it ended, and its output for diagnosis."""
-
-    label: str
-    returncode: int | None
-    seconds: float
-    records: dict[str, dict] = field(default_factory=dict)
-    order: list[str] = field(default_factory=list)
-    done: int | None = None
-    stdout: str = ""
-    stderr: str = ""
-    log: str = ""  # the log psrun wrote of a failed job's stderr
-
-    @property
-    def hung(self) -> str | None:
-        """The check that hung, if the job ended on one."""
-        return next((n for n in self.order if self.records[n].get("hung")), None)
-
-    def why_incomplete(self) -> str:
-        if self.returncode is None:
-            return f"the job was killed after {JOB_TIMEOUT_S:g} s"
-        if self.hung is not None:
-            return (f"the job ended when check {self.hung!r} hung: "
-                    f"{self.records[self.hung]['detail']}")
-        if self.done is None:
-            return f"the job ended early with exit code {self.returncode}"
-        if self.returncode != 0:
-            return f"the job ran to its end but exited with code {self.returncode}"
-        return "the script never ran it"
-
-    def diagnosis(self) -> str:
-        return (f"{self.label}: exit code {self.returncode} after {self.seconds:.1f} s\n"
-                f"--- stdout (tail) ---\n{self.stdout[-_TAIL:]}\n"
-                f"--- stderr (tail) ---\n{self.stderr[-_TAIL:]}"
-                + (f"\n--- psrun's log (tail) ---\n{self.log[-_TAIL:]}" if self.log else ""))
-
-    def assert_ok(self, name: str) -> dict:
-        """Fail unless check ``name`` ran and passed on every rank; returns its record."""
-        record = self.records.get(name)
-        if record is None:
-            # Without any report the job never got going: show its output.
-            more = "" if self.records else "\n" + self.diagnosis()
-            pytest.fail(f"check {name!r} did not report in {self.label}: "
-                        f"{self.why_incomplete()}{more}", pytrace=False)
-        assert record["ok"], f"{name} failed in {self.label}: {record['detail']}"
-        return record
-
-    def assert_complete(self, expected: Iterable[str]) -> None:
-        """The job ended cleanly and reported exactly the ``expected`` checks, each once."""
-        expected = set(expected)
-        missing = sorted(expected - set(self.records))
-        unexpected = sorted(set(self.records) - expected)
-        repeated = sorted(n for n, times in Counter(self.order).items() if times > 1)
-        problems = []
-        if self.returncode != 0 or self.done is None:
-            problems.append(f"job did not finish cleanly ({self.why_incomplete()})")
-        if missing:
-            problems.append(f"{len(missing)} checks never reported, e.g. {missing[:5]}")
-        if unexpected:
-            problems.append(f"unexpected checks {unexpected[:5]} (add tests for them)")
-        if repeated:
-            problems.append(f"checks reported twice: {repeated[:5]}")
-        if self.done is not None and self.done != len(self.order):
-            problems.append(f"script says it ran {self.done} checks, reported {len(self.order)}")
-        assert not problems, "; ".join(problems) + "\n" + self.diagnosis()
-
-
-def _parse(report: JobReport, stdout: str) -> None:
-    for line in stdout.splitlines():
-        start = line.find("{")
-        if start < 0:
-            continue
-        try:
-            record = json.loads(line[start:])
-        except json.JSONDecodeError:
-            continue
-        if "check" in record:
-            report.order.append(record["check"])
-            report.records[record["check"]] = record
-        elif "done" in record:
-            report.done = record["done"]
-
-
-def launch(script: str, np: int, env: Mapping[str, str] | None = None,
-           args: tuple[str, ...] = (), timeout_s: float = JOB_TIMEOUT_S,
-           psrun_args: tuple[str, ...] = ()) -> JobReport:
-    """Run ``script`` on ``np`` ranks with psrun (and its ``psrun_args``, e.g. ``--mpirun``)
-    and parse its report (never raises on failure)."""
-    command = [sys.executable, "-m", "launcher.cli", *psrun_args, "-np", str(np), sys.executable,
-               str(SCRIPTS / script), *args]
-    # Only the settings a job asks for: a PSRT_* or HOROVOD_* variable in the caller's
-    # environment would silently change what every job tests.
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRT_", "HOROVOD_"))}
-    full_env.update(UNTUNED)
-    full_env.update(env or {})
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
-    extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    label = "`" + " ".join(filter(None, [extra, "psrun", *psrun_args, f"-np {np} {script}", *args])) + "`"
-    start = time.monotonic()
-    proc = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-        returncode: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        # psrun forwards SIGTERM to mpirun, which ends the ranks; then make sure.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        returncode = None
-    report = JobReport(label=label, returncode=returncode, seconds=time.monotonic() - start,
-                       stdout=stdout, stderr=stderr, log=take_log(stderr))
-    _parse(report, stdout)
-    return report
-
-
-class ParallelJobs:
-    """Each distinct job runs once per session, on first use."""
-
-    def __init__(self) -> None:
-        self._reports: dict[tuple, JobReport] = {}
-
-    def get(self, script: str, np: int, env: Mapping[str, str] | None = None,
-            args: tuple[str, ...] = ()) -> JobReport:
-        key = (script, np, tuple(sorted((env or {}).items())), args)
-        if key not in self._reports:
-            self._reports[key] = launch(script, np, env, args)
-        return self._reports[key]
 
 
 @pytest.fixture(scope="session")
-def parallel_jobs() -> ParallelJobs:
-    return ParallelJobs()
+def parallel_jobs() -> Iterator[CheckJobs]:
+    jobs = CheckJobs()
+    yield jobs
+    jobs.close()

@@ -23,9 +23,9 @@ def ps_job(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def zero_job(tmp_path_factory):
+def zero_job(tmp_path_factory, parallel_jobs):
     root = tmp_path_factory.mktemp("zero-faults")
-    return launch("checkpoint_faults.py", 2, args=("zero", str(root)))
+    return parallel_jobs.get("checkpoint_faults.py", 2, args=("zero", str(root)))
 
 
 @pytest.mark.parametrize("case", PS_CASES)

@@ -7,8 +7,8 @@ dialect and make the ranks' mpi4py load that MPI's library, not Open MPI's.
 
 One job per behaviour and MPI, not the whole suite again: the collectives, the engine,
 data-parallel training, the parameter server, ZeRO 1/2/3 and TP x PP check scripts
-(each against its one-process reference, as in their own tests; TP x PP sampled), a
-rank killed and a rank frozen mid-training.
+(each against its one-process reference, as in their own tests; TP x PP sampled; inside
+job servers where tests/parallel runs them so), a rank killed and a rank frozen mid-training.
 """
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
-from conftest import REPO, launch
+from conftest import REPO
+from job_server import CheckJobs
 from faults import run_with_fault
 
 pytestmark = pytest.mark.parallel
@@ -68,10 +70,18 @@ def test_psrun_drives_the_mpi_and_ranks_load_its_library(mpi) -> None:
     assert all(MPIS[name] in line for line in lines), done.stdout
 
 
+@pytest.fixture(scope="module")
+def core_jobs(mpi) -> Iterator[CheckJobs]:
+    """The core jobs under the MPI, as tests/parallel runs them (see job_server.py)."""
+    jobs = CheckJobs(mpi[1])
+    yield jobs
+    jobs.close()
+
+
 @pytest.mark.parametrize(("script", "np", "env"), CORE_JOBS, ids=[job[0].removesuffix(".py") for job in CORE_JOBS])
-def test_core_checks_pass_under_the_mpi(mpi, script: str, np: int, env: dict[str, str]) -> None:
-    name, psrun_args = mpi
-    report = launch(script, np, env, psrun_args=psrun_args)
+def test_core_checks_pass_under_the_mpi(mpi, core_jobs, script: str, np: int, env: dict[str, str]) -> None:
+    name, _ = mpi
+    report = core_jobs.get(script, np, env)
     assert report.returncode == 0 and report.done is not None, report.diagnosis()
     failed = {check: record["detail"] for check, record in report.records.items() if not record["ok"]}
     assert not failed, f"{script} under {MPIS[name]}: {failed}"

@@ -45,10 +45,10 @@ def test_zero_job_reports_every_check(parallel_jobs, np):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, parallel_jobs):
     """Sharded checkpoints of stages 1-3 saved by a 4-rank job, and that job's report."""
     root = tmp_path_factory.mktemp("zero-checkpoints")
-    return root, launch("zero_resume.py", 4, args=("save", str(root)))
+    return root, parallel_jobs.get("zero_resume.py", 4, args=("save", str(root)))
 
 
 def test_checkpoint_saved_at_4_ranks_consolidates_to_the_live_model_and_the_reference(checkpoints):
