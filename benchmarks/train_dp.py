@@ -22,6 +22,9 @@ torch thread per rank, for
           where that can pay (GPU gradients, or spare cores; not on a 2-core box with 2 ranks);
   psrt_overlap  the same with ``Bucketing(overlap=True)``: allreduces start during backward,
           which shows what overlapping communication with backward gains or costs here;
+  psrt_inplace  ``psrt`` with the loop zeroing gradients in place (``zero_grad(set_to_none=False)``,
+          as the flat loop does): gradients are then views of the bucket buffers and each
+          bucket is one allreduce of its buffer, with no copy (see psrt.torch.reducer);
   ddp     ``torch.nn.parallel.DistributedDataParallel`` over gloo;
   mpi4py  after backward, ``comm.Allreduce(MPI.IN_PLACE, ...)`` on a numpy view of each
           gradient, then divide by the ranks;
@@ -81,8 +84,9 @@ from mpi4py import MPI  # after hvd: psrt's bootstrap initialises MPI  # noqa: E
 
 BATCH = 64
 LR = 1e-3
-IMPLS = ("single", "no_comm", "psrt", "psrt_overlap", "ddp", "mpi4py", "flat")
-DATA_PARALLEL = ("psrt", "psrt_overlap", "ddp", "mpi4py", "flat")
+IMPLS = ("single", "no_comm", "psrt", "psrt_overlap", "psrt_inplace", "ddp", "mpi4py", "flat")
+DATA_PARALLEL = ("psrt", "psrt_overlap", "psrt_inplace", "ddp", "mpi4py", "flat")
+PSRT_VARIANTS = ("psrt", "psrt_overlap", "psrt_inplace")
 FUSION_TENSORS, FUSION_NUMEL = 200, 10_000
 TINY_TENSORS, TINY_NUMEL = 6, 4
 
@@ -116,10 +120,11 @@ def synthetic_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # -- one training step per implementation --------------------------------------------
-def plain_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def plain_step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor,
+               set_to_none: bool = True) -> Callable[[], None]:
     """The user's loop; single, no_comm, psrt and ddp differ only in what wraps the model or optimizer."""
     def step() -> None:
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
     return step
@@ -170,8 +175,9 @@ def build_steps(name: str) -> tuple[dict[str, Callable[[], None]], dict[str, nn.
     x, y = synthetic_batch()
     models = {impl: copy.deepcopy(base) for impl in IMPLS}
     sgd = {impl: torch.optim.SGD(models[impl].parameters(), lr=LR)
-           for impl in ("single", "no_comm", "psrt", "psrt_overlap", "ddp")}
+           for impl in ("single", "no_comm", *PSRT_VARIANTS, "ddp")}
     distributed = hvd.DistributedOptimizer(sgd["psrt"], named_parameters=models["psrt"].named_parameters())
+    in_place = hvd.DistributedOptimizer(sgd["psrt_inplace"], named_parameters=models["psrt_inplace"].named_parameters())
     overlapping = hvd.DistributedOptimizer(sgd["psrt_overlap"],
                                            named_parameters=models["psrt_overlap"].named_parameters(),
                                            bucketing=Bucketing(overlap=True))
@@ -180,6 +186,7 @@ def build_steps(name: str) -> tuple[dict[str, Callable[[], None]], dict[str, nn.
         "no_comm": plain_step(models["no_comm"], sgd["no_comm"], x, y),
         "psrt": plain_step(models["psrt"], distributed, x, y),
         "psrt_overlap": plain_step(models["psrt_overlap"], overlapping, x, y),
+        "psrt_inplace": plain_step(models["psrt_inplace"], in_place, x, y, set_to_none=False),
         "ddp": plain_step(DistributedDataParallel(models["ddp"]), sgd["ddp"], x, y),
         "mpi4py": mpi4py_step(models["mpi4py"], x, y),
         "flat": flat_step(models["flat"], x, y),
@@ -247,12 +254,10 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
         record[impl]["efficiency"] = round(record[impl]["samples_per_s"] / (comm.size * single), 3)
     for impl in DATA_PARALLEL:
         record[impl]["in_sync"] = in_sync(models[impl])
-    record["psrt_over_ddp"] = round(record["psrt"]["samples_per_s"] / record["ddp"]["samples_per_s"], 3)
-    record["psrt_over_flat"] = round(record["psrt"]["samples_per_s"] / record["flat"]["samples_per_s"], 3)
-    record["psrt_over_no_comm"] = round(record["psrt"]["samples_per_s"] / record["no_comm"]["samples_per_s"], 3)
-    for baseline in ("ddp", "flat"):
-        record[f"psrt_overlap_over_{baseline}"] = round(
-            record["psrt_overlap"]["samples_per_s"] / record[baseline]["samples_per_s"], 3)
+    for variant in PSRT_VARIANTS:
+        for baseline in ("ddp", "flat", "no_comm"):
+            record[f"{variant}_over_{baseline}"] = round(
+                record[variant]["samples_per_s"] / record[baseline]["samples_per_s"], 3)
     return record
 
 
@@ -265,9 +270,9 @@ def model_table(name: str, record: dict) -> str:
         eff = f"{r['efficiency']:.2f}" if "efficiency" in r else "-"
         sync = str(r["in_sync"]).lower() if "in_sync" in r else "-"
         lines.append(f"{impl:<12} {r['samples_per_s']:>10.1f} {r['step_ms']:>8.2f} {eff:>10} {sync:>7}")
-    lines.append(f"psrt/ddp {record['psrt_over_ddp']:.2f}   psrt/flat {record['psrt_over_flat']:.2f}   "
-                 f"psrt/no_comm {record['psrt_over_no_comm']:.2f}   psrt_overlap/ddp "
-                 f"{record['psrt_overlap_over_ddp']:.2f}   psrt_overlap/flat {record['psrt_overlap_over_flat']:.2f}")
+    for variant in PSRT_VARIANTS:
+        lines.append("   ".join(f"{variant}/{baseline} {record[f'{variant}_over_{baseline}']:.2f}"
+                                for baseline in ("ddp", "flat", "no_comm")))
     return "\n".join(lines)
 
 

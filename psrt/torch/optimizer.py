@@ -46,7 +46,7 @@ from psrt.topology import ProcessSet
 from psrt.torch import adasum
 from psrt.torch.compression import Compression, compressor
 from psrt.torch.reducer import (Bucket, Bucketing, BucketStrategy, GradientReducer, Slot, check_names,
-                                overlap_pays_here, plan_buckets, split_evenly)
+                                overlap_pays_here, plan_buckets, split_evenly, whole_buffer)
 from psrt.torch.ops import Adasum, Average, Sum
 
 __all__ = ["Bucketing", "DistributedOptimizer", "overlap_pays_here"]
@@ -167,21 +167,22 @@ class _Averaging(BucketStrategy):
     def launch(self, bucket: Bucket) -> None:
         opt = self.optimizer
         work = bucket.work = _Reduction()
+        whole = whole_buffer(bucket)
         for slot, param in enumerate(bucket.params):
             grad = param.grad
             if not grad.is_sparse:
-                if bucket.buffer is None:
+                if not whole:
                     work.dense.append(grad)
             elif opt.sparse_as_dense:
-                dense = bucket.views[slot].copy_(grad.to_dense()) if bucket.buffer is not None else grad.to_dense()
+                dense = bucket.views[slot].copy_(grad.to_dense()) if whole else grad.to_dense()
                 work.densified.append((dense, grad))
-                if bucket.buffer is None:
+                if not whole:
                     work.dense.append(dense)
             else:
                 name = f"{bucket.name}.{opt._parameter_names[param]}"
                 work.sparse.append((grad, hvd.sparse_allreduce_async(grad, name=name, op=opt.op,
                                                                      process_set=opt.process_set)))
-        if bucket.buffer is not None and (len(work.sparse) < len(bucket.params)):
+        if whole and len(work.sparse) < len(bucket.params):
             work.dense.append(bucket.buffer)
         if not work.dense:
             return
@@ -307,11 +308,21 @@ class _DistributedOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's: set every gradient to None, or with ``set_to_none=False`` zero it in place.
-        Raises, as Horovod does, while allreduces of this step are outstanding."""
+        """As torch's: set every gradient to None, or with ``set_to_none=False`` zero it in place,
+        as a view of its bucket's buffer (each bucket then travels as one tensor, see
+        :mod:`psrt.torch.reducer`).  Raises, as Horovod does, while allreduces of this step are
+        outstanding."""
         if self._reducer.in_flight:
             raise AssertionError(_ZERO_GRAD_IN_FLIGHT)
-        super().zero_grad(set_to_none)
+        if set_to_none:
+            super().zero_grad(set_to_none)
+        else:
+            self._reducer.zero_into_views()
+            reduced = {id(p) for p in self._reducer.params}
+            for group in self.param_groups:  # parameters not reduced here (a rank outside the set)
+                for param in group["params"]:
+                    if param.grad is not None and id(param) not in reduced:
+                        param.grad.detach_().zero_()
 
     def add_param_group(self, param_group: dict) -> None:
         raise ValueError("DistributedOptimizer cannot reduce the gradients of parameters added after wrapping; "

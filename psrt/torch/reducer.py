@@ -9,17 +9,16 @@ the same buckets -- and wait for all of them.  They differ only in what a bucket
 communication is, a :class:`BucketStrategy`: average in place (DistributedOptimizer),
 reduce-scatter into shards (ZeRO), push to the servers (parameter server).
 
-With ``views``, each bucket owns one flat buffer and every member's ``.grad`` is a view of it
-(DDP's ``gradient_as_bucket_view``), so a bucket is reduced as one contiguous tensor, in
-place: no fusion copy in and out.  Autograd accumulates into a ``.grad`` it finds, in place,
-so views cost nothing when gradients are accumulated (``backward_passes_per_step > 1``,
-``zero_grad(set_to_none=False)``).  Where autograd made a fresh tensor instead (the first
-backward after ``zero_grad()``'s default ``set_to_none=True``, or a ``.grad`` the user or an
-optimizer replaced), the post-accumulate hook copies it into its view once and puts the view
-back as ``.grad``: one pass over the gradient, cheaper than zeroing the buffer before backward
-and accumulating into it (two writes and two reads), and ``.grad`` is None between
-``zero_grad()`` and backward as torch promises.  A parameter whose gradient comes sparse keeps
-it (the strategy reduces it its own way); its slot in the buffer is zeros.
+With ``views``, each bucket owns one flat buffer that its members' ``.grad`` can be views of
+(DDP's ``gradient_as_bucket_view``); a bucket whose dense gradients all are their views is
+reduced as one contiguous tensor, in place: no fusion copy in and out.  Gradients become views
+where that costs nothing: when the optimizer zeroes them in place (``zero_grad(set_to_none=False)``,
+:meth:`GradientReducer.zero_into_views`), after which autograd accumulates into the views.
+A gradient autograd made fresh (after ``zero_grad()``'s default ``set_to_none=True``) is not
+copied in: copying it would cost a pass over every gradient each step, more than the engine
+spends reducing large tensors where they lie and packing only the small ones, so such a
+bucket is reduced as its members' gradients, as without views.  A parameter whose gradient
+comes sparse keeps it (the strategy reduces it its own way).
 
 Collective: every rank builds the same reducer (same parameters, buckets and names) and runs
 the same backward passes and ``synchronize()`` calls, in the same order.
@@ -36,7 +35,7 @@ import torch
 from psrt.torch._buckets import Bucket as BucketPlan, Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
 
 __all__ = ["Bucket", "BucketPlan", "BucketStrategy", "Bucketing", "GradientReducer", "Slot", "check_names",
-           "overlap_pays", "overlap_pays_here", "plan_buckets", "split_evenly"]
+           "overlap_pays", "overlap_pays_here", "plan_buckets", "split_evenly", "whole_buffer"]
 
 #: Horovod's message for one backward pass too many (DistributedOptimizer keeps its wording).
 TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -49,13 +48,12 @@ class Bucket:
     whatever it keeps until ``finish``); ``buffer`` and ``views`` exist with views."""
 
     __slots__ = ("index", "name", "members", "params", "waiting", "launched", "handle", "work",
-                 "buffer", "views", "sparse")
+                 "buffer", "views")
 
     def __init__(self, index: int, name: str, members: tuple[int, ...], params: list[torch.Tensor]) -> None:
         self.index, self.name, self.members, self.params = index, name, members, params
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []  # each member's slot of ``buffer``
-        self.sparse: set[int] = set()  # slots whose gradient came sparse (kept as it is)
         self.reset()
 
     def reset(self) -> None:
@@ -144,10 +142,7 @@ class GradientReducer:
         if count > self.passes_per_step:
             raise self.strategy.too_many_passes(self.param_names[index])
         self._counts[index] = count
-        b, slot = self._place[index]
-        bucket = self.buckets[b]
-        if bucket.buffer is not None:
-            _adopt(bucket, slot)
+        bucket = self.buckets[self._place[index][0]]
         if count == self.passes_per_step:
             bucket.waiting -= 1
             if bucket.waiting == 0:
@@ -188,6 +183,20 @@ class GradientReducer:
             self._counts = [0] * len(self.params)
             self._end_queued = False  # a backward that raised never ran its final callback
 
+    def zero_into_views(self) -> None:
+        """Zero the gradients in place, as views of their bucket buffers (for
+        ``zero_grad(set_to_none=False)``): a dense gradient that is not its view yet becomes it,
+        so that autograd accumulates into the buffer from the next backward on.  Without views, every gradient is zeroed where it is."""
+        for bucket in self.buckets:
+            for slot, param in enumerate(bucket.params):
+                grad = param.grad
+                if grad is None:
+                    continue
+                if bucket.buffer is None or grad.is_sparse:
+                    grad.zero_()
+                else:
+                    param.grad = bucket.views[slot].zero_()
+
     @property
     def in_flight(self) -> bool:
         """Whether some bucket of this step is launched and not finished."""
@@ -205,40 +214,30 @@ def _give_buffer(bucket: Bucket) -> None:
     bucket.buffer = torch.zeros(sum(p.numel() for p in bucket.params), dtype=first.dtype, device=first.device)
     views = bucket.buffer.split([p.numel() for p in bucket.params])
     bucket.views = [view.view(p.shape) for view, p in zip(views, bucket.params)]
-    for slot, param in enumerate(bucket.params):
-        if param.grad is not None:
-            _adopt(bucket, slot)
 
 
-def _adopt(bucket: Bucket, slot: int) -> None:
-    """Make the member's dense ``.grad`` its view of the bucket buffer (copying a fresh one in);
-    a sparse gradient stays what it is, and its slot stays zeros."""
-    param, view = bucket.params[slot], bucket.views[slot]
-    grad = param.grad
-    if grad is view:
-        return
-    if grad.is_sparse:
-        if slot not in bucket.sparse:
-            bucket.sparse.add(slot)
-            view.zero_()
-        return
-    view.copy_(grad)
-    param.grad = view
+def whole_buffer(bucket: Bucket) -> bool:
+    """Whether the bucket can travel as its buffer: every dense gradient is its view (a sparse
+    member's slot is zeroed, the strategy reduces that gradient its own way)."""
+    if bucket.buffer is None:
+        return False
+    dense = [slot for slot, p in enumerate(bucket.params) if not p.grad.is_sparse]
+    if any(bucket.params[slot].grad is not bucket.views[slot] for slot in dense):
+        return False
+    for slot in set(range(len(bucket.params))) - set(dense):
+        bucket.views[slot].zero_()
+    return True
 
 
 def _zero_fill(bucket: Bucket) -> None:
-    """Zeros for members without a gradient (their view, zeroed, with views); dense gradients
-    into their views."""
+    """Zeros for members without a gradient: their view, zeroed, with views."""
     for slot, param in enumerate(bucket.params):
-        if bucket.buffer is None:
-            if param.grad is None:  # not zeros_like: a released ZeRO-3 parameter refuses to be read
-                param.grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
-        elif param.grad is None:
-            view = bucket.views[slot]
-            view.zero_()
-            param.grad = view
+        if param.grad is not None:
+            continue
+        if bucket.buffer is None:  # not zeros_like: a released ZeRO-3 parameter refuses to be read
+            param.grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
         else:
-            _adopt(bucket, slot)
+            param.grad = bucket.views[slot].zero_()
 
 
 def _remove_hooks(handles: list) -> None:

@@ -113,27 +113,26 @@ def grouped_calls(monkeypatch):
     return calls
 
 
-def test_wrapping_creates_no_gradients_and_backward_fills_views_of_one_bucket_buffer(world_of_one):
+def test_wrapping_creates_no_gradients_and_backward_assigns_its_own(world_of_one):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     optimizer = wrapped(model)
     assert all(p.grad is None for p in model.parameters())
     model(torch.ones(1, 3)).sum().backward()
-    (bucket,) = optimizer._buckets
-    assert all(p.grad._base is bucket.buffer for p in model.parameters()), "gradients are not views of the bucket"
-    assert bucket.buffer.numel() == sum(p.numel() for p in model.parameters())
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == 4, "gradients share memory: they are views of one buffer"
+    assert all(p.grad.untyped_storage().nbytes() == p.grad.nbytes for p in model.parameters())
     optimizer.step()
 
 
-def test_each_bucket_is_one_allreduce_of_its_buffer(world_of_one, grouped_calls):
+def test_each_bucket_is_one_grouped_allreduce_of_the_gradients_themselves(world_of_one, grouped_calls):
     model = TwoHeads()
     optimizer = wrapped(model, bucketing=Bucketing(first_bucket_bytes=32, bucket_bytes=1 << 20))
     model(torch.ones(2, 3), use_extra=True).sum().backward()
     grads = {id(p.grad) for p in model.parameters()}
     optimizer.step()
     assert [name for name, _ in grouped_calls] == [bucket.name for bucket in optimizer._buckets]
-    assert [len(b.members) for b in optimizer._buckets] == [2, 4]
-    assert [tensors for _, tensors in grouped_calls] == [[b.buffer] for b in optimizer._buckets], (
-        "something other than the bucket buffer was sent")
+    assert [len(tensors) for _, tensors in grouped_calls] == [len(b.members) for b in optimizer._buckets] == [2, 4]
+    assert {id(t) for _, tensors in grouped_calls for t in tensors} == grads, "something other than .grad was sent"
     assert {id(p.grad) for p in model.parameters()} == grads, "the reduction replaced a gradient tensor"
 
 
@@ -142,9 +141,10 @@ def test_zero_grad_sets_none_by_default_and_zeroes_in_place_when_asked(world_of_
     optimizer = wrapped(model)
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
-    grads = [p.grad for p in model.parameters()]
     optimizer.zero_grad(set_to_none=False)
-    assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), grads))
+    (bucket,) = optimizer._buckets
+    grads = [p.grad for p in model.parameters()]
+    assert all(g._base is bucket.buffer and not g.any() for g in grads), "zeroed in place as views of the bucket"
     model(torch.ones(1, 3)).sum().backward()
     assert all(p.grad is g for p, g in zip(model.parameters(), grads)), "autograd accumulates into a kept .grad"
     assert torch.equal(model.bias.grad, torch.ones(2))
@@ -204,13 +204,13 @@ def test_backward_passes_per_step_starts_the_allreduce_after_the_last_pass(world
     assert torch.equal(model.bias.grad, torch.full((2,), 2.0))
 
 
-def test_fp16_compression_sends_the_bucket_compressed_and_reduces_into_the_gradients(world_of_one, grouped_calls):
+def test_fp16_compression_reduces_into_the_gradient_tensors(world_of_one, grouped_calls):
     model = torch.nn.Linear(3, 2)
     optimizer = wrapped(model, compression=hvd.Compression.fp16)
     model(torch.full((1, 3), 1 / 3)).sum().backward()
     grads = [p.grad for p in model.parameters()]
     optimizer.step()
-    assert [(t.dtype, t.numel()) for t in grouped_calls[0][1]] == [(torch.float16, 8)]
+    assert [t.dtype for t in grouped_calls[0][1]] == [torch.float16, torch.float16]
     assert all(p.grad is g and g.dtype == torch.float32 for p, g in zip(model.parameters(), grads))
     assert torch.equal(model.weight.grad, torch.full((2, 3), 1 / 3, dtype=torch.float16).float())
 
@@ -269,3 +269,18 @@ def test_zero_optimizer_overlaps_by_the_same_policy_unless_told(world_of_one, mo
         monkeypatch.setattr("psrt.zero.optimizer.overlap_pays_here", lambda params: host_pays)
         zero = ZeroOptimizer(torch.nn.Linear(3, 2), torch.optim.SGD, stage=2, overlap=overlap, lr=0.1)
         assert zero.overlap is (host_pays if overlap is None else overlap)
+
+
+def test_after_zero_grad_in_place_each_bucket_is_one_allreduce_of_its_buffer(world_of_one, grouped_calls):
+    model = TwoHeads()
+    optimizer = wrapped(model, bucketing=Bucketing(first_bucket_bytes=32, bucket_bytes=1 << 20))
+    model(torch.ones(2, 3), use_extra=True).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    grouped_calls.clear()
+    model(torch.ones(2, 3), use_extra=True).sum().backward()
+    grads = {id(p.grad) for p in model.parameters()}
+    optimizer.step()
+    assert [tensors for _, tensors in grouped_calls] == [[b.buffer] for b in optimizer._buckets], (
+        "something other than the bucket buffer was sent")
+    assert {id(p.grad) for p in model.parameters()} == grads, "the reduction replaced a gradient tensor"

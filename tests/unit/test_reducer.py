@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psrt.torch.reducer import Bucket, BucketStrategy, GradientReducer
+from psrt.torch.reducer import Bucket, BucketStrategy, GradientReducer, whole_buffer
 
 
 class Recording(BucketStrategy):
@@ -114,23 +114,26 @@ def test_a_strategy_names_its_own_error_for_one_pass_too_many():
         loss(model).backward()
 
 
-def test_gradients_stay_views_of_the_bucket_buffers_across_steps_and_zero_grad():
+def test_gradients_become_views_when_zeroed_in_place_and_stay_autograds_after_set_to_none():
     model = Net()
     reference = Net()
     reducer, _, params = reducer_for(model, views=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step, set_to_none in enumerate((True, False, True)):
-        for net, opt in ((model, optimizer), (reference, reference_optimizer)):
-            opt.zero_grad(set_to_none=set_to_none)
-            loss(net).backward()
+    for step, set_to_none in enumerate((True, False, False, True)):
         if set_to_none:
-            assert all(p.grad is not None for p in params)
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            reducer.zero_into_views()  # what DistributedOptimizer.zero_grad(set_to_none=False) does
+        reference_optimizer.zero_grad(set_to_none=set_to_none)
+        loss(model).backward()
+        loss(reference).backward()
         reducer.synchronize()
         for p in reference.parameters():
             p.grad.mul_(2)  # what the fake reduction does
         for bucket in reducer.buckets:
-            assert all(p.grad._base is bucket.buffer for p in bucket.params), f"step {step}: not a view"
+            views = [p.grad._base is bucket.buffer for p in bucket.params]
+            assert views == [not set_to_none] * len(views), f"step {step}: views {views}"
         for mine, theirs in zip(model.parameters(), reference.parameters()):
             assert torch.equal(mine.grad, theirs.grad), f"step {step}"
         optimizer.step()
@@ -151,15 +154,28 @@ def test_views_accumulate_in_place_over_passes():
     reducer.synchronize()
 
 
-def test_a_gradient_set_by_hand_is_copied_into_its_view_at_synchronize():
+def test_a_gradient_set_by_hand_is_reduced_where_it_is():
     model = Net()
     reducer, _, params = reducer_for(model, views=True, overlap=False)
+    reducer.zero_into_views()  # no gradients yet: nothing to zero
     loss(model).backward()
     mine = torch.full_like(params[0], 3.0)
     params[0].grad = mine
+    assert not whole_buffer(reducer.buckets[0]) and whole_buffer(reducer.buckets[1]) is False
     reducer.synchronize()
-    assert params[0].grad is not mine and params[0].grad._base is reducer.buckets[0].buffer
-    assert torch.equal(params[0].grad, torch.full_like(mine, 6.0))
+    assert params[0].grad is mine and torch.equal(mine, torch.full_like(mine, 6.0))
+
+
+def test_a_bucket_travels_whole_only_when_every_dense_gradient_is_its_view():
+    model = Net()
+    reducer, _, params = reducer_for(model, views=True)
+    loss(model).backward()
+    reducer.synchronize()
+    assert not any(whole_buffer(bucket) for bucket in reducer.buckets), "autograd's fresh gradients are not views"
+    reducer.zero_into_views()
+    loss(model).backward()
+    assert all(whole_buffer(bucket) for bucket in reducer.buckets)
+    reducer.synchronize()
 
 
 def test_a_sparse_gradient_stays_sparse_and_its_slot_is_zeros():
@@ -168,11 +184,15 @@ def test_a_sparse_gradient_stays_sparse_and_its_slot_is_zeros():
     strategy = Recording()
     strategy.finish = lambda bucket: None
     reducer = GradientReducer([dense, embedding.weight], [[0, 1]], strategy, names=["b"], param_names=["d", "e"],
-                              views=True)
+                              views=True, overlap=False)
     (embedding(torch.tensor([1, 3])).sum() + dense.sum()).backward()
+    reducer.synchronize()
+    reducer.zero_into_views()
     bucket = reducer.buckets[0]
-    assert embedding.weight.grad.is_sparse and bucket.sparse == {1}
-    assert dense.grad._base is bucket.buffer and not bucket.views[1].any()
+    bucket.views[1].fill_(7.0)  # stale data in the sparse member's slot
+    (embedding(torch.tensor([1, 3])).sum() + dense.sum()).backward()
+    assert embedding.weight.grad.is_sparse and dense.grad._base is bucket.buffer
+    assert whole_buffer(bucket) and not bucket.views[1].any()
     reducer.synchronize()
 
 
