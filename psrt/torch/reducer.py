@@ -25,6 +25,7 @@ the same backward passes and ``synchronize()`` calls, in the same order.
 """
 from __future__ import annotations
 
+import abc
 import os
 import weakref
 from collections import Counter
@@ -67,8 +68,9 @@ class Bucket:
         return [param.grad for param in self.params]
 
 
-class BucketStrategy:
-    """What a bucket's communication is.  ``launch`` starts it once every member's gradient is
+class BucketStrategy(abc.ABC):
+    """What a bucket's communication is (an abstract base: each optimizer implements ``launch``
+    and ``finish``).  ``launch`` starts it once every member's gradient is
     complete (``bucket.grads()``); ``finish`` waits for it and leaves the result where the
     optimizer expects it.  Called in the same order on every rank."""
 
@@ -76,11 +78,13 @@ class BucketStrategy:
         """Every member's gradient is complete for this step (called during backward, whether
         or not the bucket is launched now)."""
 
+    @abc.abstractmethod
     def launch(self, bucket: Bucket) -> None:
-        raise NotImplementedError
+        """Start the bucket's communication."""
 
+    @abc.abstractmethod
     def finish(self, bucket: Bucket) -> None:
-        raise NotImplementedError
+        """Wait for it and leave the result where the optimizer expects it."""
 
     def all_finished(self) -> None:
         """Every bucket of the step is finished (the end of ``GradientReducer.synchronize``)."""
