@@ -14,9 +14,9 @@ from psrt.torch.capabilities import (ccl_built, cuda_built, gloo_built, gloo_ena
                                      mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from psrt.torch.collectives.allgather import (allgather, allgather_async, allgather_into_async, grouped_allgather,
                                               grouped_allgather_async)
-from psrt.torch.collectives.allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async_,
-                                              grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                                              grouped_allreduce_async_, sparse_allreduce_async)
+from psrt.torch.collectives.allreduce import allreduce, allreduce_, allreduce_async, allreduce_async_
+from psrt.torch.collectives.grouped_allreduce import (grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                                                      grouped_allreduce_async_, sparse_allreduce_async)
 from psrt.torch.collectives.alltoall import alltoall, alltoall_async
 from psrt.torch.collectives.barrier import barrier
 from psrt.torch.collectives.broadcast import broadcast, broadcast_, broadcast_async, broadcast_async_

@@ -33,6 +33,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("psrt.runtime", "psrt.horovod_env"),
     # the DP x CP x TP x PP grid, built from a runtime's topology
     ("psrt.grid",),
+    # how gradients travel: the bucket planner and the gradient reducer under every data-parallel
+    # strategy (DistributedOptimizer, ZeRO, the parameter server), which say what a bucket's
+    # communication is
+    ("psrt.dp",),
     # the framework binding: the Horovod-shaped torch API and the torch.distributed backend
     ("psrt.torch",),
     # the tensor-parallel plan vocabulary: plain values that model families write plans in
