@@ -37,7 +37,7 @@ class Execution:
     """Runs agreed responses (see the module's docstring)."""
 
     __slots__ = ("rank", "_everyone", "_topology", "_watchdog", "_submissions", "_config", "_fusion",
-                 "_data_comms", "timeline", "_autotuner", "_autotune_comm")
+                 "_data_comms", "_timeline", "_autotuner", "_autotune_comm")
 
     def __init__(self, topology, config: Config, watchdog: Watchdog, submissions: Submissions) -> None:
         world = topology.world
@@ -49,7 +49,7 @@ class Execution:
         self._config = config
         self._fusion = fusion.FusionBuffers()
         self._data_comms: dict[tuple[int, torch.device], Communicator] = {}
-        self.timeline: Timeline | None = None
+        self._timeline: Timeline | None = None
         self._autotuner: Autotuner | None = None
         self._autotune_comm = world.split(0, key=world.rank) if config.autotune else None
         if self._autotune_comm is not None:
@@ -65,22 +65,27 @@ class Execution:
     def cycle_time_s(self) -> float:
         return self._config.cycle_time_ms / 1000
 
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline being written, if any (read it once: it may be stopped meanwhile)."""
+        return self._timeline
+
     # -- timeline -----------------------------------------------------------------------------
     def start_timeline(self, path: str, mark_cycles: bool, asked_by: str) -> None:
         """Write a timeline to ``path`` (on rank 0; other ranks ignore the call)."""
         if self.rank == 0:
             self.stop_timeline()
-            self.timeline = Timeline(path, self.rank, mark_cycles, asked_by)
+            self._timeline = Timeline(path, self.rank, mark_cycles, asked_by)
 
     def stop_timeline(self) -> None:
-        timeline, self.timeline = self.timeline, None
+        timeline, self._timeline = self._timeline, None
         if timeline is not None:
             timeline.close()
 
     # -- running a round's responses ----------------------------------------------------------
     def run(self, responses: list[Response], local: dict[WorkKey, Work], mark: Wait) -> None:
         """Run ``responses`` in order, taking this rank's works out of ``local`` as they run."""
-        stamped = self.timeline is not None
+        stamped = self._timeline is not None
         if stamped:
             now = time.perf_counter()
             for response in responses:
@@ -177,7 +182,7 @@ class Execution:
         return comm
 
     def _finish(self, work: Work, value: object, error: BaseException | None, phases: tuple | list) -> None:
-        timeline = self.timeline  # read once: stop_timeline() may clear it meanwhile
+        timeline = self._timeline  # read once: stop_timeline() may clear it meanwhile
         if timeline is not None:
             _record(timeline, work, phases)
         self._submissions.finished(work, value, error)
