@@ -47,15 +47,12 @@ LAYERS: list[tuple[str, ...]] = [
     # families' plans and layouts)
     ("psrt.zero", "psrt.ps", "psrt.tp", "psrt.pp", "psrt.cp", "psrt.ep"),
     # what combines strategies: elastic training, full state, pretrained weights, plans, tuning, CLI
-    ("psrt.elastic", "psrt.full_state", "psrt.pretrained", "psrt.plan", "psrt.tune", "psrt.cli",
-     "psrt.torch.elastic"),
+    ("psrt.elastic", "psrt.full_state", "psrt.pretrained", "psrt.plan", "psrt.tune", "psrt.cli"),
 ]
-# Imports up a layer that the design accepts, each with its reason.
-ACCEPTED_UPWARD = {
-    # ``hvd.elastic`` is Horovod's name for the elastic API: the module (in the top layer)
-    # only forwards, on first use, to psrt.elastic, which builds on psrt.torch.
-    ("psrt.torch", "psrt.torch.elastic"),
-}
+# Imports up a layer that the design accepts, each with its reason (none today: ``hvd.elastic``,
+# Horovod's name for psrt.elastic, is resolved by name on first use, psrt.torch's code never
+# uses it).
+ACCEPTED_UPWARD: set[tuple[str, str]] = set()
 STRATEGIES = ("psrt.zero", "psrt.ps", "psrt.tp", "psrt.pp", "psrt.cp", "psrt.ep")
 
 
@@ -65,7 +62,7 @@ def graph() -> grimp.ImportGraph:
 
 
 def _layer_of(module: str) -> int | None:
-    """The layer of ``module``: that of the longest name it falls under (``psrt.torch.elastic``
+    """The layer of ``module``: that of the longest name it falls under (``psrt.torch.c10d``
     before ``psrt.torch``); None for the root package, which only re-exports."""
     best, level = -1, None
     for index, names in enumerate(LAYERS):
