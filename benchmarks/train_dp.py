@@ -24,7 +24,7 @@ torch thread per rank, for
           which shows what overlapping communication with backward gains or costs here;
   psrt_inplace  ``psrt`` with the loop zeroing gradients in place (``zero_grad(set_to_none=False)``,
           as the flat loop does): gradients are then views of the bucket buffers and each
-          bucket is one allreduce of its buffer, with no copy (see psrt.torch.reducer);
+          bucket is one allreduce of its buffer, with no copy (see psrt.dp.reducer);
   ddp     ``torch.nn.parallel.DistributedDataParallel`` over gloo;
   mpi4py  after backward, ``comm.Allreduce(MPI.IN_PLACE, ...)`` on a numpy view of each
           gradient, then divide by the ranks;
