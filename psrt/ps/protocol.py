@@ -1,6 +1,6 @@
 """The messages between workers and servers: direct-layer headers and tensor data.
 
-Every request is a :class:`~psrt.comm.direct.Header` on :data:`HEADER_TAG`, so a server
+Every request is a :class:`~psrt.comm.header.Header` on :data:`HEADER_TAG`, so a server
 keeps exactly one receive posted per worker and reads that worker's requests in the order
 they were sent.  Its kind is the :class:`Op`, its id the request's tag ``t``, its dtype and
 shape those of the chunk data the request carries or asks for, and its four ints are the
@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from psrt.comm.direct import Header
+from psrt.comm.header import Header
 
 HEADER_TAG = 1
 _FIRST_TAG = 10

@@ -25,7 +25,7 @@ import torch
 
 from psrt.comm.base import Communicator, Persistent, Request
 from psrt.comm.buffers import host_buffer
-from psrt.comm.direct import HEADER_WORDS, Header
+from psrt.comm.header import HEADER_WORDS, Header
 from psrt.comm.poll import Backoff
 from psrt.comm.watchdog import Wait, Watchdog, combined
 from psrt.config import Config
