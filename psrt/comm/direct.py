@@ -37,7 +37,8 @@ from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind
 from psrt.comm.nccl import NcclCommunicator
 from psrt.comm.poll import wait_politely
 from psrt.comm.staged import device_transport
-from psrt.comm.watchdog import Text, Wait, Watchdog
+from psrt.comm.waits import Text, Wait
+from psrt.comm.watchdog import Watchdog
 from psrt.errors import CollectiveMismatchError, CommunicationError, InvalidArgumentError
 
 #: What a barrier agrees on: no data
@@ -96,7 +97,7 @@ class DirectGroup:
                 needs: Callable[[], Sequence[int] | None] | None = None) -> Wait:
         """Mark the calling thread as waiting on ``peers`` (ranks as the group names them;
         default every member) for the block's duration; ``ident`` and ``needs`` make it a
-        call (see :class:`~psrt.comm.watchdog.Wait`)."""
+        call (see :class:`~psrt.comm.waits.Wait`)."""
         peers = self.ranks if peers is None else peers
         if self._job_ranks:
             return self._watchdog.waiting(kind, what, job_peers=peers, ident=ident, needs=needs)

@@ -27,7 +27,8 @@ from psrt.comm.base import Communicator, Persistent, Request
 from psrt.comm.buffers import host_buffer
 from psrt.comm.header import HEADER_WORDS, Header
 from psrt.comm.poll import Backoff
-from psrt.comm.watchdog import Wait, Watchdog, combined
+from psrt.comm.waits import Wait
+from psrt.comm.watchdog import Watchdog, combined
 from psrt.config import Config
 from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint, protocol, stalls

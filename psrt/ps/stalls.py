@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from psrt.comm.watchdog import Wait
+from psrt.comm.waits import Wait
 
 if TYPE_CHECKING:
     from psrt.ps.protocol import Op
