@@ -10,14 +10,13 @@ import torch
 from psrt.config import config_from_env
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint
-from psrt.ps.client import optimizer_spec
 from psrt.ps import pushes as pushes_module
 from psrt.ps.placement import Placement
 from psrt.ps.pushes import PostedPushes
 from psrt.ps.protocol import Mode, Op
 from psrt.ps.roles import assign_roles
 from psrt.ps.store import Store
-from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard
+from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard, optimizer_spec
 from psrt.ps.stalls import waits
 
 MiB = 1 << 20
