@@ -26,7 +26,7 @@ from psrt.ps import checkpoint, protocol
 from psrt.ps.handles import Handle, Reply
 from psrt.ps.keys import KeyRecord, check_init, known_key, on_host
 from psrt.ps.placement import Chunk, Placement
-from psrt.ps.protocol import HEADER_TAG, Mode, Op
+from psrt.ps.protocol import HEADER_TAG, Mode, RequestKind
 from psrt.ps.service import WorkerLink
 from psrt.ps.shard import optimizer_spec
 from psrt.ps.store_requests import StoreRequests
@@ -85,7 +85,7 @@ class KVStore:
         self._keys: dict[str, KeyRecord] = {}
         self._requests = StoreRequests(self._link, self.store_id)
         settings = {"mode": int(_MODES[mode]), "max_staleness": max_staleness or 0, "reduce": _REDUCTIONS[reduce]}
-        self._requests.everywhere(Op.CONFIGURE, document=settings).wait()
+        self._requests.everywhere(RequestKind.CONFIGURE, document=settings).wait()
 
     # -- the key-value API --------------------------------------------------------------------
     def init(self, key: str, tensor: torch.Tensor) -> None:
@@ -113,7 +113,7 @@ class KVStore:
         for chunk in chunks:
             meta = protocol.encode({"key": key, "shape": list(tensor.shape), "offset": chunk.offset})
             data = flat[chunk.offset:chunk.offset + chunk.numel] if owner else None
-            handles.append(self._requests.request(chunk.server, Op.INIT, chunk, dtype=tensor.dtype, meta=meta,
+            handles.append(self._requests.request(chunk.server, RequestKind.INIT, chunk, dtype=tensor.dtype, meta=meta,
                                                   data=data, what=f"init of key {key!r}"))
         pushes = self._push_tags(key, chunks, handles, tensor.dtype)
         self._keys[key] = KeyRecord(tensor.shape, tensor.dtype, chunks, pushes, tuple(sorted({p[0] for p in pushes})))
@@ -130,7 +130,7 @@ class KVStore:
                 errors.append(str(e))
                 continue
             tag = self._link.push_tag(chunk.server, handle.payloads[0]["push_tag"])
-            header = protocol.request(Op.PUSH, self.store_id, chunk.chunk_id, dtype=dtype, numel=chunk.numel)
+            header = protocol.request(RequestKind.PUSH, self.store_id, chunk.chunk_id, dtype=dtype, numel=chunk.numel)
             pushes.append((self._link.server_rank(chunk.server), tag, header.encode()))
         if errors:
             raise ParameterServerError("; ".join(dict.fromkeys(errors)))
@@ -188,13 +188,13 @@ class KVStore:
         sends: list[Request] = []
         replies: list[Reply] = []
         if len(info.chunks) == 1:  # the common case, kept short: a pull is on the step's critical path
-            self._requests.post(sends, replies, info.chunks[0].server, Op.PULL, info.chunks[0], dtype=info.dtype,
-                       receive_into=target)
+            self._requests.post(sends, replies, info.chunks[0].server, RequestKind.PULL, info.chunks[0],
+                                dtype=info.dtype, receive_into=target)
         else:
             flat = target.view(-1)
             for c in info.chunks:
-                self._requests.post(sends, replies, c.server, Op.PULL, c, dtype=info.dtype,
-                           receive_into=flat[c.offset:c.offset + c.numel])
+                self._requests.post(sends, replies, c.server, RequestKind.PULL, c, dtype=info.dtype,
+                                    receive_into=flat[c.offset:c.offset + c.numel])
         return self._requests.track(Handle(sends, replies, out, None if direct else (lambda: out.copy_(target)),
                                            link=self._link, servers=info.servers, what=f"pull of key {key!r}"))
 
@@ -273,7 +273,7 @@ class KVStore:
             checked here by building the optimizer once.
         """
         spec = optimizer_spec(optimizer, hyperparameters)
-        self._requests.everywhere(Op.SET_OPTIMIZER, document={"name": spec.name,
+        self._requests.everywhere(RequestKind.SET_OPTIMIZER, document={"name": spec.name,
                                                      "hyperparameters": spec.hyperparameters}).wait()
 
     def set_learning_rate(self, lr: float) -> None:
@@ -284,7 +284,7 @@ class KVStore:
         """
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
             raise InvalidArgumentError(f"learning rate must be a number >= 0, got {lr!r}")
-        self._requests.everywhere(Op.SET_LR, document={"lr": float(lr)}, reply=False)
+        self._requests.everywhere(RequestKind.SET_LR, document={"lr": float(lr)}, reply=False)
 
     # -- checkpoints and statistics ----------------------------------------------------------------
     def save(self, path: str) -> None:
@@ -300,7 +300,7 @@ class KVStore:
         path = str(path)
         save_id = hvd.broadcast_object(uuid.uuid4().hex if self._link.worker == 0 else None, root_rank=0,
                                        name=f"psrt.ps.save.{self.store_id}")
-        handle = self._requests.everywhere(Op.SAVE, document={"path": path, "save_id": save_id})
+        handle = self._requests.everywhere(RequestKind.SAVE, document={"path": path, "save_id": save_id})
         handle.wait()
         failure = None
         if self._link.worker == 0:  # every server has saved: now it is a checkpoint
@@ -331,8 +331,8 @@ class KVStore:
         if isinstance(manifest, str):
             raise ParameterServerError(manifest)
         document = {"path": path, "save_id": manifest["save_id"], "files": manifest.get("files")}
-        self._requests.everywhere(Op.LOAD, document={**document, "check": True}).wait()
-        handle = self._requests.everywhere(Op.LOAD, document={**document, "check": False})
+        self._requests.everywhere(RequestKind.LOAD, document={**document, "check": True}).wait()
+        handle = self._requests.everywhere(RequestKind.LOAD, document={**document, "check": False})
         handle.wait()
         steps = [p["steps"][str(self.store_id)] for p in handle.payloads]
         return min(s for s in steps if s is not None)
@@ -342,7 +342,7 @@ class KVStore:
         and how often a pull was answered at each staleness (steps ahead of the slowest).  A
         request to the servers that no other worker has to match.
         """
-        handle = self._requests.everywhere(Op.STATS)
+        handle = self._requests.everywhere(RequestKind.STATS)
         handle.wait()
         keys: dict[str, dict] = {}
         staleness: dict[int, int] = {}

@@ -24,7 +24,7 @@ from psrt.comm.buffers import host_buffer
 from psrt.comm.header import Header
 from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint, protocol, stalls
-from psrt.ps.protocol import Mode, Op
+from psrt.ps.protocol import Mode, RequestKind
 from psrt.ps.pushes import PostedPushes
 from psrt.ps.replies import Replies
 from psrt.ps.shard import ChunkMeta, OptimizerSpec, Shard
@@ -51,14 +51,15 @@ class RequestHandler:
         self._store_of: dict[Shard, int] = {}
         self._push_tag: dict[Shard, int] = {}
         # save and load requests so far, by worker: (tag, document, since)
-        self.gathering: dict[Op, dict[int, tuple[int, dict, float]]] = {Op.SAVE: {}, Op.LOAD: {}}
+        self.gathering: dict[RequestKind, dict[int, tuple[int, dict, float]]] = {RequestKind.SAVE: {},
+                                                                                  RequestKind.LOAD: {}}
         # Shards whose pushes or pulls may have become ready: only these are looked at
         # in a turn of the loop, so a model with many keys costs nothing while idle.
         self.touched: set[Shard] = set()
 
     def waiting(self) -> bool:
         """Whether anything may have become ready since the last :meth:`advance`."""
-        return bool(self.touched or self.gathering[Op.SAVE] or self.gathering[Op.LOAD])
+        return bool(self.touched or self.gathering[RequestKind.SAVE] or self.gathering[RequestKind.LOAD])
 
     def holds_pulls(self) -> bool:
         return any(shard.pulls for store in self.stores.values() for shard in store.shards.values())
@@ -73,13 +74,13 @@ class RequestHandler:
         try:
             handler(self, worker, header)
         except _REPORTABLE as e:
-            self._fail(Op(header.kind), worker, header.args[0], header.ident, str(e))
+            self._fail(RequestKind(header.kind), worker, header.args[0], header.ident, str(e))
 
-    def _fail(self, op: Op, worker: int, store_id: int, tag: int, text: str) -> None:
+    def _fail(self, kind: RequestKind, worker: int, store_id: int, tag: int, text: str) -> None:
         """Report a failed request to the worker that made it."""
-        if op == Op.PULL:
+        if kind == RequestKind.PULL:
             self._replies.refuse_pull(worker, tag, text)
-        elif op in (Op.PUSH, Op.SET_LR):
+        elif kind in (RequestKind.PUSH, RequestKind.SET_LR):
             self._replies.defer(worker, store_id, text)
         else:
             self._replies.ack_error(worker, tag, text)
@@ -94,7 +95,7 @@ class RequestHandler:
             try:
                 then(protocol.decode(data))
             except _REPORTABLE as e:
-                self._fail(Op(header.kind), worker, store_id, header.ident, str(e))
+                self._fail(RequestKind(header.kind), worker, store_id, header.ident, str(e))
         self._replies.receive(worker, data, header.ident, received)
 
     def _store(self, store_id: int) -> Store:
@@ -196,11 +197,11 @@ class RequestHandler:
         self._with_meta(worker, header, lambda doc: self._store(store_id).set_lr(doc["lr"]))
 
     def _gather(self, worker: int, header: Header) -> None:
-        store_id, op = header.args[0], Op(header.kind)
+        store_id, kind = header.args[0], RequestKind(header.kind)
 
         def arrived(doc: dict) -> None:
             self._store(store_id)
-            self.gathering[op][worker] = (header.ident, doc, time.monotonic())
+            self.gathering[kind][worker] = (header.ident, doc, time.monotonic())
         self._with_meta(worker, header, arrived)
 
     def _stats(self, worker: int, header: Header) -> None:
@@ -223,9 +224,9 @@ class RequestHandler:
         self.touched.update(shard for store in self.stores.values() for shard in store.shards.values())
 
     _HANDLERS: ClassVar[dict[int, Callable]] = {
-        Op.CONFIGURE: _configure, Op.INIT: _init, Op.PUSH: _push, Op.PULL: _pull,
-        Op.SET_OPTIMIZER: _set_optimizer, Op.SET_LR: _set_lr, Op.STATS: _stats, Op.BYE: _bye,
-        Op.SAVE: _gather, Op.LOAD: _gather,
+        RequestKind.CONFIGURE: _configure, RequestKind.INIT: _init, RequestKind.PUSH: _push,
+        RequestKind.PULL: _pull, RequestKind.SET_OPTIMIZER: _set_optimizer, RequestKind.SET_LR: _set_lr,
+        RequestKind.STATS: _stats, RequestKind.BYE: _bye, RequestKind.SAVE: _gather, RequestKind.LOAD: _gather,
     }
 
     # -- progress ---------------------------------------------------------------------------------
@@ -242,8 +243,8 @@ class RequestHandler:
                 progressed = True
             if self.departed and shard.pulls and shard.consistency.mode == Mode.SYNC:
                 self._refuse_impossible_pulls(shard)
-        for op in (Op.SAVE, Op.LOAD):
-            progressed |= self._run_gathered(op, active)
+        for kind in (RequestKind.SAVE, RequestKind.LOAD):
+            progressed |= self._run_gathered(kind, active)
         return progressed
 
     def _answer_pull(self, worker: int, tag: int, shard: Shard) -> None:
@@ -281,22 +282,22 @@ class RequestHandler:
                                           f"worker{'s' if len(gone) > 1 else ''} {stalls.names(gone)} shut down "
                                           "without pushing it")
 
-    def _run_gathered(self, op: Op, active: list[int]) -> bool:
+    def _run_gathered(self, kind: RequestKind, active: list[int]) -> bool:
         """Save or load once every active worker asked for it and no push is in flight."""
-        requests = self.gathering[op]
+        requests = self.gathering[kind]
         if not requests or any(w not in requests for w in active):
             return False
         if any(shard.failed is None and (shard.pushes_in_flight() or shard.sending)
                for store in self.stores.values() for shard in store.shards.values()):
             return False
-        self.gathering[op] = {}
+        self.gathering[kind] = {}
         documents = {json.dumps(doc, sort_keys=True) for _, doc, _ in requests.values()}
         try:
             if len(documents) != 1:
-                raise ParameterServerError(f"workers asked for different {op.name.lower()}s: {sorted(documents)}")
+                raise ParameterServerError(f"workers asked for different {kind.name.lower()}s: {sorted(documents)}")
             doc = json.loads(documents.pop())
             where = (doc["path"], self._index, self._num_servers)
-            if op == Op.SAVE:  # the reply carries the file's record to worker 0, for the manifest
+            if kind == RequestKind.SAVE:  # the reply carries the file's record to worker 0, for the manifest
                 reply = {"files": checkpoint.save_server(*where, self.stores, doc["save_id"])}
             else:
                 reply = checkpoint.load_server(*where, self.stores, doc["save_id"], restore=not doc["check"],
@@ -304,7 +305,7 @@ class RequestHandler:
                 self._touch_all()
         except _REPORTABLE as e:
             for worker, (tag, _, _) in requests.items():
-                self._replies.ack_error(worker, tag, f"{op.name.lower()} failed: {e}")
+                self._replies.ack_error(worker, tag, f"{kind.name.lower()} failed: {e}")
             return True
         for worker, (tag, _, _) in requests.items():
             self._replies.ack(worker, tag, reply)

@@ -32,7 +32,7 @@ from psrt.comm.watchdog import Watchdog, combined
 from psrt.config import Config
 from psrt.ps import protocol, stalls
 from psrt.ps.handler import RequestHandler
-from psrt.ps.protocol import Op
+from psrt.ps.protocol import RequestKind
 from psrt.ps.pushes import PostedPushes
 from psrt.ps.replies import Replies
 from psrt.ps.roles import Roles
@@ -111,7 +111,7 @@ class Server:
         for worker, (view, receive, request) in list(self._headers.items()):
             while request.test():
                 header = Header.decode(view.tolist())
-                if header.kind == Op.BYE:
+                if header.kind == RequestKind.BYE:
                     del self._headers[worker]
                     receive.free()
                 else:
@@ -119,7 +119,7 @@ class Server:
                     self._headers[worker] = (view, receive, request)
                 self._handler.dispatch(worker, header)
                 progressed = True
-                if header.kind == Op.BYE:
+                if header.kind == RequestKind.BYE:
                     break
         return progressed
 

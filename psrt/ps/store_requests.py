@@ -20,7 +20,7 @@ from psrt.errors import PsrtError
 from psrt.ps import protocol
 from psrt.ps.handles import Handle, Reply
 from psrt.ps.placement import Chunk
-from psrt.ps.protocol import HEADER_TAG, Op
+from psrt.ps.protocol import HEADER_TAG, RequestKind
 from psrt.ps.service import WorkerLink
 
 _KEPT_SETTLED = 256  # handles kept before the settled ones are forgotten
@@ -33,7 +33,7 @@ class StoreRequests:
         self._link, self._store_id = link, store_id
         self._open: list[Handle] = []
 
-    def request(self, server: int, op: Op, chunk: Chunk | None = None, *, dtype: torch.dtype | None = None,
+    def request(self, server: int, kind: RequestKind, chunk: Chunk | None = None, *, dtype: torch.dtype | None = None,
                 meta: torch.Tensor | None = None, data: torch.Tensor | None = None, reply: bool = True,
                 what: str | None = None) -> Handle:
         """Send one request (about ``chunk``'s elements of ``dtype``): a header, then ``meta``
@@ -41,11 +41,11 @@ class StoreRequests:
         the server's answer first."""
         sends: list[Request] = []
         replies: list[Reply] = []
-        self.post(sends, replies, server, op, chunk, dtype=dtype, meta=meta, data=data, reply=reply)
+        self.post(sends, replies, server, kind, chunk, dtype=dtype, meta=meta, data=data, reply=reply)
         return self.track(Handle(sends, replies, link=self._link, servers=(self._link.server_rank(server),),
-                                 what=what or f"{op.name.lower()} request"))
+                                 what=what or f"{kind.name.lower()} request"))
 
-    def post(self, sends: list[Request], replies: list[Reply], server: int, op: Op, chunk: Chunk | None, *,
+    def post(self, sends: list[Request], replies: list[Reply], server: int, kind: RequestKind, chunk: Chunk | None, *,
              dtype: torch.dtype | None, meta: torch.Tensor | None = None, data: torch.Tensor | None = None,
              reply: bool = True, receive_into: torch.Tensor | None = None) -> None:
         """Post one request's messages, adding them to ``sends`` and ``replies``; with
@@ -56,7 +56,7 @@ class StoreRequests:
             tag = link.next_tag()
             if reply:
                 replies.append(Reply(link, server, tag, receive_into))
-            header = protocol.request(op, self._store_id, 0 if chunk is None else chunk.chunk_id, tag, dtype=dtype,
+            header = protocol.request(kind, self._store_id, 0 if chunk is None else chunk.chunk_id, tag, dtype=dtype,
                                       numel=0 if chunk is None else chunk.numel, meta=meta,
                                       flag=int(data is not None))
             sends.append(link.comm.isend(header.encode(), rank, HEADER_TAG))
@@ -65,9 +65,9 @@ class StoreRequests:
             if data is not None:
                 sends.append(link.comm.isend(data, rank, tag + 1))
 
-    def everywhere(self, op: Op, document: object = None, reply: bool = True) -> Handle:
+    def everywhere(self, kind: RequestKind, document: object = None, reply: bool = True) -> Handle:
         """The same request, with ``document``, to every server: one handle for all."""
-        handles = [self.request(server, op, meta=None if document is None else protocol.encode(document),
+        handles = [self.request(server, kind, meta=None if document is None else protocol.encode(document),
                                 reply=reply)
                    for server in range(self._link.num_servers)]
         return Handle.joined(handles)
