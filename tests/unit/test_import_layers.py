@@ -42,9 +42,10 @@ LAYERS: list[tuple[str, ...]] = [
     # parallelism strategies, built on the torch API and the topology (TP and PP apply the
     # families' plans and layouts)
     ("psrt.zero", "psrt.ps", "psrt.tp", "psrt.pp", "psrt.cp", "psrt.ep"),
-    # what combines strategies: elastic training, full state, pretrained weights, plans, tuning, CLI
+    # what combines strategies: elastic training, full state, pretrained weights, plans, tuning, the
+    # psrt command and its offline subcommands (a timeline's summary)
     ("psrt.elastic", "psrt.full_state", "psrt.pretrained", "psrt.plan", "psrt.tune", "psrt.cli",
-     "psrt.torch.elastic"),
+     "psrt.timeline_summary", "psrt.torch.elastic"),
 ]
 # Imports up a layer that the design accepts, each with its reason.
 ACCEPTED_UPWARD = {
