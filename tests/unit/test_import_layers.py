@@ -35,9 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("psrt.grid",),
     # the framework binding: the Horovod-shaped torch API and the torch.distributed backend
     ("psrt.torch",),
-    # the tensor-parallel plan vocabulary: plain values that model families write plans in
-    ("psrt.tp.plan",),
-    # model families: their TP plans and pipeline layouts, as values for the generic machinery
+    # model families, their TP plans and pipeline stage layouts, and the vocabularies those are
+    # written in (psrt.models.tp_styles, psrt.models.stage_layout): values for the generic machinery
     ("psrt.models",),
     # parallelism strategies, built on the torch API and the topology (TP and PP apply the
     # families' plans and layouts)
