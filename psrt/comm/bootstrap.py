@@ -1,4 +1,4 @@
-"""Starting MPI, describing the host layout, and aborting the job on failure.
+"""Starting MPI, finding which ranks share a host, and aborting the job on failure.
 
 This is the one place above the communicators that touches mpi4py directly:
 it initialises MPI (or a size-1 singleton when no launcher started us), meets
@@ -106,7 +106,7 @@ def _import_mpi():
 
 
 @dataclass(frozen=True)
-class Layout:
+class HostGroups:
     """Where this process sits: in the world, on its host, and across hosts."""
 
     world: MpiCommunicator
@@ -244,12 +244,12 @@ class Arrivals:
         return comm
 
 
-def host_layout(world: MpiCommunicator) -> Layout:
+def host_groups(world: MpiCommunicator) -> HostGroups:
     """Split ``world`` into local (same host) and cross (same local rank) groups."""
     local = world.split_by_host()
     cross = world.split(local.rank, key=world.rank)
     assert cross is not None
-    return Layout(world=world, local=local, cross=cross)
+    return HostGroups(world=world, local=local, cross=cross)
 
 
 def describe_exception(exc: BaseException) -> str:
