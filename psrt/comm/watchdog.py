@@ -35,9 +35,10 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
+from launcher.contract import rank_name
 from psrt.comm import callsite, deadlock, stall_report
 from psrt.comm.prober import Prober
 from psrt.comm.ranks import rank_ranges
@@ -90,7 +91,7 @@ class Watchdog:
                  rank: int = 0, name_rank: Callable[[int], str] | None = None) -> None:
         self._check_s, self._shutdown_s, self._end_job = check_s, shutdown_s, end_job
         self.rank = rank
-        self._name_rank = name_rank or (lambda r: f"rank {r}")
+        self._name_rank = name_rank or rank_name
         self._world_to_job: Sequence[int] | None = None
         self._prober: Prober | None = None
         self._stacks: dict[int, WaitStack] = {}  # thread id -> its waits, innermost last

@@ -17,8 +17,9 @@ import os
 
 import torch
 
+from launcher.contract import ENV_ELASTIC_HOSTS_VERSION
 from psrt import runtime
-from psrt.elastic.commits import ENV_HOSTS_VERSION, REPLICATED, CommitStore, rank_file
+from psrt.elastic.commits import REPLICATED, CommitStore, rank_file
 from psrt.errors import ElasticError, HostsUpdatedInterrupt
 from psrt.torch import functions
 
@@ -47,7 +48,7 @@ class State(abc.ABC):
     def __init__(self) -> None:
         self._reset_callbacks: list = []
         self._store = CommitStore.from_env()
-        self._launch_hosts_version = int(os.environ.get(ENV_HOSTS_VERSION, "0"))
+        self._launch_hosts_version = int(os.environ.get(ENV_ELASTIC_HOSTS_VERSION, "0"))
         self._commit_number = 0  # the commit this process last wrote or resumed from (0: none)
         self._last_in_store: int | None = None  # the pointer's commit when the store was opened
         self.restored_from: int | None = None  # the commit this launch resumed from
