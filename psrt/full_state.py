@@ -25,7 +25,6 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-import psrt.torch as hvd
 from psrt import tp
 from psrt.errors import InvalidArgumentError
 from psrt.grid import ProcessGrid
@@ -58,7 +57,7 @@ def _merge_over_grid(entries: dict, grid: ProcessGrid | None, name: str, merge=N
         return entries
     for process_set in (grid.ep_set, grid.pp_set):
         if process_set is not None and process_set.size() > 1:
-            entries = (merge or _merge)(hvd.allgather_object(entries, name=name, process_set=process_set))
+            entries = (merge or _merge)(grid.runtime.channel(process_set).allgather_object(entries, name=name))
     return entries
 
 

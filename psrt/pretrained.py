@@ -24,8 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-import psrt.torch as hvd
-from psrt import tp
+from psrt import runtime, tp
 from psrt.errors import InvalidArgumentError
 from psrt.grid import ProcessGrid
 from psrt.safetensors_slices import SafetensorsFile
@@ -217,25 +216,26 @@ def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
 
     Collective: every rank of the world calls it, in the same order.
     """
+    channel = (runtime.current() if grid is None else grid.runtime).channel()
     full = tp.full_state_dict(module, None if grid is None else grid.tp_set)
     seen, tensors = set(), {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
             tensors[name] = full[name].detach().cpu().contiguous()
-    if hvd.rank() == 0:
+    if channel.rank == 0:
         _remove_weights(directory)  # a directory saved at another layout would keep files readers prefer
-    hvd.allgather_object(None, name="psrt.save_pretrained.cleared")
+    channel.allgather_object(None, name="psrt.save_pretrained.cleared")
     stages = 1 if grid is None else grid.shape.pp
     stage = 0 if grid is None else grid.coords.pp
-    writes = hvd.rank() == 0 if grid is None else (grid.coords.dp, grid.coords.tp, grid.coords.cp) == (0, 0, 0)
+    writes = channel.rank == 0 if grid is None else (grid.coords.dp, grid.coords.tp, grid.coords.cp) == (0, 0, 0)
     file = WEIGHTS if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
     if writes:
         os.makedirs(directory, exist_ok=True)
         save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
-    written = hvd.allgather_object({name: (file, t.numel() * t.element_size()) for name, t in tensors.items()}
-                                   if writes else {}, name="psrt.save_pretrained")
-    if hvd.rank() == 0:
+    written = channel.allgather_object({name: (file, t.numel() * t.element_size()) for name, t in tensors.items()}
+                                       if writes else {}, name="psrt.save_pretrained")
+    if channel.rank == 0:
         if stages > 1:
             weight_map = {name: where for part in written for name, (where, _) in part.items()}
             total = sum(size for part in written for _, size in part.values())
@@ -244,4 +244,4 @@ def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
                           handle, indent=2)
         if config is not None:
             config.save_pretrained(directory)
-    hvd.allgather_object(None, name="psrt.save_pretrained.done")
+    channel.allgather_object(None, name="psrt.save_pretrained.done")

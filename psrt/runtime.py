@@ -25,7 +25,7 @@ from psrt.comm.tuning import TuningTable
 from psrt.comm.prober import MpiProber
 from psrt.comm.watchdog import Watchdog
 from psrt.config import Config, config_from_env
-from psrt.engine import Engine
+from psrt.engine import Channel, Engine
 from psrt.engine.handles import HandleTable
 from psrt.engine.names import Names
 from psrt.errors import ArgumentTypeError, NotInitializedError, ProcessSetError
@@ -75,11 +75,30 @@ class Runtime:
     engine: Engine
     watchdog: Watchdog  # stall reports for every wait on other ranks
     ps: RoleLink | None = None  # parameter-server mode: this worker's link to the servers
-    handles: HandleTable = field(default_factory=HandleTable)  # the *_async calls not yet synchronized
     names: Names = field(default_factory=Names)  # what unnamed collectives are called
-    #: What the framework layer's calls worked out (their announcements, ...), by the
+    #: What the Horovod-shaped calls worked out (validated arguments, prepared works), by the
     #: arguments that made them, for repeated calls to reuse (see psrt.torch._common.remember).
-    announcements: dict[tuple, object] = field(default_factory=dict)
+    calls: dict[tuple, object] = field(default_factory=dict)
+    #: The channels made so far, by process set id (see :meth:`channel`).
+    channels: dict[int, Channel] = field(default_factory=dict)
+    handles: HandleTable = field(init=False)  # the *_async calls not yet synchronized
+
+    def __post_init__(self) -> None:
+        self.handles = HandleTable(self.engine.wait)
+
+    def channel(self, process_set: ProcessSet | None = None) -> Channel:
+        """The engine channel of ``process_set`` (default: the global set), which this rank
+        must be a member of: what psrt's strategies are handed when built (see
+        :mod:`psrt.engine.channel`)."""
+        process_set = global_process_set if process_set is None else process_set
+        topology = self.topology
+        topology.communicator(process_set)  # raises for an unregistered set or a non-member
+        channel = self.channels.get(process_set.process_set_id)
+        if channel is None:
+            channel = self.channels[process_set.process_set_id] = Channel(
+                self.engine, self.names, process_set.process_set_id, topology.ranks_of(process_set),
+                topology.world.rank)
+        return channel
 
     @property
     def stats(self) -> defaultdict[str, CommStats]:
@@ -314,6 +333,7 @@ def remove_process_set(process_set: ProcessSet) -> None:
     if pending:
         raise ProcessSetError(f"cannot remove {process_set!r}: operations {pending} on it are "
                               "still pending; synchronize them first")
+    runtime.channels.pop(set_id, None)
     runtime.topology.remove_process_set(process_set)
 
 

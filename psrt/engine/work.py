@@ -85,11 +85,11 @@ class Announcement(NamedTuple):
         return f"{self.collective} of tensor '{self.name}'"
 
 
-class Express:
-    """A repeated blocking allreduce's way through :meth:`Engine.express`: its
-    announcement, and what its reduction needs, worked out once (by the engine, on first
-    use: its response-cache entry, which never moves, the communicator and the watchdog's
-    description)."""
+class Route:
+    """The engine's way for one repeated blocking allreduce of a single buffer (its scale folded
+    into the reduction): made by :meth:`psrt.engine.Engine.route` and held by the caller as a
+    token.  Only the engine fills it in, on first use: the response-cache entry (which never
+    moves), the communicator and the watchdog's description."""
 
     __slots__ = ("announcement", "op", "scale", "index", "comm", "describe")
 
@@ -101,6 +101,23 @@ class Express:
         self.describe: Callable[[], str] | None = None
 
 
+class StreamDependencies:
+    """The CUDA stream ordering of a work on a GPU.  ``ready`` is an event recorded on the
+    producer's current stream when the work is submitted; the stream the collective runs on
+    waits for it before the collective starts, so a tensor computed on any stream is complete
+    when it is sent, and the submitting thread never waits for the GPU."""
+
+    __slots__ = ("ready",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.ready = torch.cuda.current_stream(device).record_event()
+
+    def await_ready(self, device: torch.device) -> None:
+        """Make ``device``'s current stream (where the collective is enqueued) wait for the
+        producer."""
+        torch.cuda.current_stream(device).wait_event(self.ready)
+
+
 class Work:
     """A submitted operation: its announcement, how to run it, and its completion state.
 
@@ -108,16 +125,18 @@ class Work:
     a grouped call's tensors, described piece by piece in its reduction);
     ``execute(host, data)`` runs any other collective on the engine thread, given
     the set's host communicator (sizes, metadata) and the one that carries
-    tensors on ``device``.
+    tensors on ``device``.  ``streams`` holds a CUDA work's stream dependencies
+    (None for host tensors).  Waiting is the engine's (:meth:`psrt.engine.Engine.wait`,
+    which runs cycles on the waiting thread); the work itself only records completion.
     """
 
-    __slots__ = ("_pending", "announcement", "buffers", "cache_index", "device", "driver", "error", "execute",
-                 "finish", "negotiated", "ready", "reported", "submitted", "value")
+    __slots__ = ("_pending", "announcement", "buffers", "cache_index", "device", "error", "execute",
+                 "finish", "negotiated", "ready", "reported", "streams", "submitted", "value")
 
     def __init__(self, announcement: Announcement, *, device: torch.device,
                  buffers: list[torch.Tensor] | None = None,
                  execute: Callable[[Communicator, Communicator], object] | None = None,
-                 finish: Callable[[object], object] = lambda value: value) -> None:
+                 finish: Callable[[object], object] | None = None) -> None:
         if (buffers is None) == (execute is None):
             raise ValueError("a work reduces a buffer or executes a callable, not both")
         self.announcement = announcement
@@ -137,8 +156,7 @@ class Work:
         self.ready: float | None = None
         self.reported = False  # announced through the slow path: resolved by the shared table
         self.cache_index: int | None = None  # its response-cache entry, if it matched one
-        # Set on submission: runs the engine on the waiting thread until this work is done.
-        self.driver: Callable[[Work], None] | None = None
+        self.streams: StreamDependencies | None = None
 
     @property
     def key(self) -> WorkKey:
@@ -169,11 +187,10 @@ class Work:
         return False
 
     def result(self) -> object:
-        """Wait (driving the engine meanwhile), then return the output (or raise the error
-        every rank got)."""
-        if self.driver is not None and not self.done():
-            self.driver(self)
+        """Wait, then return the output (or raise the error every rank got).  Runs no engine
+        cycle: a caller that must not depend on the engine thread waits through
+        :meth:`psrt.engine.Engine.wait`."""
         self.wait()
         if self.error is not None:
             raise self.error
-        return self.finish(self.value)
+        return self.value if self.finish is None else self.finish(self.value)

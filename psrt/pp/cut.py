@@ -140,20 +140,23 @@ def split(model: nn.Module, process_set: ProcessSet, *, chunks: int = 1, split: 
     if not (isinstance(balance, str) and balance == "parameters"):
         if split is not None:
             raise InvalidArgumentError("give split (blocks per stage) or balance, not both")
-        costs = _costs(balance, pieces, sample)
+        costs = _costs(balance, pieces, sample, process_set)
         split = [len(r) for r in balanced_split(costs, virtual)]
     return SplitStage(pieces, process_set, chunks=chunks, split=split, recompute=recompute)
 
 
-def _costs(balance: str | Sequence[float], pieces: Sequence[_Piece], sample: torch.Tensor | None) -> list[float]:
-    """One cost per block: given, or measured here and taken from world rank 0."""
+def _costs(balance: str | Sequence[float], pieces: Sequence[_Piece], sample: torch.Tensor | None,
+           process_set: ProcessSet) -> list[float]:
+    """One cost per block: given, or measured here and taken from world rank 0 (over the world's
+    direct group, from the topology the pipeline set is registered with)."""
     if isinstance(balance, str):
         if balance != "measured":
             raise InvalidArgumentError(f"balance must be 'parameters', 'measured' or one cost per block, got {balance!r}")
         if not isinstance(sample, torch.Tensor):
             raise InvalidArgumentError("balance='measured' needs sample=, a batch of token ids to time the blocks on")
-        import psrt.torch as hvd  # the measurement is agreed like any other object
-        return hvd.broadcast_object(_measure(pieces, sample), root_rank=0, name="psrt.pp.split.costs")
+        topology = process_set.topology
+        world = topology.direct(topology.process_set(0))
+        return world.allgather_object(_measure(pieces, sample), label="psrt.pp.split.costs")[0]
     costs = list(balance)
     if len(costs) != len(pieces) or not all(isinstance(c, (int, float)) and c >= 0 for c in costs):
         raise InvalidArgumentError(f"balance needs one non-negative cost per block ({len(pieces)}), got {balance!r}")

@@ -20,7 +20,7 @@ import torch
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.ps.client import KVStore, optimizer_spec
 from psrt.ps.handles import Handle
-from psrt.torch.reducer import Bucket, BucketStrategy, GradientReducer, check_names
+from psrt.dp import Bucket, BucketStrategy, GradientReducer, check_names
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, *, mode: str | None = None,

@@ -1,26 +1,17 @@
 """Pieces shared by every collective of the torch API: turning a call into engine work.
 
 Each public collective looks the current runtime up once (it is an API edge, as Horovod's
-free functions are) and hands it to these pieces, which never look it up themselves."""
+free functions are), takes its process set's channel (:mod:`psrt.engine.channel`, the API
+psrt's own strategies use too) and hands both to these pieces, which never look them up
+themselves."""
 from __future__ import annotations
-
-from typing import Callable, Sequence
 
 import torch
 
-from psrt.comm.base import Communicator
-from psrt.engine import Announcement, Descriptor, Reduction, Work
+from psrt.engine import Channel, Work
+from psrt.engine.channel import Execute, Finish
 from psrt.runtime import Runtime
-from psrt.topology import ProcessSet
 from psrt.torch.validation import check_name, check_tensor
-
-
-def set_ranks(current: Runtime, process_set: ProcessSet) -> list[int]:
-    """The world ranks of ``process_set``; raises for an unregistered set, or when the
-    caller is not a member."""
-    topology = current.topology
-    topology.communicator(process_set)
-    return topology.ranks_of(process_set)
 
 
 def prepare(tensor: object, name: object) -> torch.Tensor:
@@ -31,12 +22,11 @@ def prepare(tensor: object, name: object) -> torch.Tensor:
     return tensor
 
 
-def tensor_work(current: Runtime, collective: str, tensor: torch.Tensor, name: str | None,
-                process_set: ProcessSet, ranks: list[int], agreed: dict, execute, finish=lambda value: value):
+def tensor_work(channel: Channel, collective: str, tensor: torch.Tensor, name: str | None, agreed: dict,
+                execute: Execute, finish: Finish | None = None) -> Work:
     """An engine work whose ranks must agree on dtype, device and ``agreed``."""
     descriptor = (("dtype", tensor.dtype), ("device", tensor.device.type), *agreed.items())
-    return make_work(current, collective, name, process_set, ranks, descriptor, tensor.device,
-                             execute=execute, finish=finish)
+    return channel.execute(collective, name, descriptor, tensor.device, execute, finish)
 
 
 def rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
@@ -44,45 +34,23 @@ def rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     return (1, ()) if tensor.dim() == 0 else (tensor.shape[0], tuple(tensor.shape[1:]))
 
 
-def make_work(current: Runtime, collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
-              descriptor: Descriptor, device: torch.device, *,
-              buffers: list[torch.Tensor] | None = None, reduction: Reduction | None = None,
-              execute: Callable[[Communicator, Communicator], object] | None = None,
-              finish: Callable[[object], object] = lambda value: value) -> Work:
-    """A work for the engine (see :func:`announce`)."""
-    return Work(announce(current, collective, name, process_set, ranks, descriptor, reduction), device=device,
-                buffers=buffers, execute=execute, finish=finish)
-
-
-def announce(current: Runtime, collective: str, name: str | None, process_set: ProcessSet, ranks: Sequence[int],
-             descriptor: Descriptor, reduction: Reduction | None = None) -> Announcement:
-    """What ranks negotiate about a call.  Unnamed ops get Horovod's counter-based name (see
-    :mod:`psrt.engine.names`) and stay out of the response cache, since their names never
-    repeat."""
-    names = current.names
-    return Announcement(
-        key=(process_set.process_set_id, name if name is not None else names.unnamed(collective)),
-        ranks=tuple(ranks), descriptor=(("collective", collective), *descriptor),
-        reduction=reduction, cacheable=name is not None)
-
-
 def remembered(current: Runtime, signature: tuple) -> object:
     """What an earlier call with the same signature worked out (see :func:`remember`)."""
-    return current.announcements.get(signature)
+    return current.calls.get(signature)
 
 
 def remember(current: Runtime, signature: tuple, known: object) -> None:
-    """Keep what a call worked out (its announcement, ...) for later calls whose arguments
+    """Keep what a call worked out (its prepared work, ...) for later calls whose arguments
     give the same ``signature``; on the runtime, so a new runtime starts afresh, and
     bounded like the response cache, whose entries these mostly are."""
-    if len(current.announcements) < current.config.cache_capacity:
-        current.announcements[signature] = known
+    if len(current.calls) < current.config.cache_capacity:
+        current.calls[signature] = known
 
 
-def submit(current: Runtime, work: Work, blocking: bool) -> object:
-    """Hand a work to the engine and return a handle, or run it (on this thread, see
-    :meth:`Engine.run`) and return its output."""
-    return current.engine.run(work) if blocking else current.handles.register(current.engine.submit(work))
+def submit(current: Runtime, channel: Channel, work: Work, blocking: bool) -> object:
+    """Run ``work`` on this thread and return its output, or start it and return a handle
+    (Horovod's: the facade's own, which psrt's strategies never use)."""
+    return channel.run(work) if blocking else current.handles.register(channel.start(work))
 
 
 def contiguous_buffer(tensor: torch.Tensor) -> torch.Tensor:

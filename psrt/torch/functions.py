@@ -7,18 +7,19 @@ same optimizer layout).
 """
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
 
-import psrt.torch as hvd
 from psrt import runtime
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
+from psrt.torch.collectives._differentiable import WorkGroup, start_each
+from psrt.torch.collectives.broadcast import broadcast_work
 from psrt.torch.optimizer import _DistributedOptimizer
+from psrt.torch.validation import check_name, check_root, check_tensor
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "join"]
 
@@ -65,11 +66,13 @@ def _named_tensors(params, prefix: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def _broadcast_all(named: list[tuple[str, torch.Tensor]], root_rank: int, process_set: ProcessSet) -> None:
+    channel = runtime.current().channel(process_set)
+    root = check_root(root_rank, channel.ranks)
     # detach(): the same memory, but writing into it is not an autograd operation on a leaf.
-    handles = [hvd.broadcast_async_(tensor.detach(), root_rank, name=name, process_set=process_set)
-               for name, tensor in named]
-    for handle in handles:
-        hvd.synchronize(handle)
+    tensors = [(name, check_tensor(tensor).detach()) for name, tensor in named]
+    works = start_each(channel, [lambda name=name, tensor=tensor: broadcast_work(channel, tensor, root, name, True)
+                                 for name, tensor in tensors])
+    WorkGroup(channel, works).result()
 
 
 # -- optimizer state -------------------------------------------------------------------------
@@ -117,7 +120,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         layout = _root_layout(optimizer, params, root_rank, process_set)
     sizes = [len(group["params"]) for group in optimizer.param_groups]
     if sizes != layout["group_sizes"]:
-        raise ValueError(f"rank {hvd.rank()}: the optimizer's parameter groups have "
+        raise ValueError(f"rank {runtime.rank()}: the optimizer's parameter groups have "
                          f"{sizes} parameters, root rank {root_rank}'s have {layout['group_sizes']}")
     for group, options in zip(optimizer.param_groups, layout["options"]):
         group.update(options)
@@ -128,7 +131,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 def _root_layout(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], root_rank: int,
                  process_set: ProcessSet) -> dict:
     """The root's :func:`_describe`, on every rank."""
-    return broadcast_object(_describe(optimizer, params) if hvd.rank() == root_rank else None,
+    return broadcast_object(_describe(optimizer, params) if runtime.rank() == root_rank else None,
                             root_rank, name="broadcast_optimizer_state.layout", process_set=process_set)
 
 
@@ -204,21 +207,14 @@ def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None,
         anything, None included.
     :param root_rank: the sending rank: a world rank that is a member of ``process_set``, the
         same on every rank; default 0.
-    :param name: the name its two broadcasts are matched by (``name.length`` and ``name.data``);
-        default None: ``"broadcast_object"``.
+    :param name: the name the ranks match the call by; default None: ``"broadcast_object"``.
     :param process_set: the ranks taking part: a registered process set this rank belongs to;
         default ``global_process_set`` (every rank).
     :returns: the root's object (on the root, ``obj`` itself).
     """
-    name = name or "broadcast_object"
-    is_root = hvd.rank() == root_rank
-    payload = _to_bytes(obj) if is_root else None
-    length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
-    hvd.broadcast_(length, root_rank, name=f"{name}.length", process_set=process_set)
-    if payload is None:
-        payload = torch.empty(int(length), dtype=torch.uint8)
-    hvd.broadcast_(payload, root_rank, name=f"{name}.data", process_set=process_set)
-    return obj if is_root else _from_bytes(payload)
+    check_name(name)
+    channel = runtime.current().channel(process_set)
+    return channel.broadcast_object(obj, check_root(root_rank, channel.ranks), name=name or "broadcast_object")
 
 
 def allgather_object(obj: object, name: str | None = None,
@@ -231,25 +227,13 @@ def allgather_object(obj: object, name: str | None = None,
     Collective: every rank of ``process_set`` calls it, in the same order.
 
     :param obj: this rank's object (anything pickle takes).
-    :param name: the name its allgathers are matched by; default None: ``"allgather_object"``.
+    :param name: the name the ranks match the call by; default None: ``"allgather_object"``.
     :param process_set: the ranks taking part: a registered process set this rank belongs to;
         default ``global_process_set`` (every rank).
     :returns: a list of every rank's object, in set-rank order.
     """
-    name = name or "allgather_object"
-    payload = _to_bytes(obj)
-    lengths = hvd.allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.lengths",
-                            process_set=process_set)
-    gathered = hvd.allgather(payload, name=f"{name}.data", process_set=process_set)
-    return [_from_bytes(chunk) for chunk in gathered.split(lengths.tolist())]
-
-
-def _to_bytes(obj: object) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-
-
-def _from_bytes(payload: torch.Tensor) -> object:
-    return pickle.loads(memoryview(payload.numpy()))
+    check_name(name)
+    return runtime.current().channel(process_set).allgather_object(obj, name=name or "allgather_object")
 
 
 # -- join --------------------------------------------------------------------------------------

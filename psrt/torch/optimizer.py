@@ -2,21 +2,23 @@
 
 Every rank computes gradients on its own batch; the wrapper averages them over
 the process set before the wrapped optimizer's step.  Parameters are split
-into buckets (planned by ``psrt.torch._buckets``, in the order backward completes their
+into buckets (planned by :mod:`psrt.dp.buckets`, in the order backward completes their
 gradients), and each bucket's allreduce starts during backward as soon as its
 last gradient is accumulated, so communication overlaps the rest of backward.
 
 The hooks, readiness counting, bucket launch and end-of-step wait are the
-gradient reducer's (``psrt.torch.reducer``, shared with ZeRO and the parameter
-server); this module says what a bucket's completion is: an allreduce, in place.
-Each bucket owns one flat buffer and its parameters' ``.grad`` are views of it
-(DDP's ``gradient_as_bucket_view``), so a bucket travels as one contiguous
-tensor, reduced where it lies, and a step costs the reduction and nothing else.
-``zero_grad()`` behaves as torch's: after it, ``.grad`` is None; backward's
-fresh gradient is copied into its view once (cheaper than zeroing the buffer
-and accumulating into it).  ``op=hvd.Adasum`` and compressors other than
-``Compression.none`` and ``Compression.fp16`` keep autograd's own tensors, each
-reduced as it is in a grouped allreduce.
+gradient reducer's (:mod:`psrt.dp.reducer`, shared with ZeRO and the parameter
+server); this module says what a bucket's communication is: an allreduce, in place,
+started on the process set's engine channel (:mod:`psrt.engine.channel`) and waited on.
+Each bucket owns one flat buffer that its parameters' ``.grad`` can be views of (DDP's
+``gradient_as_bucket_view``).  ``zero_grad()`` behaves as torch's: after it, ``.grad``
+is None and backward makes fresh gradients, which are reduced where they lie (large
+ones) or packed (small ones), with no copy into the buffer; after
+``zero_grad(set_to_none=False)`` the gradients are zeroed in place as views of the buffer,
+autograd accumulates into it, and each bucket travels as one contiguous tensor.
+``op=hvd.Adasum`` and compressors other than ``Compression.none`` and
+``Compression.fp16`` keep autograd's own tensors, each reduced as it is in a grouped
+allreduce.
 
 Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as Horovod
 reduces them: by default each is allgathered (indices and values) and stays
@@ -39,17 +41,19 @@ from typing import Callable, Iterator
 
 import torch
 
-import psrt.torch as hvd
 from psrt import runtime
+from psrt.dp import (Bucket, Bucketing, BucketStrategy, GradientReducer, Slot, check_names, overlap_pays_here,
+                     plan_buckets, split_evenly, whole_buffer)
+from psrt.engine import Channel, Work
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import adasum
+from psrt.torch.collectives.allreduce import AllreduceCall, allreduce_call, allreduce_work
+from psrt.torch.collectives.grouped_allreduce import start_sparse_allreduce
 from psrt.torch.compression import Compression, compressor
-from psrt.torch.reducer import (Bucket, Bucketing, BucketStrategy, GradientReducer, Slot, check_names,
-                                overlap_pays_here, plan_buckets, split_evenly, whole_buffer)
 from psrt.torch.ops import Adasum, Average, Sum
 
-__all__ = ["Bucketing", "DistributedOptimizer", "overlap_pays_here"]
+__all__ = ["Bucketing", "DistributedOptimizer"]
 _ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                         "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 
@@ -101,7 +105,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         ``global_process_set`` (every rank).
     :param bucketing: psrt's addition: a :class:`Bucketing` with the bucket sizes and whether
         communication overlaps backward (default ``Bucketing()``: overlap where it can pay, see
-        ``psrt.torch._buckets.overlap_pays``).  Keyword only.
+        ``psrt.dp.overlap_pays``).  Keyword only.
     :returns: the wrapper, an instance of ``type(optimizer)``.
     """
     _check_arguments(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor,
@@ -143,13 +147,15 @@ def _wrapped_class(base: type) -> type:
 
 class _Reduction:
     """What a bucket's reduction started: the dense tensors reduced in place (the bucket buffer,
-    or its members' gradients), their compression contexts, dense copies standing for sparse
-    gradients (``sparse_as_dense``), and the allgathers of sparse ones."""
+    or its members' gradients) and the work reducing them, their compression contexts, dense
+    copies standing for sparse gradients (``sparse_as_dense``), and the allgathers of sparse
+    ones."""
 
-    __slots__ = ("dense", "ctxs", "densified", "sparse")
+    __slots__ = ("dense", "work", "ctxs", "densified", "sparse")
 
     def __init__(self) -> None:
         self.dense: list[torch.Tensor] = []
+        self.work: Work | None = None
         self.ctxs: list[object] = []
         self.densified: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dense copy, the sparse gradient)
         self.sparse: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
@@ -157,53 +163,63 @@ class _Reduction:
 
 class _Averaging(BucketStrategy):
     """DistributedOptimizer's bucket: its gradients averaged (``op=Sum``: summed) over the set,
-    in place.  With views the bucket buffer is one allreduce; otherwise the members' gradients
-    are one grouped allreduce.  A sparse gradient is allgathered (Horovod's
-    ``sparse_allreduce_async``) or, with ``sparse_as_dense``, reduced as a dense copy."""
+    in place, on the set's channel.  With views the bucket buffer is one allreduce; otherwise
+    the members' gradients are one grouped allreduce.  A sparse gradient is allgathered
+    (Horovod's sparse allreduce) or, with ``sparse_as_dense``, reduced as a dense copy."""
 
-    def __init__(self, optimizer: _DistributedOptimizer) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: _DistributedOptimizer, channel: Channel) -> None:
+        self.optimizer, self.channel = optimizer, channel
+        self._calls: dict[tuple, AllreduceCall] = {}  # by bucket and layout: worked out once
 
     def launch(self, bucket: Bucket) -> None:
         opt = self.optimizer
-        work = bucket.work = _Reduction()
+        reduction = bucket.started = _Reduction()
         whole = whole_buffer(bucket)
         for slot, param in enumerate(bucket.params):
             grad = param.grad
             if not grad.is_sparse:
                 if not whole:
-                    work.dense.append(grad)
+                    reduction.dense.append(grad)
             elif opt.sparse_as_dense:
                 dense = bucket.views[slot].copy_(grad.to_dense()) if whole else grad.to_dense()
-                work.densified.append((dense, grad))
+                reduction.densified.append((dense, grad))
                 if not whole:
-                    work.dense.append(dense)
+                    reduction.dense.append(dense)
             else:
                 name = f"{bucket.name}.{opt._parameter_names[param]}"
-                work.sparse.append((grad, hvd.sparse_allreduce_async(grad, name=name, op=opt.op,
-                                                                     process_set=opt.process_set)))
-        if whole and len(work.sparse) < len(bucket.params):
-            work.dense.append(bucket.buffer)
-        if not work.dense:
+                reduction.sparse.append((grad, start_sparse_allreduce(self.channel, grad, name, opt.op)))
+        if whole and len(reduction.sparse) < len(bucket.params):
+            reduction.dense.append(bucket.buffer)
+        if not reduction.dense:
             return
-        packed = [opt._compression.compress(tensor) for tensor in work.dense]
-        work.ctxs = [ctx for _, ctx in packed]
-        prescale, postscale = opt._scales
-        bucket.handle = hvd.grouped_allreduce_async_([wire for wire, _ in packed], name=bucket.name, op=opt.op,
-                                                     prescale_factor=prescale, postscale_factor=postscale,
-                                                     process_set=opt.process_set)
+        packed = [opt._compression.compress(tensor) for tensor in reduction.dense]
+        reduction.ctxs = [ctx for _, ctx in packed]
+        wires = [wire for wire, _ in packed]
+        call = self._call(bucket, wires)
+        reduction.work = self.channel.start(allreduce_work(call, wires, in_place=True, grouped=True))
+
+    def _call(self, bucket: Bucket, wires: list[torch.Tensor]) -> AllreduceCall:
+        key = (bucket.index, *[(t.dtype, t.shape) for t in wires])
+        call = self._calls.get(key)
+        if call is None:
+            prescale, postscale = self.optimizer._scales
+            call = self._calls[key] = allreduce_call(self.channel, wires, True, bucket.name, self.optimizer.op, None,
+                                                     prescale, postscale)
+        return call
 
     def finish(self, bucket: Bucket) -> None:
-        work = bucket.work
-        outputs = hvd.synchronize(bucket.handle) if bucket.handle is not None else []
-        for tensor, wire, ctx in zip(work.dense, outputs, work.ctxs):
+        reduction = bucket.started
+        if reduction is None:  # its launch failed before starting anything
+            return
+        outputs = self.channel.wait(reduction.work) if reduction.work is not None else []
+        for tensor, wire, ctx in zip(reduction.dense, outputs, reduction.ctxs):
             reduced = self.optimizer._compression.decompress(wire, ctx)
             if reduced is not tensor:
                 tensor.copy_(reduced)
-        for dense, target in work.densified:  # given back sparse, as in Horovod
+        for dense, target in reduction.densified:  # given back sparse, as in Horovod
             target.zero_().add_(dense.to_sparse(target.sparse_dim()))
-        for grad, handle in work.sparse:
-            grad.zero_().add_(handle())
+        for grad, result in reduction.sparse:
+            grad.zero_().add_(result())
 
 
 class _DistributedOptimizer:
@@ -211,6 +227,7 @@ class _DistributedOptimizer:
 
     def _setup_distributed(self, named_parameters, compression, backward_passes_per_step, op,
                            gradient_predivide_factor, groups, sparse_as_dense, process_set, bucketing) -> None:
+        current = runtime.current()  # once, when built: the step reaches the engine through the channel
         named = None if named_parameters is None else list(named_parameters)
         ordered = _ready_order(self.param_groups, named)
         explicit = _resolve_groups(groups, ordered)
@@ -218,6 +235,7 @@ class _DistributedOptimizer:
             ordered, explicit = [], None
         elif op == Adasum:
             adasum.check_arguments(ordered, process_set.size(), "DistributedOptimizer")
+        self._channel = current.channel(process_set) if ordered else None
         self._parameter_names = _parameter_names(self.param_groups, named)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -230,18 +248,18 @@ class _DistributedOptimizer:
         if op == Adasum:  # the parameter changes exist only once step() has run
             self._overlap = False
         elif self._overlap is None:
-            self._overlap = overlap_pays_here(ordered)
+            self._overlap = overlap_pays_here(ordered, current.topology.local.size)
         self._should_synchronize = True
         self._params = ordered
         slots = [Slot(p.numel(), p.element_size(), (p.dtype, p.device)) for p in ordered]
         plan = plan_buckets(slots, explicit,
                             first_bucket_bytes=bucketing.first_bucket_bytes, bucket_bytes=bucketing.bucket_bytes)
-        prefix = runtime.current().names.instance("DistributedOptimizer", self.process_set.process_set_id) + ".bucket"
+        prefix = current.names.instance("DistributedOptimizer", self.process_set.process_set_id) + ".bucket"
         # Views need the bucket to travel whole: not for Adasum (which reduces parameter changes)
         # nor for a compressor of the user's, which compresses each gradient on its own.
         views = op != Adasum and compressor(compression) in (Compression.none, Compression.fp16)
         self._reducer = GradientReducer(
-            ordered, [spec.members for spec in plan], _Averaging(self),
+            ordered, [spec.members for spec in plan], _Averaging(self, self._channel),
             names=[f"{prefix}.{number}" for number in range(len(plan))],
             param_names=[self._parameter_names.get(p, "?") for p in ordered],
             passes_per_step=backward_passes_per_step, overlap=self._overlap, views=views)
@@ -291,14 +309,15 @@ class _DistributedOptimizer:
         loss = super().step(closure)
         # The parameters hold their changes while these are reduced, in place.
         deltas = [param.detach().sub_(start) for param, start in zip(self._params, starts)]
-        started = []
+        works = []
         for bucket in self._buckets:
             members = [deltas[index] for index in bucket.members]
             packed = [self._compression.compress(delta) for delta in members]
-            started.append((members, packed, hvd.grouped_allreduce_async_(
-                [wire for wire, _ in packed], name=bucket.name, op=Adasum, process_set=self.process_set)))
-        for members, packed, handle in started:
-            for delta, wire, (_, ctx) in zip(members, hvd.synchronize(handle), packed):
+            wires = [wire for wire, _ in packed]
+            call = allreduce_call(self._channel, wires, True, bucket.name, Adasum, None, 1.0, 1.0)
+            works.append((members, packed, self._channel.start(allreduce_work(call, wires, True, True))))
+        for members, packed, work in works:
+            for delta, wire, (_, ctx) in zip(members, self._channel.wait(work), packed):
                 reduced = self._compression.decompress(wire, ctx)
                 if reduced is not delta:
                     delta.copy_(reduced)
@@ -310,7 +329,7 @@ class _DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: set every gradient to None, or with ``set_to_none=False`` zero it in place,
         as a view of its bucket's buffer (each bucket then travels as one tensor, see
-        :mod:`psrt.torch.reducer`).  Raises, as Horovod does, while allreduces of this step are
+        :mod:`psrt.dp.reducer`).  Raises, as Horovod does, while allreduces of this step are
         outstanding."""
         if self._reducer.in_flight:
             raise AssertionError(_ZERO_GRAD_IN_FLIGHT)

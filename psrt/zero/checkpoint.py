@@ -25,7 +25,6 @@ import uuid
 
 import torch
 
-import psrt.torch as hvd
 from psrt import checkpoint_files
 from psrt.errors import CheckpointError, InvalidArgumentError
 from psrt.zero.partition import ParamInfo, Partition
@@ -49,9 +48,8 @@ def _raise_if_any_failed(failure: Exception | None, what: str, zero, written: di
     """Share each rank's outcome so that all raise together: a rank that failed raises its own
     exception, the others an error naming every rank that failed.  Returns what every rank
     passed as ``written`` (file name -> record), for the metadata."""
-    mine = None if failure is None else f"rank {zero.process_set.rank()}: {type(failure).__name__}: {failure}"
-    outcomes = hvd.allgather_object((mine, written or {}), name=f"zero.{what}.outcome",
-                                    process_set=zero.process_set)
+    mine = None if failure is None else f"rank {zero.channel.rank}: {type(failure).__name__}: {failure}"
+    outcomes = zero.channel.allgather_object((mine, written or {}), name=f"zero.{what}.outcome")
     errors = [error for error, _ in outcomes if error]
     if failure is not None:
         raise failure
@@ -80,10 +78,8 @@ def save(zero, directory: str, extra: dict | None = None) -> None:
     """
     json.dumps(extra)  # fail before any file is written, on the calling rank
     zero.synchronize()
-    root = zero.runtime.topology.ranks_of(zero.process_set)[0]
-    save_id = hvd.broadcast_object(uuid.uuid4().hex, root_rank=root, name="zero.save.id",
-                                   process_set=zero.process_set)
-    set_rank = zero.process_set.rank()
+    save_id = zero.channel.broadcast_object(uuid.uuid4().hex, zero.channel.ranks[0], name="zero.save.id")
+    set_rank = zero.channel.rank
     failure, written = None, {}
     try:
         os.makedirs(directory, exist_ok=True)

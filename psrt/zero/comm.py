@@ -1,5 +1,5 @@
-"""The collectives ZeRO runs, on the torch API: every one is named, asynchronous, and over
-the data-parallel process set.
+"""The collectives ZeRO runs, on its process set's engine channel (:mod:`psrt.engine.channel`):
+every one is named, and the gradient reductions and gathers are asynchronous.
 
 A group's name is the same on every rank (it comes from the wrap order and the
 group index), so the engine matches each rank's call with the others' by name
@@ -9,38 +9,41 @@ from __future__ import annotations
 
 import torch
 
-import psrt.torch as hvd
-from psrt.topology import ProcessSet
+from psrt.comm.base import ReduceOp
+from psrt.engine import Channel, Work
 
 
-def reduce_gradients(flat: torch.Tensor, name: str, num_shards: int, process_set: ProcessSet) -> int:
-    """Average ``flat`` (a whole group's gradients) over the set; the handle's result is this
-    rank's shard, or the whole averaged group where the group is not sharded (stage 0)."""
+def reduce_gradients(channel: Channel, flat: torch.Tensor, name: str, num_shards: int) -> Work:
+    """Start averaging ``flat`` (a whole group's gradients, padded to a multiple of the shards)
+    over the set; the work's output is this rank's shard, or the whole averaged group where the
+    group is not sharded (stage 0)."""
     if num_shards == 1:
-        return hvd.allreduce_async_(flat, name=name, op=hvd.Average, process_set=process_set)
-    return hvd.reducescatter_async(flat, name=name, op=hvd.Average, process_set=process_set)
+        return channel.start(channel.allreduce([flat], name=name, scale=1.0 / channel.size, finish=lambda _: flat))
+    shard = flat.numel() // channel.size
+    out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
+    return channel.start(channel.reduce_scatter(flat, out, [shard] * channel.size, name=name,
+                                                scale=1.0 / channel.size))
 
 
-def gather(shard: torch.Tensor, full: torch.Tensor, name: str, process_set: ProcessSet) -> int:
+def gather(channel: Channel, shard: torch.Tensor, full: torch.Tensor, name: str) -> Work:
     """Start gathering every rank's ``shard`` into ``full``, in rank order."""
-    return hvd.allgather_into_async(shard, full, name=name, process_set=process_set)
+    return channel.start(channel.allgather_into(shard, full, name=name))
 
 
-def wait(handle: int) -> torch.Tensor:
-    return hvd.synchronize(handle)
-
-
-def total_norm(partial: torch.Tensor, norm_type: float, sharded: bool, process_set: ProcessSet) -> torch.Tensor:
+def total_norm(channel: Channel, partial: torch.Tensor, norm_type: float, sharded: bool) -> torch.Tensor:
     """Combine this rank's partial norm statistic (sum of |g|^p, or max |g| for inf) over the set.
 
     Unsharded gradients (stage 0) are the same on every rank and are not combined.
     """
     if sharded:
-        op = hvd.Max if norm_type == float("inf") else hvd.Sum
-        partial = hvd.allreduce(partial, name="zero.grad_norm", op=op, process_set=process_set)
+        partial = partial.clone()
+        op = ReduceOp.MAX if norm_type == float("inf") else ReduceOp.SUM
+        channel.run(channel.allreduce([partial], name="zero.grad_norm", op=op))
     return partial if norm_type == float("inf") else partial ** (1.0 / norm_type)
 
 
-def any_rank(flag: bool, name: str, process_set: ProcessSet) -> bool:
+def any_rank(channel: Channel, flag: bool, name: str) -> bool:
     """True if ``flag`` is true on any rank of the set."""
-    return bool(hvd.allreduce(torch.tensor([int(flag)]), name=name, op=hvd.Max, process_set=process_set))
+    value = torch.tensor([int(flag)])
+    channel.run(channel.allreduce([value], name=name, op=ReduceOp.MAX))
+    return bool(value)

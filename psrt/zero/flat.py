@@ -8,13 +8,14 @@ zero, so the parameter views stay valid and autograd's saved references see
 the values again once they are gathered back; while released, reading a
 parameter raises instead of reading freed memory: ``psrt.zero.released``).  The master copy is the shard
 itself unless a compute dtype is set, in which case it keeps the parameters'
-own dtype (fp32 master weights).  Communication goes through ``psrt.zero.comm``.
+own dtype (fp32 master weights).  Communication goes through ``psrt.zero.comm``, on the
+process set's engine channel.
 """
 from __future__ import annotations
 
 import torch
 
-from psrt.topology import ProcessSet
+from psrt.engine import Channel, Work
 from psrt.zero import comm
 from psrt.zero.partition import Partition
 from psrt.zero.released import mark_gathered, mark_released, name_parameter
@@ -24,10 +25,10 @@ class ShardedGroup:
     """A flat group's tensors on this rank; ``shard`` is this rank's index among ``num_shards``."""
 
     def __init__(self, name: str, partition: Partition, index: int, params: list[torch.nn.Parameter],
-                 shard: int, process_set: ProcessSet, compute_dtype: torch.dtype | None,
+                 shard: int, channel: Channel, compute_dtype: torch.dtype | None,
                  gathered_on_demand: bool) -> None:
         self.name, self.flat, self.params = name, partition.groups[index], params
-        self.num_shards, self.process_set = partition.num_shards, process_set
+        self.num_shards, self.channel = partition.num_shards, channel
         self.gathered_on_demand = gathered_on_demand
         start, stop = partition.shard_range(index, shard)
         with torch.no_grad():
@@ -43,13 +44,13 @@ class ShardedGroup:
             param.data = self.full[offset:offset + param.numel()].view(param.shape)
             name_parameter(param, partition.params[index].name)
         self.grad: torch.Tensor | None = None  # this rank's reduced gradient shard, compute dtype
-        self._gather: int | None = None        # handle of an all-gather in flight
+        self._gather: Work | None = None       # an all-gather in flight
         if gathered_on_demand:
             self.release()
 
     # -- gradients ------------------------------------------------------------------
-    def start_reduction(self) -> int:
-        """Start averaging this rank's gradients of the group over the set; returns a handle.
+    def start_reduction(self) -> Work:
+        """Start averaging this rank's gradients of the group over the set; returns the work.
 
         Parameters without a gradient count as zeros.  The parameters' ``.grad`` are dropped:
         from here on the group's gradient lives in its shard only.
@@ -60,14 +61,14 @@ class ShardedGroup:
         flat = torch.cat(pieces)  # one pass over the gradients, no zeroing pass before it
         for param in self.params:
             param.grad = None
-        return comm.reduce_gradients(flat, f"{self.name}.grad", self.num_shards, self.process_set)
+        return comm.reduce_gradients(self.channel, flat, f"{self.name}.grad", self.num_shards)
 
     def _zeros(self, numel: int) -> torch.Tensor:
         return torch.zeros(numel, dtype=self.compute_dtype, device=self.full.device)
 
-    def finish_reduction(self, handle: int) -> None:
+    def finish_reduction(self, work: Work) -> None:
         """Add the reduced shard to the gradient accumulated in this step (if any)."""
-        reduced = comm.wait(handle)
+        reduced = self.channel.wait(work)
         if self.grad is None:
             self.grad = reduced
         else:
@@ -80,13 +81,13 @@ class ShardedGroup:
             with torch.no_grad():
                 self.shard.copy_(self.master)
 
-    def publish(self) -> int | None:
+    def publish(self) -> Work | None:
         """After the optimizer step: update the compute shard and, where every rank keeps the
-        whole group (stages 1 and 2), start gathering the shards; returns the handle."""
+        whole group (stages 1 and 2), start gathering the shards; returns the work."""
         self.publish_local()
         if self.gathered_on_demand or self.num_shards == 1:
             return None
-        return comm.gather(self.shard.clone(), self.full, f"{self.name}.param", self.process_set)
+        return comm.gather(self.channel, self.shard.clone(), self.full, f"{self.name}.param")
 
     @property
     def is_gathered(self) -> bool:
@@ -97,7 +98,7 @@ class ShardedGroup:
         if self.is_gathered:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        self._gather = comm.gather(self.shard, self.full, f"{self.name}.param", self.process_set)
+        self._gather = comm.gather(self.channel, self.shard, self.full, f"{self.name}.param")
 
     def finish_gather(self) -> None:
         """Wait for the gather started last; from then on the parameters can be read."""
@@ -108,8 +109,8 @@ class ShardedGroup:
 
     def _wait_gather(self) -> None:
         if self._gather is not None:
-            handle, self._gather = self._gather, None
-            comm.wait(handle)
+            work, self._gather = self._gather, None
+            self.channel.wait(work)
 
     def release(self) -> None:
         """Free ``full`` (stage 3); the parameters keep their shapes but hold no memory, and

@@ -27,7 +27,7 @@ import torch
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import Runtime, given, global_process_set
 from psrt.topology import ProcessSet
-from psrt.torch.reducer import Bucket, BucketStrategy, GradientReducer, overlap_pays_here
+from psrt.dp import Bucket, BucketStrategy, GradientReducer, overlap_pays_here
 from psrt.zero import comm
 from psrt.zero.flat import ShardedGroup
 from psrt.zero.precision import LossScaler
@@ -80,7 +80,7 @@ class ZeroOptimizer:
         module, a positive int (default :data:`ALLGATHER_BUCKET_SIZE`).
     :param overlap: start each bucket's reduce-scatter during backward (stages 2 and 3): True,
         False, or None (the default: where it can pay, as for ``DistributedOptimizer``, see
-        ``psrt.torch._buckets.overlap_pays``).
+        ``psrt.dp.overlap_pays``).
     :param param_groups: the optimizer's parameter groups as torch takes them (a non-empty list
         of dicts, each with ``"params"`` and its own options, say ``weight_decay=0.0`` for
         biases and norms); every trainable parameter must be in exactly one group.  No flat
@@ -102,18 +102,20 @@ class ZeroOptimizer:
                  param_groups: list[dict] | None = None, runtime: Runtime | None = None,
                  **optimizer_kwargs) -> None:
         self.runtime = given(runtime)
-        self.loss_scaler = LossScaler.create(loss_scale, compute_dtype, process_set)
-        layout = plan_layout(model, optimizer_class, optimizer_kwargs, stage=stage, process_set=process_set,
+        self.loss_scaler = LossScaler.create(loss_scale, compute_dtype)
+        layout = plan_layout(model, optimizer_class, optimizer_kwargs, runtime=self.runtime, stage=stage,
+                             process_set=process_set,
                              compute_dtype=compute_dtype, reduce_bucket_size=reduce_bucket_size,
                              allgather_bucket_size=allgather_bucket_size, overlap=overlap, param_groups=param_groups)
-        self.model, self.stage, self.process_set = model, stage, process_set
+        self.model, self.stage, self.process_set, self.channel = model, stage, process_set, layout.channel
         self.partition, self.param_names, self.shard_index = layout.partition, layout.names, layout.shard
         self.aliases = layout.aliases  # other state_dict names of tied parameters -> their trained name
         self.optimizer_groups = [members for _, members in layout.optimizer_groups]
-        self.overlap = overlap_pays_here(layout.params) if overlap is None else overlap
+        self.overlap = (overlap_pays_here(layout.params, self.runtime.topology.local.size) if overlap is None
+                        else overlap)
         name = self.runtime.names.instance("zero", process_set.process_set_id)
         self.groups = [ShardedGroup(f"{name}.{index}", self.partition, index, [layout.params[i] for i in flat.params],
-                                    layout.shard, process_set, compute_dtype, gathered_on_demand=stage == 3)
+                                    layout.shard, self.channel, compute_dtype, gathered_on_demand=stage == 3)
                        for index, flat in enumerate(self.partition.groups)]
         owner = [layout.optimizer_group_of(index) for index in range(len(self.groups))]
         self.optimizer = optimizer_class(
@@ -186,10 +188,10 @@ class ZeroOptimizer:
         taken = self._prepare_master_gradients()
         if taken:
             self.optimizer.step()
-            handles = [(group, group.publish()) for group in self.groups]
-            for group, handle in handles:
-                if handle is not None:
-                    comm.wait(handle)
+            gathers = [group.publish() for group in self.groups]
+            for work in gathers:
+                if work is not None:
+                    self.channel.wait(work)
         self.loss_scaler.finish_step(taken)
         self.zero_grad()
         return loss if taken else None
@@ -240,8 +242,7 @@ class ZeroOptimizer:
             partial = max((g.abs().max() for g in grads), default=torch.tensor(0.0)).double()
         else:
             partial = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.tensor(0.0).double())
-        total = comm.total_norm(partial.reshape(1), norm_type, self.partition.num_shards > 1,
-                                self.process_set)[0]
+        total = comm.total_norm(self.channel, partial.reshape(1), norm_type, self.partition.num_shards > 1)[0]
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
@@ -339,7 +340,7 @@ class ZeroOptimizer:
             if group.grad is not None:
                 group.master.grad = group.grad if group.master is group.shard else group.grad.to(group.master.dtype)
         masters = [group.master.grad for group in self.groups if group.master.grad is not None]
-        self._step_ok = self.loss_scaler.unscale_(masters)
+        self._step_ok = self.loss_scaler.unscale_(masters, self.channel)
         if not self._step_ok:
             warnings.warn(f"ZeRO: gradients overflowed; step skipped, loss scale lowered to "
                           f"{self.loss_scaler.value:g}")
@@ -359,10 +360,10 @@ class _ReduceIntoShards(BucketStrategy):
             self.zero.groups[bucket.index].release()
 
     def launch(self, bucket: Bucket) -> None:
-        bucket.handle = self.zero.groups[bucket.index].start_reduction()
+        bucket.started = self.zero.groups[bucket.index].start_reduction()
 
     def finish(self, bucket: Bucket) -> None:
-        self.zero.groups[bucket.index].finish_reduction(bucket.handle)
+        self.zero.groups[bucket.index].finish_reduction(bucket.started)
 
     def all_finished(self) -> None:
         if self.zero.gatherer is not None:

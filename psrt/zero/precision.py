@@ -10,40 +10,38 @@ from __future__ import annotations
 
 import torch
 
+from psrt.engine import Channel
 from psrt.errors import InvalidArgumentError
-from psrt.topology import ProcessSet
 from psrt.zero import comm
 
 
 class LossScaler:
-    def __init__(self, value: float, dynamic: bool, process_set: ProcessSet,
-                 growth_interval: int = 2000) -> None:
-        self.value, self.dynamic, self.process_set = float(value), dynamic, process_set
+    def __init__(self, value: float, dynamic: bool, growth_interval: int = 2000) -> None:
+        self.value, self.dynamic = float(value), dynamic
         self.growth_interval, self._good_steps = growth_interval, 0
         self._applied = False  # scale() was called since the last step: gradients carry the scale
 
     @classmethod
-    def create(cls, loss_scale: float | str | None, compute_dtype: torch.dtype | None,
-               process_set: ProcessSet) -> LossScaler:
+    def create(cls, loss_scale: float | str | None, compute_dtype: torch.dtype | None) -> LossScaler:
         """``None``: dynamic for float16, none otherwise; ``"dynamic"``; or a fixed positive number."""
         if loss_scale is None:
             loss_scale = "dynamic" if compute_dtype == torch.float16 else 1.0
         if loss_scale == "dynamic":
-            return cls(2.0 ** 16, True, process_set)
+            return cls(2.0 ** 16, True)
         if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale > 0:
             raise InvalidArgumentError(f"loss_scale must be None, 'dynamic' or a positive number, got {loss_scale!r}")
-        return cls(loss_scale, False, process_set)
+        return cls(loss_scale, False)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         self._applied = True
         return loss * self.value if self.value != 1.0 else loss
 
-    def unscale_(self, grads: list[torch.Tensor]) -> bool:
+    def unscale_(self, grads: list[torch.Tensor], channel: Channel) -> bool:
         """Divide ``grads`` by the scale if :meth:`scale` was used for them; False (and a lower
-        scale) if a dynamic scaler found an inf or NaN on any rank."""
+        scale) if a dynamic scaler found an inf or NaN on any rank of ``channel``'s set."""
         if self.dynamic:
             overflow = any(not torch.isfinite(grad).all() for grad in grads)
-            if comm.any_rank(overflow, "zero.overflow", self.process_set):
+            if comm.any_rank(channel, overflow, "zero.overflow"):
                 self.value /= 2.0
                 self._good_steps = 0
                 return False

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-import psrt.torch as hvd
+from psrt.dp import Slot, plan_buckets
+from psrt.engine import Channel
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.runtime import Runtime
 from psrt.topology import ProcessSet
-from psrt.torch.reducer import Slot, plan_buckets
 from psrt.zero.partition import ParamInfo, Partition
 
 STAGES = (0, 1, 2, 3)
@@ -23,12 +24,14 @@ COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
-class Layout:
+class ZeroLayout:
     """The trainable parameters (registration order), their names, the partition, this rank's
     shard index, for stage 3 each unit's module with its flat-group indices, and the optimizer's
     parameter groups: each group's own options and its parameters' indices in the order given
-    (one group of every parameter, in registration order, when none are given)."""
+    (one group of every parameter, in registration order, when none are given); and the process
+    set's engine channel, which every collective of the optimizer goes through."""
 
+    channel: Channel
     params: list[torch.nn.Parameter]
     names: list[str]
     partition: Partition
@@ -48,11 +51,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs: dict, *, stage: int,
-                process_set: ProcessSet, compute_dtype: torch.dtype | None, reduce_bucket_size: int,
-                allgather_bucket_size: int, overlap: bool | None, param_groups: list[dict] | None) -> Layout:
-    """Check the arguments, then (one collective) that every rank wraps the same model; nothing
-    is changed yet, so an error leaves the model as it was."""
+def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs: dict, *, runtime: Runtime,
+                stage: int, process_set: ProcessSet, compute_dtype: torch.dtype | None, reduce_bucket_size: int,
+                allgather_bucket_size: int, overlap: bool | None, param_groups: list[dict] | None) -> ZeroLayout:
+    """Check the arguments, then (one collective, on ``process_set``'s channel of ``runtime``)
+    that every rank wraps the same model; nothing is changed yet, so an error leaves the model as
+    it was."""
     _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dtype, reduce_bucket_size,
                      allgather_bucket_size, overlap, param_groups)
     named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
@@ -75,15 +79,16 @@ def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs:
         groups = [bucket for _, members in optimizer_groups
                   for bucket in _buckets(params, sorted(members), reduce_bucket_size)]
         groups.sort(key=max, reverse=True)  # in the order backward completes them
-    _check_same_on_every_rank(infos, params, [group_of[i] for i in range(len(params))], process_set)
-    num_shards = 1 if stage == 0 else process_set.size()
+    channel = runtime.channel(process_set)
+    _check_same_on_every_rank(infos, params, [group_of[i] for i in range(len(params))], channel)
+    num_shards = 1 if stage == 0 else channel.size
     partition = Partition.build(infos, groups, num_shards)
     unit_groups, next_group = [], 0
     for module, module_groups in units:
         unit_groups.append((module, list(range(next_group, next_group + len(module_groups)))))
         next_group += len(module_groups)
-    return Layout(params, names, partition, 0 if stage == 0 else process_set.rank(), unit_groups, optimizer_groups,
-                  shared_uses, _aliases(model, params, names))
+    return ZeroLayout(channel, params, names, partition, 0 if stage == 0 else channel.rank, unit_groups,
+                      optimizer_groups, shared_uses, _aliases(model, params, names))
 
 
 def _optimizer_groups(param_groups: list[dict] | None, model: torch.nn.Module, params: list[torch.nn.Parameter],
@@ -154,11 +159,18 @@ def _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dt
 def _buckets(params: list[torch.nn.Parameter], members: list[int], bucket_elements: int) -> list[list[int]]:
     """Gradient buckets of the parameters ``members`` (indices in registration order) in the
     order backward produces them (reverse registration), as DistributedOptimizer plans them;
-    each bucket's parameters in registration order."""
-    backward = members[::-1]
-    slots = [Slot(params[index].numel(), 1, params[index].dtype) for index in backward]
-    buckets = plan_buckets(slots, first_bucket_bytes=bucket_elements, bucket_bytes=bucket_elements)
-    return [sorted(backward[slot] for slot in bucket.members) for bucket in buckets]
+    each bucket's parameters in registration order.  ``bucket_elements`` is DeepSpeed's unit;
+    the planner counts bytes, so each dtype's cap is that many of its elements."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index in members[::-1]:
+        by_dtype.setdefault(params[index].dtype, []).append(index)
+    buckets = []
+    for dtype, backward in by_dtype.items():
+        cap = bucket_elements * dtype.itemsize
+        slots = [Slot(params[index].numel(), dtype.itemsize, dtype) for index in backward]
+        buckets += [sorted(backward[slot] for slot in bucket.members)
+                    for bucket in plan_buckets(slots, first_bucket_bytes=cap, bucket_bytes=cap)]
+    return buckets
 
 
 def _units(model: torch.nn.Module, params: list[torch.nn.Parameter], group_of: dict[int, int]
@@ -203,9 +215,9 @@ def _digest(param: torch.Tensor) -> str:
 
 
 def _check_same_on_every_rank(infos: list[ParamInfo], params: list[torch.nn.Parameter], group_of: list[int],
-                              process_set: ProcessSet) -> None:
+                              channel: Channel) -> None:
     mine = [(info, _digest(param), group) for info, param, group in zip(infos, params, group_of)]
-    every = hvd.allgather_object(mine, name="zero.wrap.parameters", process_set=process_set)
+    every = channel.allgather_object(mine, name="zero.wrap.parameters")
     reference = every[0]
     for set_rank, theirs in enumerate(every[1:], start=1):
         if len(theirs) != len(reference):

@@ -1,5 +1,6 @@
 """DistributedOptimizer's bucket plan, checked as data (no communication), and, in a world of
-one, how the optimizer handles gradients: autograd's own tensors, one grouped allreduce per bucket."""
+one, how the optimizer handles gradients: autograd's own tensors, one grouped allreduce per bucket,
+started on the process set's engine channel."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 import psrt.torch as hvd
-from psrt.torch._buckets import Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
+import psrt.torch.optimizer
+from psrt.dp import Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
 from psrt.torch.optimizer import DistributedOptimizer
 
 F32, F64 = "float32", "float64"
@@ -101,15 +103,15 @@ SMALL = Bucketing(first_bucket_bytes=8, bucket_bytes=8, overlap=True)
 
 @pytest.fixture
 def grouped_calls(monkeypatch):
-    """Every grouped_allreduce_async_ the optimizer starts: (name, the list of tensors)."""
+    """Every grouped allreduce the optimizer starts: (name, the list of tensors)."""
     calls = []
-    real = hvd.grouped_allreduce_async_
+    real = psrt.torch.optimizer.allreduce_work
 
-    def recording(tensors, *args, **kwargs):
-        calls.append((kwargs.get("name"), list(tensors)))
-        return real(tensors, *args, **kwargs)
+    def recording(call, tensors, *args, **kwargs):
+        calls.append((call.name, list(tensors)))
+        return real(call, tensors, *args, **kwargs)
 
-    monkeypatch.setattr(hvd, "grouped_allreduce_async_", recording)
+    monkeypatch.setattr(psrt.torch.optimizer, "allreduce_work", recording)
     return calls
 
 
@@ -173,7 +175,7 @@ def test_a_parameter_without_a_gradient_gets_zeros_at_synchronize(world_of_one, 
     optimizer = wrapped(model, bucketing=SMALL)
     model(torch.ones(2, 3)).sum().backward()
     assert model.extra.weight.grad is None and model.extra.bias.grad is None
-    started = [bucket.handle is not None for bucket in optimizer._buckets]
+    started = [bucket.launched for bucket in optimizer._buckets]
     assert started == [False, False, True, True, True, True], "the unused head's buckets cannot start in backward"
     optimizer.synchronize()
     assert len(grouped_calls) == 6
@@ -266,7 +268,7 @@ def test_overlap_left_unset_is_decided_for_this_host(world_of_one):
 def test_zero_optimizer_overlaps_by_the_same_policy_unless_told(world_of_one, monkeypatch, overlap):
     from psrt.zero import ZeroOptimizer
     for host_pays in (True, False):
-        monkeypatch.setattr("psrt.zero.optimizer.overlap_pays_here", lambda params: host_pays)
+        monkeypatch.setattr("psrt.zero.optimizer.overlap_pays_here", lambda params, ranks_on_host: host_pays)
         zero = ZeroOptimizer(torch.nn.Linear(3, 2), torch.optim.SGD, stage=2, overlap=overlap, lr=0.1)
         assert zero.overlap is (host_pays if overlap is None else overlap)
 

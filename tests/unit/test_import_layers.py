@@ -36,6 +36,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("psrt.runtime", "psrt.horovod_env"),
     # the DP x CP x TP x PP grid, built from a runtime's topology
     ("psrt.grid",),
+    # how gradients travel: the bucket planner and the gradient reducer under every data-parallel
+    # strategy (DistributedOptimizer, ZeRO, the parameter server), which say what a bucket's
+    # communication is
+    ("psrt.dp",),
     # the framework binding: the Horovod-shaped torch API and the torch.distributed backend
     ("psrt.torch",),
     # model families, their TP plans and pipeline stage layouts, and the vocabularies those are
@@ -47,14 +51,12 @@ LAYERS: list[tuple[str, ...]] = [
     # what combines strategies: elastic training, full state, pretrained weights, plans, tuning, the
     # psrt command and its offline subcommands (a timeline's summary)
     ("psrt.elastic", "psrt.full_state", "psrt.pretrained", "psrt.plan", "psrt.tune", "psrt.cli",
-     "psrt.timeline_summary", "psrt.torch.elastic"),
+     "psrt.timeline_summary"),
 ]
-# Imports up a layer that the design accepts, each with its reason.
-ACCEPTED_UPWARD = {
-    # ``hvd.elastic`` is Horovod's name for the elastic API: the module (in the top layer)
-    # only forwards, on first use, to psrt.elastic, which builds on psrt.torch.
-    ("psrt.torch", "psrt.torch.elastic"),
-}
+# Imports up a layer that the design accepts, each with its reason (none today: ``hvd.elastic``,
+# Horovod's name for psrt.elastic, is resolved by name on first use, psrt.torch's code never
+# uses it).
+ACCEPTED_UPWARD: set[tuple[str, str]] = set()
 # What psrt may import of the launcher: the names and lines psrun and the ranks share, which
 # import nothing themselves (psrun must start without torch or MPI).
 LAUNCHER_CONTRACT = "launcher.contract"
@@ -66,7 +68,7 @@ def graph() -> grimp.ImportGraph:
 
 
 def _layer_of(module: str) -> int | None:
-    """The layer of ``module``: that of the longest name it falls under (``psrt.torch.elastic``
+    """The layer of ``module``: that of the longest name it falls under (``psrt.torch.c10d``
     before ``psrt.torch``); None for the root package, which only re-exports."""
     best, level = -1, None
     for index, names in enumerate(LAYERS):
@@ -77,7 +79,7 @@ def _layer_of(module: str) -> int | None:
 
 
 def _package(module: str) -> str:
-    """``psrt.models`` for ``psrt.models.tp_styles``; ``psrt.torch`` for ``psrt.torch.elastic``."""
+    """``psrt.models`` for ``psrt.models.tp_styles``; ``psrt.torch`` for ``psrt.torch.c10d``."""
     return ".".join(module.split(".")[:2])
 
 

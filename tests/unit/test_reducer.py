@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psrt.torch.reducer import Bucket, BucketStrategy, GradientReducer, whole_buffer
+from psrt.dp import Bucket, BucketStrategy, GradientReducer, whole_buffer
 
 
 class Recording(BucketStrategy):
@@ -20,11 +20,11 @@ class Recording(BucketStrategy):
 
     def launch(self, bucket: Bucket) -> None:
         self.events.append(("launch", bucket.index))
-        bucket.handle = [grad.clone() for grad in bucket.grads()]
+        bucket.started = [grad.clone() for grad in bucket.grads()]
 
     def finish(self, bucket: Bucket) -> None:
         self.events.append(("finish", bucket.index))
-        for grad, sent in zip(bucket.grads(), bucket.handle):
+        for grad, sent in zip(bucket.grads(), bucket.started):
             grad.copy_(sent * 2)
 
     def all_finished(self) -> None:

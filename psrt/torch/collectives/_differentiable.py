@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from psrt.engine.handles import HandleTable
+from psrt.engine import Channel, Work
 from psrt.errors import InvalidArgumentError
 from psrt.torch.ops import ReduceOp
 from psrt.torch.validation import check_tensor_list
@@ -76,20 +76,21 @@ def tensor_group(tensors: object, collective: str) -> list[torch.Tensor]:
     return tensors
 
 
-class HandleGroup:
-    """Several handles of one table completed and released as one (a ``handles.Completion``)."""
+class WorkGroup:
+    """Several works of one channel completing as one (what a grouped call's handle stands
+    for): waited for together, every one of them even after one failed."""
 
-    def __init__(self, table: HandleTable, members: list[int], combine: Callable[[list], object]) -> None:
-        self._table, self._members, self._combine = table, members, combine
+    def __init__(self, channel: Channel, works: list[Work], combine: Callable[[list], object] = list) -> None:
+        self._channel, self._works, self._combine = channel, works, combine
 
     def done(self) -> bool:
-        return all([self._table.poll(h) for h in self._members])
+        return all([work.done() for work in self._works])
 
     def result(self) -> object:
         results, error = [], None
-        for handle in self._members:  # release every member, even after one failed
+        for work in self._works:
             try:
-                results.append(self._table.synchronize(handle))
+                results.append(self._channel.wait(work))
             except Exception as exc:
                 error = error or exc
         if error is not None:
@@ -97,20 +98,18 @@ class HandleGroup:
         return self._combine(results)
 
 
-def issue_each(table: HandleTable, start: Callable[[int, torch.Tensor], int], tensors: list[torch.Tensor],
-               combine: Callable[[list], object] = list) -> int:
-    """Start one operation per tensor (each registering its handle in ``table``, the runtime's);
-    one handle whose synchronize returns ``combine(outputs)``.
+def start_each(channel: Channel, builders: Sequence[Callable[[], Work]]) -> list[Work]:
+    """Build and start one work per builder, in order; returns them.
 
-    If starting one fails, the ones already started are completed and released
-    (their peers started them too) before the error propagates.
+    If building or starting one fails, the ones already started are waited for (their
+    peers started them too) before the error propagates.
     """
-    members: list[int] = []
+    works: list[Work] = []
     try:
-        for index, tensor in enumerate(tensors):
-            members.append(start(index, tensor))
+        for build in builders:
+            works.append(channel.start(build()))
     except Exception:
         with contextlib.suppress(Exception):
-            HandleGroup(table, members, list).result()
+            WorkGroup(channel, works).result()
         raise
-    return table.register(HandleGroup(table, members, combine))
+    return works

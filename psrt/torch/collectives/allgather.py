@@ -14,19 +14,24 @@ import torch
 
 from psrt import runtime
 from psrt.comm.base import Communicator
+from psrt.engine import Channel, Work
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import _common
-# allreduce's module imports this one too (a sparse allreduce is two allgathers): bind the module, use it at call time
-from psrt.torch.collectives import allreduce as allreduce_family
-from psrt.torch.collectives._differentiable import derived, issue_each, tensor_group, tracked
+from psrt.torch.collectives.allreduce import allreduce
+# grouped_allreduce's module imports this one too (a sparse allreduce is two allgathers): bind the
+# module, use it at call time
+from psrt.torch.collectives import grouped_allreduce as grouped_family
+from psrt.torch.collectives._differentiable import WorkGroup, derived, start_each, tensor_group, tracked
 from psrt.torch.handles import synchronize
 from psrt.torch.ops import ReduceOp
 from psrt.torch.validation import check_name, check_tensor
 
 
-def _allgather_work(current, tensor, name, process_set, ranks):
+def allgather_work(channel: Channel, tensor: torch.Tensor, name: str | None) -> Work:
+    """The work gathering every rank's rows of ``tensor`` (whose first dimension may differ by
+    rank) over ``channel``'s set; its output is the gathered tensor."""
     rows, tail = _common.rows_and_tail(tensor)
     send = _common.contiguous_buffer(tensor).reshape(-1)
 
@@ -37,14 +42,14 @@ def _allgather_work(current, tensor, name, process_set, ranks):
         data.allgatherv(send, output.view(-1), [r * row for r in all_rows]).wait()
         return output
 
-    return _common.tensor_work(current, "allgather", tensor, name, process_set, ranks, {"trailing_shape": tail}, execute)
+    return _common.tensor_work(channel, "allgather", tensor, name, {"trailing_shape": tail}, execute)
 
 
 def _allgather(tensor, name, process_set, blocking):
     tensor = _common.prepare(tensor, name)
     current = runtime.current()
-    ranks = _common.set_ranks(current, process_set)
-    return _common.submit(current, _allgather_work(current, tensor, name, process_set, ranks), blocking)
+    channel = current.channel(process_set)
+    return _common.submit(current, channel, allgather_work(channel, tensor, name), blocking)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -87,25 +92,18 @@ def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str |
     """
     tensor = _common.prepare(tensor, name)
     current = runtime.current()
-    ranks = _common.set_ranks(current, process_set)
+    channel = current.channel(process_set)
     output = check_tensor(output, "output")
     if not output.is_contiguous() or output.dtype != tensor.dtype or output.device != tensor.device \
-            or output.numel() != tensor.numel() * len(ranks):
+            or output.numel() != tensor.numel() * channel.size:
         raise InvalidArgumentError(
             f"allgather_into: output must be a contiguous {tensor.dtype} tensor on {tensor.device} with "
-            f"{len(ranks)} x {tensor.numel()} elements, got {output.dtype} on {output.device} with "
+            f"{channel.size} x {tensor.numel()} elements, got {output.dtype} on {output.device} with "
             f"{output.numel()}{'' if output.is_contiguous() else ' (not contiguous)'}")
     if output.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
         raise InvalidArgumentError("allgather_into: output and tensor share memory; gather from a copy")
-    send = _common.contiguous_buffer(tensor).reshape(-1)
-
-    def execute(host: Communicator, data: Communicator) -> torch.Tensor:
-        data.allgatherv(send, output.view(-1), [send.numel()] * len(ranks)).wait()
-        return output
-
-    work = _common.tensor_work(current, "allgather_into", tensor, name, process_set, ranks, {"numel": send.numel()},
-                               execute)
-    return _common.submit(current, work, False)
+    work = channel.allgather_into(_common.contiguous_buffer(tensor), output, name=name)
+    return _common.submit(current, channel, work, False)
 
 
 def _rows(shape: torch.Size) -> int:
@@ -130,7 +128,7 @@ class HorovodAllgather(torch.autograd.Function):
     def backward(ctx, grad):
         rows = _rows(ctx.shape)
         offset, = _row_offsets([rows], ctx.name, ctx.process_set)
-        averaged = allreduce_family.allreduce(grad, name=derived(ctx.name, "grad"), op=ReduceOp.Average,
+        averaged = allreduce(grad, name=derived(ctx.name, "grad"), op=ReduceOp.Average,
                                               process_set=ctx.process_set)
         return averaged.narrow(0, offset, rows).reshape(ctx.shape), None, None
 
@@ -173,10 +171,13 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
         to; default ``global_process_set`` (every rank).
     :returns: the handle (an int) for ``poll`` and ``synchronize``.
     """
-    tensors = tensor_group(tensors, "grouped_allgather")
+    tensors = [_common.prepare(t, None) for t in tensor_group(tensors, "grouped_allgather")]
     check_name(name)
-    return issue_each(runtime.current().handles,
-                      lambda i, t: allgather_async(t, name=derived(name, str(i)), process_set=process_set), tensors)
+    current = runtime.current()
+    channel = current.channel(process_set)
+    works = start_each(channel, [lambda t=t, i=i: allgather_work(channel, t, derived(name, str(i)))
+                                 for i, t in enumerate(tensors)])
+    return current.handles.register(WorkGroup(channel, works))
 
 
 class HorovodGroupedAllgather(torch.autograd.Function):
@@ -191,7 +192,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     def backward(ctx, *grads):
         rows = [_rows(shape) for shape in ctx.shapes]
         offsets = _row_offsets(rows, ctx.name, ctx.process_set)
-        averaged = allreduce_family.grouped_allreduce(list(grads), name=derived(ctx.name, "grad"),
+        averaged = grouped_family.grouped_allreduce(list(grads), name=derived(ctx.name, "grad"),
                                                       op=ReduceOp.Average, process_set=ctx.process_set)
         return (None, None) + tuple(g.narrow(0, o, n).reshape(shape) for g, o, n, shape
                                     in zip(averaged, offsets, rows, ctx.shapes))

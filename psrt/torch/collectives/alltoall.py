@@ -24,11 +24,11 @@ from psrt.torch.validation import check_splits
 def _alltoall(tensor, splits, name, process_set, blocking):
     tensor = _common.prepare(tensor, name)
     current = runtime.current()
-    ranks = _common.set_ranks(current, process_set)
+    channel = current.channel(process_set)
     if tensor.dim() == 0:
         raise InvalidArgumentError("alltoall needs a tensor with at least one dimension")
     rows, tail = _common.rows_and_tail(tensor)
-    splits = check_splits(splits, rows, len(ranks))
+    splits = check_splits(splits, rows, channel.size)
     send = _common.contiguous_buffer(tensor).reshape(-1)
     row = math.prod(tail)
 
@@ -39,8 +39,8 @@ def _alltoall(tensor, splits, name, process_set, blocking):
                        [r * row for r in received]).wait()
         return output, torch.tensor(received, dtype=torch.int32)
 
-    work = _common.tensor_work(current, "alltoall", tensor, name, process_set, ranks, {"trailing_shape": tail}, execute)
-    return _common.submit(current, work, blocking)
+    work = _common.tensor_work(channel, "alltoall", tensor, name, {"trailing_shape": tail}, execute)
+    return _common.submit(current, channel, work, blocking)
 
 
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,

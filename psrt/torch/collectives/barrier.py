@@ -1,13 +1,9 @@
 """Barrier over a process set, through the engine like any collective."""
 from __future__ import annotations
 
-import torch
-
-from psrt.comm.base import Communicator
+from psrt import runtime
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
-from psrt import runtime
-from psrt.torch import _common
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
@@ -22,10 +18,5 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
         belongs to; default ``global_process_set`` (every rank).
     """
     current = runtime.current()
-    ranks = _common.set_ranks(current, process_set)
-
-    def execute(host: Communicator, data: Communicator) -> None:
-        host.barrier().wait()
-
-    _common.submit(current, _common.make_work(current, "barrier", "barrier", process_set, ranks, (),
-                                     torch.device("cpu"), execute=execute), True)
+    channel = current.channel(process_set)
+    channel.run(channel.barrier())

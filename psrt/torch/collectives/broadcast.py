@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from psrt import runtime
-from psrt.comm.base import Communicator
+from psrt.engine import Channel, Work
 from psrt.runtime import global_process_set
 from psrt.runtime import rank as world_rank
 from psrt.topology import ProcessSet
@@ -24,21 +24,20 @@ from psrt.torch.validation import check_root
 def _broadcast(tensor, root_rank, name, process_set, in_place, blocking):
     tensor = _common.prepare(tensor, name)
     current = runtime.current()
-    ranks = _common.set_ranks(current, process_set)
-    root = check_root(root_rank, ranks)
+    channel = current.channel(process_set)
+    root = check_root(root_rank, channel.ranks)
+    return _common.submit(current, channel, broadcast_work(channel, tensor, root, name, in_place), blocking)
+
+
+def broadcast_work(channel: Channel, tensor: torch.Tensor, root_rank: int, name: str | None, in_place: bool) -> Work:
+    """The work giving every rank world rank ``root_rank``'s ``tensor``: into ``tensor`` itself
+    (``in_place``), else into a new tensor; either is the work's output."""
     if in_place:
         buffer = _common.contiguous_buffer(tensor)
         target = tensor
     else:
         buffer = target = tensor.detach().clone(memory_format=torch.contiguous_format)
-
-    def execute(host: Communicator, data: Communicator) -> None:
-        data.broadcast(buffer, ranks.index(root)).wait()
-
-    work = _common.tensor_work(current, "broadcast", tensor, name, process_set, ranks,
-                               {"shape": tuple(tensor.shape), "root_rank": root}, execute,
-                               lambda _: _common.write_back(target, buffer))
-    return _common.submit(current, work, blocking)
+    return channel.broadcast(buffer, root_rank, name=name, finish=lambda _: _common.write_back(target, buffer))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,

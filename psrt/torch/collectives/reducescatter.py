@@ -13,12 +13,12 @@ from typing import Sequence
 import torch
 
 from psrt import runtime
-from psrt.comm.base import Communicator
+from psrt.engine import Channel, Work
 from psrt.errors import InvalidArgumentError, UnsupportedOperationError
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import _common
-from psrt.torch.collectives._differentiable import derived, issue_each, linear, tensor_group, tracked
+from psrt.torch.collectives._differentiable import WorkGroup, derived, linear, start_each, tensor_group, tracked
 from psrt.torch.collectives.allgather import allgather, grouped_allgather_async
 from psrt.torch.compression import compressor
 from psrt.torch.handles import synchronize
@@ -32,45 +32,44 @@ def reducescatter_rows(rows: int, set_size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(set_size)]
 
 
-def _reducescatter_work(current, tensor, name, op, pre, post, process_set, ranks):
+def _reducescatter_work(channel: Channel, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
+                        post: float) -> Work:
     rows, tail = _common.rows_and_tail(tensor)
     row = math.prod(tail)
-    kept = reducescatter_rows(rows, len(ranks))
-    me = ranks.index(current.topology.world.rank)
+    kept = reducescatter_rows(rows, channel.size)
     send = _common.contiguous_buffer(tensor)
     if pre != 1.0:
         send = send.clone()
         _common.scale_(send, pre)
-    output = torch.empty((kept[me], *tail), dtype=tensor.dtype, device=tensor.device)
-
-    def execute(host: Communicator, data: Communicator) -> None:
-        data.reduce_scatter(send.view(-1), output.view(-1), [k * row for k in kept],
-                            transport_op(op)).wait()
+    output = torch.empty((kept[channel.rank], *tail), dtype=tensor.dtype, device=tensor.device)
 
     def finish(_: object) -> torch.Tensor:
-        _common.postscale_(output, op is ReduceOp.Average, post, len(ranks))
+        _common.postscale_(output, op is ReduceOp.Average, post, channel.size)
         return output
 
-    agreed = {"shape": tuple(tensor.shape), "op": op.name, "prescale_factor": pre,
-              "postscale_factor": post}
-    return _common.tensor_work(current, "reducescatter", tensor, name, process_set, ranks, agreed, execute, finish)
+    agreed = (("op", op.name), ("prescale_factor", pre), ("postscale_factor", post))
+    return channel.reduce_scatter(send, output, [k * row for k in kept], name=name, op=transport_op(op),
+                                  agreed=agreed, finish=finish)
 
 
 def _reducescatter(tensor, name, op, process_set, prescale_factor, postscale_factor, blocking):
     tensor = _common.prepare(tensor, name)
     current = runtime.current()
-    ranks = _common.set_ranks(current, process_set)
+    channel = current.channel(process_set)
     if tensor.dim() == 0:
         raise InvalidArgumentError("reducescatter needs a tensor with at least one dimension")
+    op, pre, post = _checked(tensor, op, prescale_factor, postscale_factor)
+    return _common.submit(current, channel, _reducescatter_work(channel, tensor, name, op, pre, post), blocking)
+
+
+def _checked(tensor: torch.Tensor, op: object, prescale_factor: object,
+             postscale_factor: object) -> tuple[ReduceOp, float, float]:
     op = resolve_op(op)
     if tensor.dtype == torch.bool:
         raise InvalidArgumentError("reducescatter is not defined for bool tensors")
     if op not in (ReduceOp.Sum, ReduceOp.Average):
         raise UnsupportedOperationError(f"reducescatter supports only Sum and Average, got {op.name}")
-    pre = check_scale(prescale_factor, "prescale_factor")
-    post = check_scale(postscale_factor, "postscale_factor")
-    work = _reducescatter_work(current, tensor, name, op, pre, post, process_set, ranks)
-    return _common.submit(current, work, blocking)
+    return op, check_scale(prescale_factor, "prescale_factor"), check_scale(postscale_factor, "postscale_factor")
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
@@ -183,11 +182,17 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
         default 1.0.
     :returns: the handle (an int) for ``poll`` and ``synchronize``.
     """
-    tensors = tensor_group(tensors, "grouped_reducescatter")
+    tensors = [_common.prepare(t, None) for t in tensor_group(tensors, "grouped_reducescatter")]
     check_name(name)
-    return issue_each(runtime.current().handles, lambda i, t: reducescatter_async(
-        t, name=derived(name, str(i)), op=op, process_set=process_set,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor), tensors)
+    current = runtime.current()
+    channel = current.channel(process_set)
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            raise InvalidArgumentError("reducescatter needs a tensor with at least one dimension")
+    checked = [_checked(t, op, prescale_factor, postscale_factor) for t in tensors]
+    works = start_each(channel, [lambda t=t, i=i, c=c: _reducescatter_work(channel, t, derived(name, str(i)), *c)
+                                 for i, (t, c) in enumerate(zip(tensors, checked))])
+    return current.handles.register(WorkGroup(channel, works))
 
 
 class HorovodGroupedReducescatter(torch.autograd.Function):

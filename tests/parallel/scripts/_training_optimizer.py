@@ -98,7 +98,7 @@ def overlap_starts_allreduces_during_backward(key) -> None:
                                          bucketing=Bucketing(64, 512, overlap=overlap))
         x, y = global_batch(key, 0)
         loss_of(model, my_rows(x), my_rows(y), use_extra=True).backward()
-        started = [bucket.handle is not None for bucket in optimizer._buckets]
+        started = [bucket.launched for bucket in optimizer._buckets]
         optimizer.step()
         assert len(started) > 2, f"{key}: expected several buckets, got {len(started)}"
         assert started == [overlap] * len(started), (

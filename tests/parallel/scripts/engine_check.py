@@ -236,7 +236,7 @@ def lone_cached_calls_meet_other_ranks_work(key: str) -> None:
     allreduce the others submit only after a blocking one, so their blocking call meets it
     in its round.  Every result is exact, and the others take both paths."""
     rank, size = hvd.rank(), hvd.size()
-    negotiator = psrt.runtime.current().engine._negotiator
+    negotiator = psrt.runtime.current().engine._cycle._negotiator
     lone_round, alone = negotiator.round_alone, []
 
     def counted(index, wait):
@@ -265,7 +265,7 @@ def express_calls_of_every_kind_are_exact(key: str) -> None:
     the exact result every time.  A strided in-place tensor, an integer Average (rounded
     toward zero afterwards) and a prescaled call take the engine's own path, as exactly."""
     rank, size = hvd.rank(), hvd.size()
-    negotiator = psrt.runtime.current().engine._negotiator
+    negotiator = psrt.runtime.current().engine._cycle._negotiator
     express_round, taken = negotiator.round_alone, []
 
     def counted(index, wait):
@@ -314,7 +314,7 @@ def quiet_engines_hold_no_rounds_and_wake_when_rung(key: str) -> None:
     collective needs (here: on a process set without it)."""
     rank, size = hvd.rank(), hvd.size()
     hvd.allreduce(torch.ones(1), name=key, op=hvd.Sum)
-    negotiator = psrt.runtime.current().engine._negotiator
+    negotiator = psrt.runtime.current().engine._cycle._negotiator
     before = negotiator.rounds
     time.sleep(0.3)
     assert negotiator.rounds == before, f"{key}: {negotiator.rounds - before} rounds while every engine was quiet"
@@ -341,7 +341,7 @@ def a_late_member_is_left_to_compute(key: str) -> None:
     hvd.allreduce(torch.ones(1), name=key + "/warm", op=hvd.Sum)  # every engine goes quiet after it
     hvd.barrier()
     if rank == size - 1:
-        negotiator = psrt.runtime.current().engine._negotiator
+        negotiator = psrt.runtime.current().engine._cycle._negotiator
         before = negotiator.rounds
         time.sleep(0.3)  # the others are waiting in a round meanwhile
         assert negotiator.rounds == before, f"{key}: {negotiator.rounds - before} rounds while computing"

@@ -88,7 +88,7 @@ def express_failure() -> None:
     for _ in range(2):  # the name is cached: the next call runs its reduction on this thread
         hvd.allreduce_(tensor, name="doomed", op=hvd.Sum)
     if hvd.rank() == hvd.size() - 1:
-        route = next(iter(psrt.runtime.current().announcements.values())).express
+        route = next(iter(psrt.runtime.current().calls.values())).prepared.route
 
         def broken(*args: object) -> None:
             raise psrt.CommunicationError("injected transport failure")

@@ -33,10 +33,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from psrt.torch._buckets import Bucket as BucketPlan, Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
-
-__all__ = ["Bucket", "BucketPlan", "BucketStrategy", "Bucketing", "GradientReducer", "Slot", "check_names",
-           "overlap_pays", "overlap_pays_here", "plan_buckets", "split_evenly", "whole_buffer"]
+from psrt.dp.buckets import overlap_pays
 
 #: Horovod's message for one backward pass too many (DistributedOptimizer keeps its wording).
 TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -45,11 +42,10 @@ TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step t
 
 class Bucket:
     """One bucket: its members' positions in the reducer's parameter list, their parameters, and
-    this step's state.  ``handle`` and ``work`` belong to the strategy (what it started, and
-    whatever it keeps until ``finish``); ``buffer`` and ``views`` exist with views."""
+    this step's state.  ``started`` belongs to the strategy (what its ``launch`` started, kept
+    until ``finish``); ``buffer`` and ``views`` exist with views."""
 
-    __slots__ = ("index", "name", "members", "params", "waiting", "launched", "handle", "work",
-                 "buffer", "views")
+    __slots__ = ("index", "name", "members", "params", "waiting", "launched", "started", "buffer", "views")
 
     def __init__(self, index: int, name: str, members: tuple[int, ...], params: list[torch.Tensor]) -> None:
         self.index, self.name, self.members, self.params = index, name, members, params
@@ -60,8 +56,7 @@ class Bucket:
     def reset(self) -> None:
         self.waiting = len(self.members)  # members whose gradient is not complete for this step
         self.launched = False
-        self.handle: object | None = None
-        self.work: object | None = None
+        self.started: object | None = None
 
     def grads(self) -> list[torch.Tensor]:
         """The members' gradients (complete and zero-filled once the bucket is launched)."""
@@ -258,11 +253,11 @@ def _ready_hook(reducer_ref: weakref.ref, index: int):
     return hook
 
 
-def overlap_pays_here(params: Iterable[torch.Tensor]) -> bool:
-    """:func:`overlap_pays` for this process's ranks, cores and torch threads: the default
-    of every optimizer that can overlap communication with backward."""
-    import psrt.torch as hvd
-    return overlap_pays({p.device for p in params}, hvd.local_size(), _usable_cores(), torch.get_num_threads())
+def overlap_pays_here(params: Iterable[torch.Tensor], ranks_on_host: int) -> bool:
+    """:func:`overlap_pays` for this process's cores and torch threads, with ``ranks_on_host``
+    ranks on this host: the default of every optimizer that can overlap communication with
+    backward."""
+    return overlap_pays({p.device for p in params}, ranks_on_host, _usable_cores(), torch.get_num_threads())
 
 
 def _usable_cores() -> int:

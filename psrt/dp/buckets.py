@@ -1,15 +1,17 @@
-"""How DistributedOptimizer groups gradients into allreduces: buckets, planned as data.
+"""How gradients are grouped into buckets, planned as data, in bytes for every strategy.
 
 A bucket is a list of parameters; when backward has finished accumulating the
-gradient of its last member, one grouped allreduce carries the whole bucket.
+gradient of its last member, one collective carries the whole bucket (an allreduce for
+``DistributedOptimizer``, a reduce-scatter for ZeRO).
 Parameters are taken in the order their gradients become ready in backward
 (the reverse of registration order), so the first buckets fill first and their
 allreduces overlap the rest of backward.  The plan is a pure function of
 tensor sizes: it is computed, and can be tested, without any communication.
 
-The gradient reducer (``psrt.torch.reducer``) gives each planned bucket one flat
-buffer whose views are its parameters' gradients, so a bucket is reduced as one
-contiguous message, in place.
+Sizes are bytes everywhere: ``Bucketing``'s caps, and ZeRO's bucket sizes, which it takes in
+elements as DeepSpeed does and turns into bytes before planning.  The gradient reducer
+(:mod:`psrt.dp.reducer`) can give each planned bucket one flat buffer whose views are its
+parameters' gradients, so a bucket is reduced as one contiguous message, in place.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class Bucket:
+class PlannedBucket:
     """Tensors of one key reduced together: ``members`` are slot indices in ready order."""
 
     key: Hashable
@@ -82,7 +84,7 @@ class Bucket:
 
 def plan_buckets(slots: Sequence[Slot], groups: Sequence[Sequence[int]] | None = None, *,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-                 bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
+                 bucket_bytes: int = BUCKET_BYTES) -> list[PlannedBucket]:
     """Buckets for ``slots`` (given in ready order), ordered by when their first member is ready.
 
     Without ``groups``, consecutive slots of each key fill buckets up to the byte caps.  With
@@ -94,7 +96,7 @@ def plan_buckets(slots: Sequence[Slot], groups: Sequence[Sequence[int]] | None =
     else:
         member_lists = _split_groups_by_key(slots, groups)
     member_lists.sort(key=lambda members: members[0])
-    return [Bucket(slots[members[0]].key, tuple(members)) for members in member_lists]
+    return [PlannedBucket(slots[members[0]].key, tuple(members)) for members in member_lists]
 
 
 def split_evenly(count: int, parts: int) -> list[list[int]]:
