@@ -232,7 +232,7 @@ def load_psrt(directory: str, config: LlamaConfig, grid: ProcessGrid):
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     stage = pp.split(tp.parallelize(model, grid.tp_set), grid.pp_set)
-    report = load_pretrained(stage, directory, grid)
+    report = load_pretrained(stage, directory)
     touch(stage)
     return {"bytes_read": report.bytes_read, "load_pretrained_s": report.seconds}, stage
 

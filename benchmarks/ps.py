@@ -86,7 +86,7 @@ from torch import nn
 import psrt
 import psrt.ps
 import psrt.torch as hvd
-from psrt.comm.direct import HEADER_WORDS
+from psrt.comm.header import HEADER_WORDS
 from psrt.config import config_from_env
 from psrt.ps.placement import Chunk, Placement
 from psrt.ps.roles import Roles, assign_roles

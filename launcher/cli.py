@@ -25,6 +25,7 @@ from launcher.command import (
     plan_launch,
     rank_hosts,
 )
+from launcher.contract import ENV_NUM_SERVERS, ENV_TIMELINE, ENV_TIMELINE_MARK_CYCLES
 from launcher.elastic import ElasticSettings, Launch, RunJob, Supervisor
 from launcher.hostfile import (
     Host,
@@ -109,13 +110,13 @@ def make_parser() -> argparse.ArgumentParser:
                              '(a single flag needs the = form: --mpi-args=--tag-output)')
     parser.add_argument("--timeline-filename", metavar="PATH",
                         help="record a timeline of every rank's collectives in PATH, a Chrome "
-                             "trace (sets PSRT_TIMELINE on every rank, as horovodrun does)")
+                             f"trace (sets {ENV_TIMELINE} on every rank, as horovodrun does)")
     parser.add_argument("--timeline-mark-cycles", action="store_true",
                         help="mark the engine's cycles in the timeline "
-                             "(sets PSRT_TIMELINE_MARK_CYCLES=1 on every rank)")
+                             f"(sets {ENV_TIMELINE_MARK_CYCLES}=1 on every rank)")
     parser.add_argument("--num-servers", type=_rank_count, metavar="S",
                         help="parameter-server mode: S ranks become servers, the rest workers "
-                             "(sets PSRT_NUM_SERVERS=S on every rank)")
+                             f"(sets {ENV_NUM_SERVERS}=S on every rank)")
     elastic = parser.add_argument_group(
         "elastic training", "Relaunch the job when ranks fail or hosts come, continuing from its last "
         "state.commit() (scripts use psrt.torch.elastic, Horovod's elastic API). Any of these flags turns it on.")
@@ -177,11 +178,11 @@ def _rank_env(args: argparse.Namespace) -> list[tuple[str, str]]:
         if args.num_proc is not None and args.num_servers >= args.num_proc:
             raise LaunchError(f"--num-servers {args.num_servers} leaves no worker among -np {args.num_proc} "
                               "ranks; use fewer servers or more ranks")
-        settings.append(("PSRT_NUM_SERVERS", str(args.num_servers)))
+        settings.append((ENV_NUM_SERVERS, str(args.num_servers)))
     if args.timeline_filename is not None:
-        settings.append(("PSRT_TIMELINE", args.timeline_filename))
+        settings.append((ENV_TIMELINE, args.timeline_filename))
     if args.timeline_mark_cycles:
-        settings.append(("PSRT_TIMELINE_MARK_CYCLES", "1"))
+        settings.append((ENV_TIMELINE_MARK_CYCLES, "1"))
     return settings
 
 

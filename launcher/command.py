@@ -30,6 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from launcher.addresses import is_local_host, unknown_hosts
+from launcher.contract import FORWARDED_PREFIXES
 from launcher.hostfile import Host, total_slots
 from launcher.mpi import (LaunchError, MpiFlavour, detect_flavour, detect_mpi, find_mpirun,
                           flavour_from_version, user_sets_mca, version_from_text)
@@ -37,7 +38,6 @@ from launcher.rank_stderr import wrap_command
 from launcher.remote import checked_launch_agent, checked_networks
 
 __all__ = [
-    "FORWARDED_PREFIXES",
     "IMPLICIT_OVERSUBSCRIBE",
     "check_implicit_oversubscription",
     "LaunchError",
@@ -54,8 +54,6 @@ __all__ = [
     "version_from_text",
 ]
 
-# Environment every rank must see: psrt's configuration and its Horovod aliases.
-FORWARDED_PREFIXES = ("PSRT_", "HOROVOD_")
 # Ranks on other machines start from a bare ssh environment; give them ours.
 _REMOTE_ONLY_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
 # Open MPI spends about a second probing its OFI transport at start-up. On one

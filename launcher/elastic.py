@@ -37,6 +37,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from launcher.blacklist import Blacklist
+from launcher.contract import (
+    ENV_ELASTIC_DIR,
+    ENV_ELASTIC_HOSTS_VERSION,
+    ENV_ELASTIC_LAUNCH,
+    HOSTS_FILE,
+    RESET_FILE,
+    RESTORE_FAILED_FILE,
+)
 from launcher.failures import FailureKind
 from launcher.hostfile import Host, HostfileError, is_local_host, merge_hosts, parse_discovery, total_slots
 from launcher.monitor import JobCommand, JobResult
@@ -45,9 +53,6 @@ __all__ = ["ElasticSettings", "Supervisor", "discover", "rank_groups"]
 
 DISCOVERY_INTERVAL_S = 1.0
 DISCOVERY_TIMEOUT_S = 30.0
-# The names the job reads (psrt.elastic.commits), kept here so psrun needs no torch.
-ENV_DIR, ENV_HOSTS_VERSION, ENV_LAUNCH = "PSRT_ELASTIC_DIR", "PSRT_ELASTIC_HOSTS_VERSION", "PSRT_ELASTIC_LAUNCH"
-HOSTS, RESET, RESTORE_FAILED = "hosts.json", "reset.json", "restore-failed.json"
 
 #: The command line for given hosts (None: this machine), rank count (None: every slot) and
 #: extra rank variables; raises LaunchError on what cannot run.
@@ -154,7 +159,7 @@ class Supervisor:
                 raise
             launch += 1
             self.say(f"launch {launch}: {plan.num_proc} ranks on {_describe(plan.used)} ({reason})")
-            for name in (RESET, RESTORE_FAILED):
+            for name in (RESET_FILE, RESTORE_FAILED_FILE):
                 _remove(os.path.join(directory, name))
             watcher = _Watcher(self, directory, plan, hosts_version)
             result = self.run_job(command)
@@ -162,7 +167,7 @@ class Supervisor:
             if result.stopped_by is not None:
                 return result.returncode
             if result.returncode == 0 and result.failure is None:
-                reset = os.path.join(directory, RESET)
+                reset = os.path.join(directory, RESET_FILE)
                 if os.path.exists(reset):
                     reason, restore_failure = f"relaunch: {_read_reason(reset)}", None
                     continue
@@ -172,7 +177,8 @@ class Supervisor:
                 return 0
             failure = result.failure
             what = failure.summary() if failure is not None else f"mpirun exited with code {result.returncode}"
-            previous, restore_failure = restore_failure, _read_reason(os.path.join(directory, RESTORE_FAILED), None)
+            previous = restore_failure
+            restore_failure = _read_reason(os.path.join(directory, RESTORE_FAILED_FILE), None)
             if restore_failure is not None and restore_failure == previous:
                 self.say(f"{what}; giving up: launches {launch - 1} and {launch} could not restore the last commit, "
                          f"both for the same reason, which a relaunch cannot change: {restore_failure}")
@@ -258,8 +264,8 @@ class Supervisor:
 
 def _rank_env(directory: str, hosts_version: int, launch: int) -> list[tuple[str, str]]:
     """The variables that tell a launch's ranks where its commits are and which launch it is."""
-    return [(ENV_DIR, os.path.abspath(directory)), (ENV_HOSTS_VERSION, str(hosts_version)),
-            (ENV_LAUNCH, str(launch))]
+    return [(ENV_ELASTIC_DIR, os.path.abspath(directory)), (ENV_ELASTIC_HOSTS_VERSION, str(hosts_version)),
+            (ENV_ELASTIC_LAUNCH, str(launch))]
 
 
 class _Watcher:
@@ -286,8 +292,8 @@ class _Watcher:
             grows = total_slots(groups) > self.num_proc and self.num_proc < self.supervisor.settings.max_np
             if grows or not self.used <= keys:
                 self.version += 1
-                _write_json(os.path.join(self.directory, HOSTS), {"version": self.version,
-                                                                  "hosts": [str(g) for g in groups]})
+                _write_json(os.path.join(self.directory, HOSTS_FILE), {"version": self.version,
+                                                                       "hosts": [str(g) for g in groups]})
                 self.supervisor.say(f"hosts changed to {_describe(groups)}: the job stops at its next commit "
                                     "to be relaunched")
                 return

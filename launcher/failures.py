@@ -36,6 +36,8 @@ from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
+from launcher.contract import BLAME_PATTERN, FAILURE_PATTERN
+
 __all__ = ["BLAME", "MARKER", "Failure", "FailureKind", "FailureScanner", "describe_signal"]
 
 # At the start of a line (after mpirun's optional "[1,0]<stderr>:" tag); mpirun interleaves
@@ -43,8 +45,9 @@ __all__ = ["BLAME", "MARKER", "Failure", "FailureKind", "FailureScanner", "descr
 # followed by a notice's dashes.  Not further in: a rank may print another job's output.
 _LINE_START = r"^\s*(?:\[[^\]]*\]<std\w+>:\s*)?"
 _NOTICE_DASHES = r"(?:-{10,}.*)?$"
-MARKER = re.compile(_LINE_START + r"psrt: rank (\d+) failed: (.+?)" + _NOTICE_DASHES)
-BLAME = re.compile(_LINE_START + r"psrt: rank (\d+) blames rank (\d+)(?: \(([^()]+)\))?: (.+?)" + _NOTICE_DASHES)
+# The lines themselves are the ranks' (launcher.contract).
+MARKER = re.compile(_LINE_START + FAILURE_PATTERN + _NOTICE_DASHES)
+BLAME = re.compile(_LINE_START + BLAME_PATTERN + _NOTICE_DASHES)
 
 _WINDOW_LINES = 8
 # Launcher notices, matched against the window of recent lines joined by spaces.

@@ -13,8 +13,7 @@ import sys
 
 import torch
 
-from psrt import checkpoint_files, tune
-from psrt.engine import timeline_summary
+from psrt import checkpoint_files, timeline_summary, tune
 from psrt.errors import PsrtError
 from psrt.plan import cli as plan_cli
 

@@ -72,8 +72,7 @@ def _by_model_name(files: dict[str, str], names: list[str]) -> dict[str, tuple[s
     return {lead + name: (path, name) for name, path in files.items()}
 
 
-def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None = None, *,
-                    device: torch.device | str | None = None) -> LoadReport:
+def load_pretrained(module: nn.Module, directory: str, *, device: torch.device | str | None = None) -> LoadReport:
     """Fill this rank's part of a model (a model after ``tp.parallelize``, a stage from
     ``pp.split``, or a plain model) from the checkpoint in ``directory``, reading only the
     slices this rank holds.  Tensors on the meta device are created on ``device`` (default:
@@ -81,10 +80,9 @@ def load_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
     ``state_dict`` must be in the checkpoint (a tied duplicate may be left out, as
     ``save_pretrained`` does); a checkpoint of the base model (``h.0.attn...`` for
     ``transformer.h.0.attn...``, as GPT-2's are published) is matched by dropping the
-    model's prefix.  No communication: ``grid`` is accepted for symmetry with
-    :func:`save_pretrained`.
+    model's prefix.  No communication, and no grid to give: each rank's shardings already say
+    which slices it holds.
     """
-    del grid  # each rank's shardings already say which slices it holds
     start = time.perf_counter()
     entries = module.state_dict(keep_vars=True)
     copies = {name: tie.tensor for tie in getattr(module, "ties", ()) for name in tie.names}

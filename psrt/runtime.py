@@ -201,11 +201,11 @@ def _start(config: Config, watchdog: Watchdog, job_size: int) -> tuple[Runtime |
             world, link, serve = split(job, config, watchdog)
             if serve is not None:
                 return None, serve
-        layout = bootstrap.host_layout(world)
-        topology = Topology(layout.world, layout.local, layout.cross, global_process_set, watchdog,
+        hosts = bootstrap.host_groups(world)
+        topology = Topology(hosts.world, hosts.local, hosts.cross, global_process_set, watchdog,
                             hierarchical_allreduce=config.hierarchical_allreduce,
-                            tuned=tuner.in_use(config, layout.world), tp_check_shapes=config.tp_check_shapes)
-        tuner.establish(layout.world, layout.local, topology.hierarchical, config)
+                            tuned=tuner.in_use(config, hosts.world), tp_check_shapes=config.tp_check_shapes)
+        tuner.establish(hosts.world, hosts.local, topology.hierarchical, config)
         engine = Engine(topology, config, watchdog)
     return Runtime(config=config, topology=topology, engine=engine, watchdog=watchdog, ps=link), None
 

@@ -1,4 +1,4 @@
-"""Starting MPI, describing the host layout, and aborting the job on failure.
+"""Starting MPI, finding which ranks share a host, and aborting the job on failure.
 
 This is the one place above the communicators that touches mpi4py directly:
 it initialises MPI (or a size-1 singleton when no launcher started us), meets
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from launcher.contract import failure_line
 from psrt.config import Config
 
 if TYPE_CHECKING:
@@ -33,9 +34,6 @@ _LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZ
 # A singleton talks to nobody: only the self transport, so that it opens no TCP
 # listener, and no OFI, which Open MPI otherwise spends about a second probing.
 _SINGLETON_MCA_DEFAULTS = {"OMPI_MCA_btl": "self", "OMPI_MCA_mtl": "^ofi"}
-
-#: Line printed on stderr before aborting; ``psrun`` reads it to say which rank failed.
-FAILURE_MARKER = "psrt: rank {rank} failed: {how}"
 
 
 def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
@@ -106,7 +104,7 @@ def _import_mpi():
 
 
 @dataclass(frozen=True)
-class Layout:
+class HostGroups:
     """Where this process sits: in the world, on its host, and across hosts."""
 
     world: MpiCommunicator
@@ -244,12 +242,12 @@ class Arrivals:
         return comm
 
 
-def host_layout(world: MpiCommunicator) -> Layout:
+def host_groups(world: MpiCommunicator) -> HostGroups:
     """Split ``world`` into local (same host) and cross (same local rank) groups."""
     local = world.split_by_host()
     cross = world.split(local.rank, key=world.rank)
     assert cross is not None
-    return Layout(world=world, local=local, cross=cross)
+    return HostGroups(world=world, local=local, cross=cross)
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -305,7 +303,7 @@ def abort_job(how: str) -> None:
 
     world = MPI.COMM_WORLD
     # The process's own stderr: sys.stderr may be a capture that the abort never prints.
-    print(FAILURE_MARKER.format(rank=world.Get_rank(), how=how), file=sys.__stderr__)
+    print(failure_line(world.Get_rank(), how), file=sys.__stderr__)
     for stream in (sys.stderr, sys.__stderr__, sys.stdout):
         stream.flush()
     world.Abort(1)

@@ -5,16 +5,12 @@ critical path.  They cannot afford the engine thread's negotiation (about 0.4 ms
 a CPU host) and do not need it: every rank makes the same calls in the same order by
 construction.  What negotiation would have caught, they get here, once for all of them:
 
-* one header format (:class:`Header`, sixteen int64): what a message or call is (its
-  kind and an id), the dtype and shape of the tensor it carries, and four ints more;
-* one dtype table, :data:`psrt.comm.buffers.WIRE_DTYPES`, by which headers name dtypes;
-* one cross-rank agreement check (:meth:`DirectGroup.agree`): a small all-reduce of the
-  call's digest tells every rank whether all made the same call, and only when they did
-  not are the headers gathered, so that every rank raises the same
-  :class:`~psrt.errors.CollectiveMismatchError` naming two ranks and what each passed.
-  Whether calls are checked is the caller's setting; the members compare it on the
-  group's first collective, since a check on some members only would pair their digest
-  all-reduce with the others' data;
+* one header format and one dtype table (:mod:`psrt.comm.header`), by which messages and
+  calls say what they carry;
+* one cross-rank agreement check (:mod:`psrt.comm.agreement`): a small all-reduce of the
+  call's digest tells every rank whether all made the same call, else every rank raises
+  the same :class:`~psrt.errors.CollectiveMismatchError` naming two ranks and what each
+  passed;
 * one watchdog, handed to the group by whoever opened it, which marks every wait: a peer
   that stops answering is named, never waited for silently;
 * waits for messages that spin briefly and then nap (:func:`psrt.comm.poll.wait_politely`);
@@ -28,125 +24,25 @@ requires: every member calls the group's collectives in the same order.
 """
 from __future__ import annotations
 
-import array
-import enum
 import math
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
-from psrt.comm.base import Communicator, Persistent, ReduceOp, Request, all_of
-from psrt.comm.buffers import dtype_code, dtype_of
-from psrt.comm.nccl import NcclCommunicator
-from psrt.comm.staged import device_transport
-from psrt.comm.poll import wait_politely
+from psrt.comm.agreement import Agreement
+from psrt.comm.base import Communicator, ReduceOp, Request, all_of
 from psrt.comm.deadlock import DIRECT, RECEIVE
-from psrt.comm.watchdog import Text, Wait, Watchdog
+from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind
+from psrt.comm.nccl import NcclCommunicator
+from psrt.comm.poll import wait_politely
+from psrt.comm.staged import device_transport
+from psrt.comm.waits import Text, Wait
+from psrt.comm.watchdog import Watchdog
 from psrt.errors import CollectiveMismatchError, CommunicationError, InvalidArgumentError
 
-MAX_DIMS = 8
-MAX_ARGS = 4
-#: kind, id, dtype, number of dimensions, the first MAX_DIMS sizes, MAX_ARGS ints
-HEADER_WORDS = 4 + MAX_DIMS + MAX_ARGS
-_DIGEST_MASK = (1 << 62) - 1  # a digest and its negation both fit in an int64
-_KEPT_DIGESTS = 4096  # of calls' (kind, dtype, shape), per group: a model has a few per layer
-
-
-class Kind(enum.IntEnum):
-    """What a header describes, for the direct layer's own calls (parameter-server
-    requests name their operation instead: a kind means what its channel says)."""
-
-    MESSAGE = 0
-    ALL_REDUCE = 1
-    ALL_GATHER = 2
-    REDUCE_SCATTER = 3
-    BROADCAST = 4
-    GATHER = 5
-    SCATTER = 6
-    BARRIER = 7
-    REDUCE = 8
-
-
-class Header:
-    """A message's or a call's description, in the one layout every rank reads.
-
-    ``shape`` keeps every dimension of a tensor it was made from; only the first
-    :data:`MAX_DIMS` travel, with the true number of dimensions (``ndim``), so a decoded
-    header of a deeper tensor can name it but not rebuild it.
-    """
-
-    __slots__ = ("args", "dtype", "ident", "kind", "ndim", "shape")
-
-    def __init__(self, kind: int, ident: int = 0, dtype: torch.dtype | None = None,
-                 shape: Sequence[int] = (), args: Sequence[int] = (), ndim: int | None = None) -> None:
-        if len(args) > MAX_ARGS:
-            raise ValueError(f"a header carries at most {MAX_ARGS} ints besides the shape, got {len(args)}")
-        self.kind, self.ident, self.dtype = kind, ident, dtype
-        self.shape, self.args = tuple(shape), tuple(args)
-        self.ndim = len(self.shape) if ndim is None else ndim
-
-    @classmethod
-    def of(cls, kind: int, tensor: torch.Tensor, ident: int = 0, args: Sequence[int] = ()) -> Header:
-        return cls(kind, ident, tensor.dtype, tensor.shape, args)
-
-    def words(self) -> list[int]:
-        dims = list(self.shape[:MAX_DIMS])
-        return [int(self.kind), self.ident, -1 if self.dtype is None else dtype_code(self.dtype), self.ndim,
-                *dims, *[-1] * (MAX_DIMS - len(dims)), *self.args, *[0] * (MAX_ARGS - len(self.args))]
-
-    def encode(self) -> torch.Tensor:
-        return _int64s(self.words())
-
-    @classmethod
-    def decode(cls, words: Sequence[int]) -> Header:
-        kind, ident, code, ndim = words[:4]
-        return cls(kind, ident, dtype_of(code), words[4:4 + min(ndim, MAX_DIMS)], words[4 + MAX_DIMS:], ndim)
-
-    @property
-    def complete(self) -> bool:
-        """Whether a tensor can be allocated from this header (a known dtype, every size)."""
-        return self.dtype is not None and self.ndim <= MAX_DIMS
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def digest(self) -> int:
-        """The same int on every rank for equal headers (ints hash alike in every process)."""
-        return hash((int(self.kind), self.ident, dtype_code(self.dtype), self.ndim, *self.shape,
-                     *self.args)) & _DIGEST_MASK
-
-    def describe(self) -> str:
-        """``all_reduce of a float32 tensor of shape (4, 16)``."""
-        if self.kind == Kind.BARRIER:
-            return "barrier"
-        kind = Kind(self.kind).name.lower() if self.kind in Kind._value2member_map_ else f"kind {self.kind}"
-        dims = ", ".join(map(str, self.shape[:MAX_DIMS])) + (", ..." if self.ndim > MAX_DIMS else "")
-        root = f" from rank {self.args[0]}" if self.kind in _ROOTED and self.args else ""
-        return f"{kind}{root} of a {self.dtype_name} tensor of shape ({dims}{',' if self.ndim == 1 else ''})"
-
-    @property
-    def dtype_name(self) -> str:
-        """``float32``, or ``another dtype`` for one this psrt cannot name."""
-        return "another dtype" if self.dtype is None else str(self.dtype).removeprefix("torch.")
-
-
-#: Collectives whose header's first arg is the root (as a rank of the group)
-_ROOTED = (Kind.BROADCAST, Kind.GATHER, Kind.SCATTER, Kind.REDUCE)
 #: What a barrier agrees on: no data
 _NO_DATA = torch.empty(0)
-
-
-def _rows(row: Header) -> str:
-    """``rows of float32 of shape (16,)``: what an all-to-all's rows are."""
-    return f"rows of {row.dtype_name} of shape {tuple(row.shape)}"
-
-
-def _int64s(values: list[int]) -> torch.Tensor:
-    """A new int64 tensor of ``values``: a third of ``torch.tensor``'s cost, which matters
-    on paths that run once per message."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def check_divisible(tensor: torch.Tensor, dim: int, size: int, label: str) -> None:
@@ -176,12 +72,7 @@ class DirectGroup:
         self.rank, self.size = host.rank, host.size
         self._watchdog, self._name, self._job_ranks = watchdog, name, job_ranks
         self._devices: dict[int, Communicator] = {}
-        self._settled = False  # whether the members compared their ``check`` setting
-        # The agreement's all-reduce of a digest and its negation, set up once (one blocking
-        # MPI call on a buffer spec made once: about a microsecond, a fresh call several).
-        self._agreement: Persistent | None = None
-        self._words: memoryview | None = None  # the digest and its negation, as the all-reduce sees them
-        self._digests: dict[tuple, int] = {}  # by (kind, dtype, shape): see _agree_on
+        self._agreement = Agreement(host, self.ranks, lambda: self.name)
         self._marks: dict[tuple, Wait] = {}  # by (label, call, thread): see _collective
         self._calls = 0  # collectives begun on the group: see _collective
         self._ident = f"{key} of ranks {self.ranks}"  # the group, the same on every member
@@ -206,7 +97,7 @@ class DirectGroup:
                 needs: Callable[[], Sequence[int] | None] | None = None) -> Wait:
         """Mark the calling thread as waiting on ``peers`` (ranks as the group names them;
         default every member) for the block's duration; ``ident`` and ``needs`` make it a
-        call (see :class:`~psrt.comm.watchdog.Wait`)."""
+        call (see :class:`~psrt.comm.waits.Wait`)."""
         peers = self.ranks if peers is None else peers
         if self._job_ranks:
             return self._watchdog.waiting(kind, what, job_peers=peers, ident=ident, needs=needs)
@@ -243,64 +134,17 @@ class DirectGroup:
     # -- agreement --------------------------------------------------------------------------
     def _prepare(self, kind: Kind, tensor: torch.Tensor, label: str, check: bool, args: tuple[int, ...] = ()) -> None:
         """What every collective does first, inside its marked wait."""
-        if not self._settled:
-            self._settle(label, check)
+        if not self._agreement.settled:
+            self._agreement.settle(label, check)
         if check:
-            self._agree_on(kind, tensor, label, args)
-
-    def _agree_on(self, kind: Kind, tensor: torch.Tensor, label: str, args: tuple[int, ...] = ()) -> None:
-        """:meth:`agree` on a call of ``kind`` over ``tensor`` (and ``args``: a root), whose
-        header is made only should the members disagree: the digest of a (kind, dtype,
-        shape, args) is kept (a few per layer), as working it out is most of a small
-        collective's Python."""
-        key = (kind, tensor.dtype, tensor.shape, args)
-        digest = self._digests.get(key)
-        if digest is None:
-            digest = Header.of(kind, tensor, args=args).digest()
-            if len(self._digests) < _KEPT_DIGESTS:
-                self._digests[key] = digest
-        if not self._agreed(digest):
-            self._disagreement(Header.of(kind, tensor, args=args), label)
-
-    def _settle(self, label: str, check: bool) -> None:
-        theirs = self.host.allgather_object(check)
-        if any(value != check for value in theirs):
-            checking = theirs.index(True)
-            raise CollectiveMismatchError(
-                f"{label} collectives over {self.name}: rank {self.ranks[checking]} checks that every rank "
-                f"makes the same call but rank {self.ranks[theirs.index(False)]} does not (every rank must run "
-                "with the same setting)")
-        self._settled = True
+            self._agreement.on_call(kind, tensor, label, args)
 
     def agree(self, header: Header, label: str) -> None:
         """Raise the same :class:`CollectiveMismatchError` on every member unless all passed
         equal headers: one small all-reduce (the maximum of the digest and of its negation)
         when they did, and a gather of the headers, to name what differs, when they did not.
         Collective over the group; the caller marks the wait."""
-        if not self._agreed(header.digest()):
-            self._disagreement(header, label)
-
-    def _agreed(self, digest: int) -> bool:
-        """Whether every member passed ``digest`` (collective: see :meth:`agree`)."""
-        if self._agreement is None:  # made on the first check, which every member makes
-            extremes = torch.zeros(2, dtype=torch.int64)  # kept alive by the request and the view
-            self._agreement = self.host.persistent_allreduce(extremes, ReduceOp.MAX)
-            self._words = memoryview(extremes.numpy())
-        words = self._words
-        words[0], words[1] = digest, -digest
-        self._agreement.run()
-        return words[0] == -words[1]
-
-    def _disagreement(self, header: Header, label: str) -> None:
-        """Name what differs, after an agreement that failed (collective: see :meth:`agree`)."""
-        mine = header.encode()
-        everyone = torch.empty((self.size, HEADER_WORDS), dtype=torch.int64)
-        self.host.allgatherv(mine, everyone.view(-1), [HEADER_WORDS] * self.size).wait()
-        differing = (everyone != mine).any(dim=1).nonzero().flatten().tolist() or [self.rank]
-        theirs = Header.decode(everyone[differing[0]].tolist())
-        raise CollectiveMismatchError(
-            f"{label} {Kind(header.kind).name.lower()} over {self.name}: rank {self.ranks[self.rank]} has "
-            f"{header.describe()} but rank {self.ranks[differing[0]]} has {theirs.describe()}")
+        self._agreement.check(header, label)
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, label: str,
@@ -396,7 +240,7 @@ class DirectGroup:
                 raise InvalidArgumentError(f"{label} all_to_all: rows of {out.dtype} of shape {tuple(out.shape[1:])} "
                                            f"cannot hold rows of {send.dtype} of shape {tuple(send.shape[1:])}")
             if received is None:
-                received = self._agree_on_rows(send, send_rows, label)
+                received = self._agreement.rows(send, send_rows, label)
             received = list(received)
             if out is None:
                 out = torch.empty((sum(received), *send.shape[1:]), dtype=send.dtype, device=send.device)
@@ -408,21 +252,6 @@ class DirectGroup:
             self._complete(comm, comm.alltoallv(send.view(-1), [r * row for r in send_rows], out.view(-1),
                                                 [r * row for r in received]))
         return out, received
-
-    def _agree_on_rows(self, send: torch.Tensor, send_rows: Sequence[int], label: str) -> list[int]:
-        """Exchange row counts and what one row is (dtype, shape): the rows each member sends here."""
-        header = Header(Kind.MESSAGE, 0, send.dtype, send.shape[1:])
-        mine = torch.tensor([[rows, *header.words()] for rows in send_rows], dtype=torch.int64)
-        theirs = torch.empty_like(mine)
-        width = mine.shape[1]
-        self.host.alltoallv(mine.view(-1), [width] * self.size, theirs.view(-1), [width] * self.size).wait()
-        own = header.words()
-        for member, words in enumerate(theirs[:, 1:].tolist()):
-            if words != own:
-                raise CollectiveMismatchError(
-                    f"{label} all_to_all over {self.name}: rank {self.ranks[self.rank]} sends {_rows(header)} "
-                    f"but rank {self.ranks[member]} sends {_rows(Header.decode(words))}")
-        return theirs[:, 0].tolist()
 
     def allgather_object(self, value: object, *, label: str | None = None) -> list:
         """Every member's small picklable ``value``, in group-rank order (on the host); with
@@ -486,9 +315,7 @@ class DirectGroup:
         for comm in self._devices.values():
             comm.free()
         self._devices.clear()
-        if self._agreement is not None:
-            self._agreement.free()
-            self._agreement = None
+        self._agreement.free()
         self.host.free()
 
 
@@ -511,7 +338,7 @@ class _ReceiveInto(Request):
             self._data.cancel()  # so that it never takes the sender's next message
             raise CollectiveMismatchError(
                 f"a receive on rank {group.ranks[group.rank]} from rank {sender} over {group.name} (tag {self._tag}) "
-                f"expects a {_tensor_text(room)} but rank {sender} sent a {_tensor_text(got)}")
+                f"expects a {room.describe_tensor()} but rank {sender} sent a {got.describe_tensor()}")
         self._checked = True
 
     def test(self) -> bool:
@@ -530,7 +357,3 @@ class _ReceiveInto(Request):
         self._header.cancel()
         self._data.cancel()
 
-
-def _tensor_text(header: Header) -> str:
-    """``float32 tensor of shape (4, 16)``."""
-    return f"{header.dtype_name} tensor of shape {tuple(header.shape)}"

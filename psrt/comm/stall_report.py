@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from launcher import contract
 from psrt.comm.ranks import rank_ranges
 
 NameRank = Callable[[int], str]
@@ -108,4 +109,4 @@ def blame_line(me: int, peers: list[int], heard: Heard, what: str, waited: float
         return None
     why = "stopped answering" if silent else "answers but never came (busy in its own code)"
     others = f" (and {names(culprits[1:], name_rank)})" if culprits[1:] else ""
-    return f"psrt: rank {me} blames {name_rank(culprits[0])}: {why}{others} while {what} waited {waited:.0f} s"
+    return contract.blame_line(me, name_rank(culprits[0]), f"{why}{others} while {what} waited {waited:.0f} s")

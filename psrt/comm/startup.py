@@ -24,10 +24,12 @@ and the launcher keeps a directory for the job (Open MPI's, removed with the job
 ranks leave a mark there as they start MPI (or reach their exit), and the report names the
 ranks that left none.
 
-Nothing here imports psrt: the watcher process runs this file on its own.
+Nothing here imports psrt: the watcher process runs this file on its own, and loads the lines
+psrun reads from :mod:`launcher.contract` by that file's path.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import select
 import signal
@@ -192,8 +194,20 @@ def _released(timeout: float, pid: int, identity: str | None) -> bool:
             return False
 
 
+def _launch_contract():
+    """:mod:`launcher.contract`, loaded from its file beside psrt's package (both come from one
+    distribution): the watcher runs with the standard library alone, and the contract imports
+    nothing else."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("psrt_launch_contract", os.path.join(root, "launcher", "contract.py"))
+    contract = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(contract)
+    return contract
+
+
 def main(rank: str, size: str, check: str, shutdown: str, arrivals: str, parent: str, phase: str = START_UP) -> None:
     begun, check_s, shutdown_s, pid = time.monotonic(), float(check), float(shutdown), int(parent)
+    contract = _launch_contract()
     ranks = int(size) if size.isdecimal() else 0  # 0: not known (then neither are the marks)
     identity = _identity(pid)
     if identity is None or _released(check_s, pid, identity):
@@ -206,9 +220,9 @@ def main(rank: str, size: str, check: str, shutdown: str, arrivals: str, parent:
     how = _describe(phase, rank, ranks, arrivals, time.monotonic() - begun, pid)
     missing = _missing(arrivals, ranks) if arrivals else None
     if missing:  # psrun headlines the rank blamed
-        print(f"psrt: rank {rank} blames rank {missing[0]}: {_PHASES[phase][2][0]} after {shutdown_s:g} s",
-              file=sys.stderr, flush=True)
-    print(f"psrt: rank {rank} failed: {how} (PSRT_STALL_SHUTDOWN_TIME={shutdown_s:g} s)", file=sys.stderr,
+        why = f"{_PHASES[phase][2][0]} after {shutdown_s:g} s"
+        print(contract.blame_line(rank, contract.rank_name(missing[0]), why), file=sys.stderr, flush=True)
+    print(contract.failure_line(rank, f"{how} (PSRT_STALL_SHUTDOWN_TIME={shutdown_s:g} s)"), file=sys.stderr,
           flush=True)
     # MPI is not there to abort with: the launcher ends the job once a rank dies.
     os.kill(pid, signal.SIGKILL)

@@ -1,6 +1,7 @@
 """Stall reports for every wait in psrt on other ranks, naming the rank to blame.
 
-Each place where psrt waits on other ranks marks the wait with :meth:`Watchdog.waiting`:
+Each place where psrt waits on other ranks marks the wait (a :class:`~psrt.comm.waits.Wait`)
+with :meth:`Watchdog.waiting`:
 the engine thread's negotiation rounds and collectives, tensor- and pipeline-parallel
 traffic on the caller's thread, a worker's requests to parameter servers, start-up.
 Loops that hold requests instead of blocking in them (a parameter server; the engine's
@@ -34,12 +35,14 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
+from launcher.contract import rank_name
 from psrt.comm import callsite, deadlock, stall_report
 from psrt.comm.prober import Prober
 from psrt.comm.ranks import rank_ranges
+from psrt.comm.waits import Ranks, Text, Wait, WaitStack, describe
 
 logger = logging.getLogger("psrt")
 
@@ -54,87 +57,7 @@ _MAX_REPORTED_PEERS = 16  # of the ranks each of those waits for
 _LASTING_S = 1.0
 _MAX_TEXT = 400
 
-Text = str | Callable[[], str]
 _MAIN_THREAD = threading.main_thread().ident
-Ranks = Sequence[int] | Callable[[], Sequence[int]]
-
-
-class Wait:
-    """Something this rank waits for on other ranks: a short ``kind`` to group ranks by
-    ("an engine negotiation round"), a description, the ranks it waits on, and since when.
-
-    As the context :meth:`Watchdog.waiting` returns, it marks the calling thread for the
-    block's duration; it is cheap enough for every engine round and TP collective: the
-    description and the ranks are looked at only once the wait has become a stall.
-
-    A wait with an ``ident`` is a *call* the thread is blocked in (a collective, a
-    receive, the shutdown), which deadlock detection compares across ranks (see
-    :mod:`psrt.comm.deadlock`): ``ident`` is the same on every rank for the same
-    collective, and ``needs`` (a function, in the same ranks as ``peers``) says which
-    ranks the call still needs, or None while it cannot tell; without ``needs``, a
-    collective needs the members not in it.
-    """
-
-    __slots__ = ("kind", "what", "peers", "since", "key", "ends_job", "stalls", "ident", "needs", "_to_job",
-                 "_stack")
-
-    def __init__(self, kind: str, what: Text, peers: Ranks, since: float = 0.0, key: object = None,
-                 to_job: Callable[[Iterable[int]], tuple[int, ...]] | None = None,
-                 stack: _Stack | None = None, ends_job: bool = True, ident: tuple | None = None,
-                 needs: Callable[[], Sequence[int] | None] | None = None) -> None:
-        self.kind, self.what, self.peers, self.since, self.key = kind, what, peers, since, key
-        self.ends_job = ends_job  # False: a wait by design, reported but never ending the job
-        self.stalls = True  # False: a call whose stall another wait reports (see Watchdog.waiting)
-        self.ident, self.needs = ident, needs
-        self._to_job, self._stack = to_job, stack  # peers in psrt's world, mapped to job ranks
-
-    def __enter__(self) -> None:
-        self.since = time.monotonic()
-        self._stack.append(self)
-
-    def __exit__(self, *exc: object) -> None:
-        stack = self._stack
-        stack.pop()
-        if self.ident is not None:
-            stack.last = (self.kind, self.what)
-
-    def describe(self) -> str:
-        return _text(self.what, self.kind)
-
-    def peer_ranks(self) -> tuple[int, ...]:
-        """The job ranks waited on."""
-        try:
-            peers = self.peers() if callable(self.peers) else self.peers
-            return tuple(peers) if self._to_job is None else self._to_job(peers)
-        except Exception:
-            return ()
-
-    def needed_ranks(self) -> tuple[int, ...] | None:
-        """The job ranks the call still needs (see the class docstring), or None."""
-        try:
-            needs = self.needs()
-            if needs is None:
-                return None
-            return tuple(needs) if self._to_job is None else self._to_job(needs)
-        except Exception:  # read while its owner changes state: ask again next time
-            return None
-
-
-def _text(what: Text, kind: str) -> str:
-    try:
-        return what() if callable(what) else what
-    except Exception as e:  # a description read while its owner changes state
-        return f"{kind} (not described: {type(e).__name__})"
-
-
-class _Stack(list):
-    """A thread's waits, innermost last, and the last call it left: (kind, what)."""
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.last: tuple[str, Text] | None = None
 
 
 def combined(kind: str, waits: Sequence[Wait], key: object, ends_job: bool = True, prefix: str = "") -> list[Wait]:
@@ -151,9 +74,9 @@ def combined(kind: str, waits: Sequence[Wait], key: object, ends_job: bool = Tru
 
 
 @dataclass
-class _Probe:
-    """The latest probe about one wait: when each target was asked; and the answers of the
-    last probe that settled."""
+class _StallProbe:
+    """The latest probe about one stalled wait: when each target was asked; and the answers of
+    the last probe that settled (a deadlock's probe is :mod:`psrt.comm.deadlock`'s own)."""
 
     asked: dict[int, float]
     started: float
@@ -168,13 +91,13 @@ class Watchdog:
                  rank: int = 0, name_rank: Callable[[int], str] | None = None) -> None:
         self._check_s, self._shutdown_s, self._end_job = check_s, shutdown_s, end_job
         self.rank = rank
-        self._name_rank = name_rank or (lambda r: f"rank {r}")
+        self._name_rank = name_rank or rank_name
         self._world_to_job: Sequence[int] | None = None
         self._prober: Prober | None = None
-        self._stacks: dict[int, _Stack] = {}  # thread id -> its waits, innermost last
+        self._stacks: dict[int, WaitStack] = {}  # thread id -> its waits, innermost last
         self._local = threading.local()
         self._published: dict[str, tuple[Wait, ...]] = {}
-        self._probes: dict[object, _Probe] = {}
+        self._probes: dict[object, _StallProbe] = {}
         self._asked_at: dict[int, float] = {}  # when each rank was last pinged
         self._reported: set[object] = set()
         # Who speaks while no probe is possible (start-up); see bootstrap.Arrivals.speaks.
@@ -218,7 +141,7 @@ class Watchdog:
         try:
             stack = self._local.stack
         except AttributeError:
-            stack = self._local.stack = self._stacks.setdefault(threading.get_ident(), _Stack())
+            stack = self._local.stack = self._stacks.setdefault(threading.get_ident(), WaitStack())
         if world_peers:
             wait = Wait(kind, what, world_peers, 0.0, None, self.job_ranks, stack, ident=ident, needs=needs)
         else:
@@ -268,9 +191,9 @@ class Watchdog:
                   "call": None if call is None else call.to_status()}
         if call is None:
             status["at"] = callsite.locate(_MAIN_THREAD)[0]
-        last = self._stacks.get(_MAIN_THREAD, _Stack()).last
+        last = self._stacks.get(_MAIN_THREAD, WaitStack()).last
         if last is not None:
-            status["last"] = _text(last[1], last[0])[:_MAX_TEXT]
+            status["last"] = describe(last[1], last[0])[:_MAX_TEXT]
         return status
 
     def main_call(self, now: float, lasting: float = 0.0) -> deadlock.Call | None:
@@ -391,7 +314,7 @@ class Watchdog:
             fresh = [r for r in targets if now - self._asked_at.get(r, -1e18) >= period]
             prober.ask(fresh)
             self._asked_at.update((r, now) for r in fresh)
-            probe = self._probes[key] = _Probe({r: self._asked_at[r] for r in targets}, now,
+            probe = self._probes[key] = _StallProbe({r: self._asked_at[r] for r in targets}, now,
                                                heard=None if probe is None else probe.heard)
         if not probe.settled:
             answers = {r: status for r, (at, status) in prober.answers().items()

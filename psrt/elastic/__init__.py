@@ -6,7 +6,8 @@ fails or hosts are added, and the job continues from its last ``state.commit()``
 from psrt.elastic.batch import BatchPlan, plan_batch
 from psrt.elastic.run import run
 from psrt.elastic.sampler import ElasticSampler
-from psrt.elastic.state import ObjectState, State, TorchState
+from psrt.elastic.state import ObjectState, State
+from psrt.elastic.torch_state import TorchState
 from psrt.errors import CollectiveMismatchError as HorovodInternalError
 from psrt.errors import ElasticError, HostsUpdatedInterrupt
 

@@ -24,7 +24,7 @@ survives the job.
 psrun also writes ``hosts.json`` here when host discovery changes; a job that stops to be
 relaunched on new hosts leaves ``reset.json`` saying why, and one that cannot restore its
 commit leaves ``restore-failed.json``, so that psrun stops relaunching a commit that fails
-the same way every time.
+the same way every time (those names, and the variables, are :mod:`launcher.contract`'s).
 """
 from __future__ import annotations
 
@@ -32,17 +32,13 @@ import contextlib
 import os
 import shutil
 
+from launcher.contract import ENV_ELASTIC_DIR, HOSTS_FILE, RESET_FILE, RESTORE_FAILED_FILE
 from psrt import checkpoint_files
 from psrt.errors import ElasticError
 
-ENV_DIR = "PSRT_ELASTIC_DIR"
-ENV_HOSTS_VERSION = "PSRT_ELASTIC_HOSTS_VERSION"
 FORMAT = "psrt-elastic/2"  # safetensors files; a TP x PP model committed whole
 TORCH_FILES_FORMAT = "psrt-elastic/1"  # earlier psrt's: torch.save files (read with weights_only)
 LATEST = "latest.json"
-HOSTS = "hosts.json"
-RESET = "reset.json"
-RESTORE_FAILED = "restore-failed.json"
 REPLICATED = "replicated.pt"
 _COMMIT_PREFIX = "commit-"
 
@@ -59,7 +55,7 @@ class CommitStore:
 
     @classmethod
     def from_env(cls) -> CommitStore:
-        return cls(os.environ.get(ENV_DIR) or None)
+        return cls(os.environ.get(ENV_ELASTIC_DIR) or None)
 
     def directory(self, number: int) -> str:
         assert self.root is not None
@@ -146,7 +142,7 @@ class CommitStore:
         """The version of the host list psrun last wrote (0 before any change)."""
         if self.root is None:
             return 0
-        path = os.path.join(self.root, HOSTS)
+        path = os.path.join(self.root, HOSTS_FILE)
         if not os.path.exists(path):
             return 0
         return int(checkpoint_files.read_json(path, ElasticError).get("version", 0))
@@ -157,9 +153,9 @@ class CommitStore:
         must not hide the restore's own error."""
         if self.root is not None:
             with contextlib.suppress(OSError):
-                checkpoint_files.write_json({"reason": reason}, os.path.join(self.root, RESTORE_FAILED))
+                checkpoint_files.write_json({"reason": reason}, os.path.join(self.root, RESTORE_FAILED_FILE))
 
     def request_reset(self, reason: str) -> None:
         """Tell psrun that this job ended to be relaunched (not because training finished)."""
         if self.root is not None:
-            checkpoint_files.write_json({"reason": reason}, os.path.join(self.root, RESET))
+            checkpoint_files.write_json({"reason": reason}, os.path.join(self.root, RESET_FILE))

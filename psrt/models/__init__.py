@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from psrt.models.layout import StageLayout
-from psrt.tp.plan import Plan
+from psrt.models.stage_layout import StageLayout
+from psrt.models.tp_styles import TpPlan
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Family:
     name: str
     matches: Callable[[nn.Module], bool]
     check_heads: Callable[[nn.Module, int], None]   # raises before anything changes
-    tp_plan: Callable[..., Plan]                    # tp_plan(loss_parallel=...)
+    tp_plan: Callable[..., TpPlan]                    # tp_plan(loss_parallel=...)
     after_tp: Callable[[nn.Module, int], None]      # attributes the split modules' callers read
     layout: Callable[[nn.Module], StageLayout]
 

@@ -7,8 +7,8 @@ from torch import nn
 
 from psrt.errors import InvalidArgumentError
 from psrt.models import BlockInputs, Family, causal_mask, has
-from psrt.models.layout import StageLayout
-from psrt.tp import plan as tp
+from psrt.models import tp_styles as tp
+from psrt.models.stage_layout import StageLayout
 
 BLOCKS = "transformer.h"
 
@@ -27,7 +27,7 @@ def _check_heads(model: nn.Module, size: int) -> None:
                                    f"tensor-parallel size ({size})")
 
 
-def _tp_plan(*, loss_parallel: bool = False) -> tp.Plan:
+def _tp_plan(*, loss_parallel: bool = False) -> tp.TpPlan:
     block = f"{BLOCKS}.*"
     return {
         "transformer.wte": tp.VocabEmbedding(),

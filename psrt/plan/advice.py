@@ -7,7 +7,7 @@ pinned choice set free, and more ranks (2×, 4×, ... 64×).
 from __future__ import annotations
 
 from psrt.plan.model import Transformer
-from psrt.plan.search import Plan, Request, candidates, ranked, with_fixed
+from psrt.plan.search import Plan, Query, candidates, ranked, with_fixed
 from psrt.plan.units import format_bytes
 
 _MAX_REASONS = 6
@@ -35,15 +35,15 @@ def _dominant(plan: Plan, model_known: bool) -> str:
     return f"Parameters, gradients and optimizer state dominate: {advice}."
 
 
-def _freed(request: Request, need_fit: bool) -> list[str]:
+def _freed(query: Query, need_fit: bool) -> list[str]:
     """What setting each pinned choice free would give."""
     hints = []
-    for name, value in request.fixed:
-        if name == "cp" and not isinstance(request.model, Transformer):
+    for name, value in query.fixed:
+        if name == "cp" and not isinstance(query.model, Transformer):
             continue
-        plans, _ = candidates(with_fixed(request, **{name: None}))
+        plans, _ = candidates(with_fixed(query, **{name: None}))
         if need_fit:
-            fitting = ranked(plans, request.memory_per_rank)
+            fitting = ranked(plans, query.memory_per_rank)
             if fitting:
                 hints.append(f"without {name}={value}, {_layouts(len(fitting))}; the fastest is "
                              f"{fitting[0].layout.name} ({format_bytes(fitting[0].memory.total)} per rank)")
@@ -53,32 +53,32 @@ def _freed(request: Request, need_fit: bool) -> list[str]:
     return hints
 
 
-def _more_ranks(request: Request) -> list[str]:
+def _more_ranks(query: Query) -> list[str]:
     """The fewest extra ranks (by doubling) with which some layout fits."""
     for factor in _RANK_FACTORS:
-        ranks = request.ranks * factor
-        plans, _ = candidates(with_fixed(request, dp=None, ranks=ranks))
-        fitting = ranked(plans, request.memory_per_rank)
+        ranks = query.ranks * factor
+        plans, _ = candidates(with_fixed(query, dp=None, ranks=ranks))
+        fitting = ranked(plans, query.memory_per_rank)
         if fitting:
             smallest = min(fitting, key=lambda plan: plan.memory.total)
             return [(f"with {ranks} ranks, {_layouts(len(fitting))} (the smallest, {smallest.layout.name}, needs "
                      f"{format_bytes(smallest.memory.total)})")]
-    return [f"even {request.ranks * _RANK_FACTORS[-1]} ranks leave nothing that fits"]
+    return [f"even {query.ranks * _RANK_FACTORS[-1]} ranks leave nothing that fits"]
 
 
-def explain(request: Request, plans: list[Plan], reasons: list[str]) -> str:
-    """The message for a request that left no layout: none could run, or none fits."""
+def explain(query: Query, plans: list[Plan], reasons: list[str]) -> str:
+    """The message for a query that left no layout: none could run, or none fits."""
     if not plans:
         shown = "; ".join(reasons[:_MAX_REASONS])
         more = f" (and {len(reasons) - _MAX_REASONS} more)" if len(reasons) > _MAX_REASONS else ""
-        lines = [f"no layout of the model on {request.ranks} ranks can run: {shown}{more}."]
-        lines += [f"Would run: {hint}." for hint in _freed(request, need_fit=False)]
+        lines = [f"no layout of the model on {query.ranks} ranks can run: {shown}{more}."]
+        lines += [f"Would run: {hint}." for hint in _freed(query, need_fit=False)]
         return "\n".join(lines)
     smallest = min(plans, key=lambda plan: plan.memory.total)
     which = "the only layout" if len(plans) == 1 else f"the smallest of the {len(plans)} layouts"
-    lines = [(f"nothing fits in {format_bytes(request.memory_per_rank)} per rank: {which} psrt can run, "
+    lines = [(f"nothing fits in {format_bytes(query.memory_per_rank)} per rank: {which} psrt can run, "
               f"{smallest.layout.name}, needs {format_bytes(smallest.memory.total)} per rank ({_breakdown(smallest)})."),
-             _dominant(smallest, isinstance(request.model, Transformer))]
-    lines += [f"Would fit: {hint}." for hint in _freed(request, need_fit=True)]
-    lines += [f"Would fit: {hint}." for hint in _more_ranks(request)]
+             _dominant(smallest, isinstance(query.model, Transformer))]
+    lines += [f"Would fit: {hint}." for hint in _freed(query, need_fit=True)]
+    lines += [f"Would fit: {hint}." for hint in _more_ranks(query)]
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from psrt.plan import gpus
 from psrt.plan.model import ParameterBlocks, Transformer
 from psrt.plan.readers import from_hf_config
 from psrt.plan.report import code, describe, header, table
-from psrt.plan.search import make_request, search
+from psrt.plan.search import make_query, search
 
 DEFAULT_PROFILE = "psrt-machine.json"
 _TRANSFORMER = ("hidden", "heads", "vocab", "seq")
@@ -138,17 +138,17 @@ def run(args: argparse.Namespace) -> None:
         missing.append("--memory")
     if missing:
         raise InvalidArgumentError(f"psrt plan needs {', '.join(missing)} (or only --measure to write a machine profile)")
-    request = make_request(_model(args), global_batch=args.batch, ranks=args.ranks, memory_per_rank=args.memory,
-                           machine=machine, precision=args.precision,
-                           optimizer=args.optimizer, sequence_parallel=not args.no_sequence_parallel,
-                           dp=args.dp, tp=args.tp, pp=args.pp, cp=None if args.cp == "any" else _int(args.cp, "--cp"),
-                           zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute)
-    fitting, considered = search(request)
+    query = make_query(_model(args), global_batch=args.batch, ranks=args.ranks, memory_per_rank=args.memory,
+                       machine=machine, precision=args.precision,
+                       optimizer=args.optimizer, sequence_parallel=not args.no_sequence_parallel,
+                       dp=args.dp, tp=args.tp, pp=args.pp, cp=None if args.cp == "any" else _int(args.cp, "--cp"),
+                       zero=args.zero, micro_batch=args.micro_batch, recompute=args.recompute)
+    fitting, considered = search(query)
     if args.json:
         print(json.dumps([dict(dataclasses.asdict(plan), total_bytes=plan.memory.total, step_s=plan.time.total)
                           for plan in fitting], indent=1))
         return
-    print(header(request, considered, len(fitting)))
+    print(header(query, considered, len(fitting)))
     print()
     print(table(fitting, top=args.top or None))
     print()

@@ -1,7 +1,7 @@
 """Plans as text: a ranked table for the command line, and one plan in detail."""
 from __future__ import annotations
 
-from psrt.plan.search import Plan, Request
+from psrt.plan.search import Plan, Query
 from psrt.plan.units import format_bytes
 
 _COLUMNS = ("#", "dp", "tp", "pp", "cp", "zero", "micro-batch", "recompute", "params", "grads", "optimizer",
@@ -32,15 +32,15 @@ def table(plans: list[Plan], top: int | None = None) -> str:
     return "\n".join(line.rstrip() for line in text)
 
 
-def header(request: Request, considered: int, fitting: int) -> str:
+def header(query: Query, considered: int, fitting: int) -> str:
     """What was asked, on which machine figures, and how many layouts fit."""
-    machine = request.machine.name
-    if not request.machine.measured and not request.machine.ranks_per_node:
+    machine = query.machine.name
+    if not query.machine.measured and not query.machine.ranks_per_node:
         machine += "; run `psrt plan --measure` for this machine's figures"
     return "\n".join([
-        f"model: {request.model.describe()}",
-        (f"{request.ranks} ranks, global batch {request.global_batch}, {format_bytes(request.memory_per_rank)} per "
-         f"rank, {request.precision.name}"),
+        f"model: {query.model.describe()}",
+        (f"{query.ranks} ranks, global batch {query.global_batch}, {format_bytes(query.memory_per_rank)} per "
+         f"rank, {query.precision.name}"),
         f"machine: {machine}",
         f"{fitting} of {considered} layouts psrt can run fit; fastest first (modelled step time)",
     ])

@@ -43,8 +43,9 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Request:
-    """What the caller asked for, checked; ``fixed`` holds the layout choices it pinned."""
+class Query:
+    """What the caller asked the planner, checked; ``fixed`` holds the layout choices it pinned.
+    (A transport's pending operation is a :class:`psrt.comm.base.Request`: another thing.)"""
 
     model: Model
     global_batch: int
@@ -67,9 +68,9 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
-def make_request(model: object, *, global_batch: object, ranks: object, memory_per_rank: object = None,
-                 machine: Machine | str | None = None, precision: str = "fp32", optimizer: str = "adam",
-                 sequence_parallel: bool = True, **fixed: object) -> Request:
+def make_query(model: object, *, global_batch: object, ranks: object, memory_per_rank: object = None,
+               machine: Machine | str | None = None, precision: str = "fp32", optimizer: str = "adam",
+               sequence_parallel: bool = True, **fixed: object) -> Query:
     """Check every argument of :func:`layouts` before any search."""
     for name, value in fixed.items():
         if value is None:
@@ -97,7 +98,7 @@ def make_request(model: object, *, global_batch: object, ranks: object, memory_p
         if not machine.memory_per_rank:
             raise InvalidArgumentError(f"give the memory per rank: the machine profile {machine.name!r} does not say it")
         memory_per_rank = machine.memory_per_rank
-    return Request(as_model(model), _positive("global_batch", global_batch), _positive("ranks", ranks),
+    return Query(as_model(model), _positive("global_batch", global_batch), _positive("ranks", ranks),
                    parse_bytes(memory_per_rank), machine, make_precision(precision, optimizer),
                    tuple((k, v) for k, v in sorted(fixed.items()) if v is not None), sequence_parallel)
 
@@ -162,55 +163,55 @@ def evaluate(model: Model, layout: Layout, *, global_batch: int, machine: Machin
                 step_time(model, split, layout, precision, machine), machine.name)
 
 
-def _shapes(request: Request) -> tuple[list[dict[str, int]], list[str]]:
+def _shapes(query: Query) -> tuple[list[dict[str, int]], list[str]]:
     """dp × tp × pp × cp shapes of the rank count that agree with the pinned axes, and the
     reasons the others were left out."""
     shapes, reasons = [], []
-    for tp, pp, cp in itertools.product(_divisors(request.ranks), repeat=3):
-        if request.ranks % (tp * pp * cp):
+    for tp, pp, cp in itertools.product(_divisors(query.ranks), repeat=3):
+        if query.ranks % (tp * pp * cp):
             continue
-        shape = {"dp": request.ranks // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
-        if any(request.pinned(axis) not in (None, shape[axis]) for axis in AXES):
+        shape = {"dp": query.ranks // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
+        if any(query.pinned(axis) not in (None, shape[axis]) for axis in AXES):
             continue
-        problem = shape_problem(request.model, shape, request.global_batch)
+        problem = shape_problem(query.model, shape, query.global_batch)
         if problem:
             reasons.append(problem)
         else:
             shapes.append(shape)
     if not shapes and not reasons:
-        pinned = {axis: request.pinned(axis) for axis in AXES if request.pinned(axis) is not None}
+        pinned = {axis: query.pinned(axis) for axis in AXES if query.pinned(axis) is not None}
         product = " × ".join(f"{axis}={value}" for axis, value in pinned.items())
-        reasons.append(f"{request.ranks} ranks cannot be laid out as {product} "
+        reasons.append(f"{query.ranks} ranks cannot be laid out as {product} "
                        f"(the product of dp × tp × pp × cp must be the number of ranks)")
     return shapes, list(dict.fromkeys(reasons))
 
 
-def candidates(request: Request) -> tuple[list[Plan], list[str]]:
-    """Every layout psrt can run for the request, costed (whether or not it fits), and the
+def candidates(query: Query) -> tuple[list[Plan], list[str]]:
+    """Every layout psrt can run for the query, costed (whether or not it fits), and the
     reasons the others were left out."""
-    shapes, reasons = _shapes(request)
+    shapes, reasons = _shapes(query)
     plans = []
     for shape in shapes:
-        replica_batch = request.global_batch // shape["dp"]
-        pinned_batch = request.pinned("micro_batch")
+        replica_batch = query.global_batch // shape["dp"]
+        pinned_batch = query.pinned("micro_batch")
         if pinned_batch is not None and replica_batch % pinned_batch:
             reasons.append(f"micro-batch {pinned_batch} does not divide dp={shape['dp']}'s replica batch of "
                            f"{replica_batch}")
             continue
-        zeros = [request.pinned("zero")] if request.pinned("zero") is not None else \
+        zeros = [query.pinned("zero")] if query.pinned("zero") is not None else \
             [z for z in ZERO_STAGES if z == 0 or shape["dp"] * shape["cp"] > 1]
-        modes = [request.pinned("recompute")] if request.pinned("recompute") is not None else \
-            ["none"] if isinstance(request.model, ParameterBlocks) else list(RECOMPUTE)
+        modes = [query.pinned("recompute")] if query.pinned("recompute") is not None else \
+            ["none"] if isinstance(query.model, ParameterBlocks) else list(RECOMPUTE)
         for zero, micro_batch, recompute in itertools.product(
                 zeros, [pinned_batch] if pinned_batch else _divisors(replica_batch), modes):
             layout = Layout(**shape, zero=zero, micro_batch=micro_batch, micro_batches=replica_batch // micro_batch,
-                            recompute=recompute, sequence_parallel=request.sequence_parallel and shape["tp"] > 1)
-            problem = layout_problem(request.model, layout, request.global_batch)
+                            recompute=recompute, sequence_parallel=query.sequence_parallel and shape["tp"] > 1)
+            problem = layout_problem(query.model, layout, query.global_batch)
             if problem:
                 reasons.append(problem)
                 continue
-            plans.append(evaluate(request.model, layout, global_batch=request.global_batch, machine=request.machine,
-                                  precision=request.precision))
+            plans.append(evaluate(query.model, layout, global_batch=query.global_batch, machine=query.machine,
+                                  precision=query.precision))
     return plans, list(dict.fromkeys(reasons))
 
 
@@ -242,32 +243,32 @@ def layouts(model: object, *, global_batch: int, ranks: int, memory_per_rank: in
     Raises :class:`NothingFitsError` (an ``InvalidArgumentError``) saying why nothing fits and
     what would.
     """
-    request = make_request(model, global_batch=global_batch, ranks=ranks, memory_per_rank=memory_per_rank,
-                           machine=machine, precision=precision, optimizer=optimizer,
-                           sequence_parallel=sequence_parallel, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
-                           micro_batch=micro_batch, recompute=recompute)
-    return search(request)[0]
+    query = make_query(model, global_batch=global_batch, ranks=ranks, memory_per_rank=memory_per_rank,
+                       machine=machine, precision=precision, optimizer=optimizer,
+                       sequence_parallel=sequence_parallel, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
+                       micro_batch=micro_batch, recompute=recompute)
+    return search(query)[0]
 
 
-def search(request: Request) -> tuple[list[Plan], int]:
+def search(query: Query) -> tuple[list[Plan], int]:
     """The plans that fit, fastest first, and how many layouts psrt could run; raises
     :class:`NothingFitsError` when none fits."""
-    plans, reasons = candidates(request)
-    fitting = ranked(plans, request.memory_per_rank)
+    plans, reasons = candidates(query)
+    fitting = ranked(plans, query.memory_per_rank)
     if not fitting:
         from psrt.plan.advice import explain
         smallest = min(plans, key=lambda plan: plan.memory.total) if plans else None
-        raise NothingFitsError(explain(request, plans, reasons), smallest)
+        raise NothingFitsError(explain(query, plans, reasons), smallest)
     return fitting, len(plans)
 
 
-def with_fixed(request: Request, **changes: object) -> Request:
-    """The request with some pinned choices changed (None frees one) or other fields replaced."""
-    fixed = dict(request.fixed)
+def with_fixed(query: Query, **changes: object) -> Query:
+    """The query with some pinned choices changed (None frees one) or other fields replaced."""
+    fixed = dict(query.fixed)
     for name in [name for name in changes if name in AXES + ("zero", "micro_batch", "recompute")]:
         value = changes.pop(name)
         if value is None:
             fixed.pop(name, None)
         else:
             fixed[name] = value
-    return replace(request, fixed=tuple(sorted(fixed.items())), **changes)
+    return replace(query, fixed=tuple(sorted(fixed.items())), **changes)

@@ -10,7 +10,7 @@ submodules at their own paths, so the stage's ``state_dict`` keys are the model'
 
 How a block is called (positions, rotary tables, attention masks, recomputed on every
 stage from the activation's shape) is the model family's business: a
-:class:`~psrt.models.layout.StageLayout` that :mod:`psrt.models` provides for the families
+:class:`~psrt.models.stage_layout.StageLayout` that :mod:`psrt.models` provides for the families
 it knows, or that the caller describes by naming the parts (each block then gets the hidden
 states alone).
 """
@@ -24,7 +24,7 @@ from torch import nn
 
 from psrt import models
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
-from psrt.models.layout import StageLayout
+from psrt.models.stage_layout import StageLayout
 from psrt.pp.partition import balanced_split
 from psrt.pp.stage import PipelineStage
 from psrt.topology import ProcessSet

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from psrt.comm.base import Request
-from psrt.comm.direct import MAX_DIMS, DirectGroup
+from psrt.comm.direct import DirectGroup
+from psrt.comm.header import MAX_DIMS
 from psrt.errors import CommunicationError
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

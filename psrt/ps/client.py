@@ -8,25 +8,28 @@ chunk of the key at once, so pushes and pulls of different keys and servers
 are all in flight together; tensors travel straight from and into their own
 memory.  Errors a server reports arrive as :class:`~psrt.errors.ParameterServerError`
 from ``wait()`` (for a push, from the worker's next request with a reply).
+
+This module decides what to ask the servers; how a request travels and is kept until
+settled is :mod:`psrt.ps.store_requests`', and the checks of a call's key and tensor are
+:mod:`psrt.ps.keys`'.
 """
 from __future__ import annotations
 
-import sys
 import uuid
-from dataclasses import dataclass
 
 import torch
 
 import psrt.torch as hvd
 from psrt.comm.base import Request
-from psrt.comm.buffers import SUPPORTED_DTYPES
-from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError, PsrtError
+from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint, protocol
 from psrt.ps.handles import Handle, Reply
+from psrt.ps.keys import KeyRecord, check_init, known_key, on_host
 from psrt.ps.placement import Chunk, Placement
-from psrt.ps.protocol import HEADER_TAG, Mode, Op
+from psrt.ps.protocol import HEADER_TAG, Mode, RequestKind
 from psrt.ps.service import WorkerLink
-from psrt.ps.shard import OptimizerSpec
+from psrt.ps.shard import optimizer_spec
+from psrt.ps.store_requests import StoreRequests
 from psrt.runtime import Runtime, given
 
 _MODES = {"sync": Mode.SYNC, "async": Mode.ASYNC, "bounded": Mode.BOUNDED}
@@ -41,26 +44,6 @@ def link(current: Runtime) -> WorkerLink:
         raise InvalidArgumentError("no parameter servers in this job: launch with "
                                    "`psrun --num-servers S ...` (or set PSRT_NUM_SERVERS=S)")
     return ps
-
-
-@dataclass(frozen=True)
-class _Key:
-    shape: torch.Size
-    dtype: torch.dtype
-    chunks: tuple[Chunk, ...]
-    # per chunk: the server's rank, the push tag it gave and the header every push sends
-    pushes: tuple[tuple[int, int, torch.Tensor], ...]
-    servers: tuple[int, ...]  # the ranks of the servers holding the chunks
-
-    def describe(self) -> str:
-        return f"shape {list(self.shape)} {self.dtype}"
-
-
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements in contiguous host memory: the tensor itself where it is there
-    (MPI reads any contiguous tensor as flat, so a push of one chunk needs no view)."""
-    tensor = tensor.detach()
-    return tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else tensor.to("cpu").contiguous()
 
 
 class KVStore:
@@ -99,77 +82,10 @@ class KVStore:
         self.mode, self.max_staleness, self.reduce = mode, max_staleness, reduce
         self.store_id = self._link.register_store(self)
         self._placement = Placement(self._link.num_servers, self._link.config.ps_chunk_bytes)
-        self._keys: dict[str, _Key] = {}
-        self._open: list[Handle] = []
+        self._keys: dict[str, KeyRecord] = {}
+        self._requests = StoreRequests(self._link, self.store_id)
         settings = {"mode": int(_MODES[mode]), "max_staleness": max_staleness or 0, "reduce": _REDUCTIONS[reduce]}
-        self._everywhere(Op.CONFIGURE, document=settings).wait()
-
-    # -- requests ---------------------------------------------------------------------------
-    def _request(self, server: int, op: Op, chunk: Chunk | None = None, *, dtype: torch.dtype | None = None,
-                 meta: torch.Tensor | None = None, data: torch.Tensor | None = None, reply: bool = True,
-                 what: str | None = None) -> Handle:
-        """Send one request (about ``chunk``'s elements of ``dtype``): a header, then ``meta``
-        (a JSON document) and ``data`` (an init's value); with ``reply``, post the receive of
-        the server's answer first."""
-        sends: list[Request] = []
-        replies: list[Reply] = []
-        self._post(sends, replies, server, op, chunk, dtype=dtype, meta=meta, data=data, reply=reply)
-        return self._track(Handle(sends, replies, link=self._link, servers=(self._link.server_rank(server),),
-                                  what=what or f"{op.name.lower()} request"))
-
-    def _post(self, sends: list[Request], replies: list[Reply], server: int, op: Op, chunk: Chunk | None, *,
-              dtype: torch.dtype | None, meta: torch.Tensor | None = None, data: torch.Tensor | None = None,
-              reply: bool = True, receive_into: torch.Tensor | None = None) -> None:
-        """Post one request's messages, adding them to ``sends`` and ``replies``; with
-        ``receive_into``, the receive of the tensor data the server answers with (a pull)."""
-        self._ensure_open()
-        link, rank = self._link, self._link.server_rank(server)
-        with link.lock:
-            tag = link.next_tag()
-            if reply:
-                replies.append(Reply(link, server, tag, receive_into))
-            header = protocol.request(op, self.store_id, 0 if chunk is None else chunk.chunk_id, tag, dtype=dtype,
-                                      numel=0 if chunk is None else chunk.numel, meta=meta,
-                                      flag=int(data is not None))
-            sends.append(link.comm.isend(header.encode(), rank, HEADER_TAG))
-            if meta is not None:
-                sends.append(link.comm.isend(meta, rank, tag))
-            if data is not None:
-                sends.append(link.comm.isend(data, rank, tag + 1))
-
-    def _ensure_open(self) -> None:
-        if self._link.closed:
-            raise PsrtError("psrt was shut down on this worker: the KVStore is closed")
-
-    def _everywhere(self, op: Op, document: object = None, reply: bool = True) -> Handle:
-        handles = [self._request(server, op, meta=None if document is None else protocol.encode(document),
-                                 reply=reply)
-                   for server in range(self._link.num_servers)]
-        return Handle.joined(handles)
-
-    def _track(self, handle: Handle) -> Handle:
-        """Remember ``handle`` until it is settled, so that close() can finish it."""
-        with self._link.lock:
-            if len(self._open) > 256:  # forget the settled: waited for, or sent with nothing to hear
-                self._open = [h for h in self._open if not (h.finished or (not h._replies and h.done()))]
-            self._open.append(handle)
-        return handle
-
-    def _key(self, key: str, tensor: torch.Tensor | None, what: str) -> _Key:
-        if not isinstance(key, str):
-            raise ArgumentTypeError(f"{what}: key must be a str, got {type(key).__name__}")
-        info = self._keys.get(key)
-        if info is None:
-            raise InvalidArgumentError(f"{what} of key {key!r}: the key was never initialised; call "
-                                       "init(key, tensor) on every worker first")
-        if tensor is not None:
-            if not isinstance(tensor, torch.Tensor):
-                raise ArgumentTypeError(f"{what} of key {key!r}: expected a torch.Tensor, got "
-                                        f"{type(tensor).__name__}")
-            if tensor.shape != info.shape or tensor.dtype != info.dtype:
-                raise InvalidArgumentError(f"{what} of key {key!r}: the key holds {info.describe()}, "
-                                           f"got shape {list(tensor.shape)} {tensor.dtype}")
-        return info
+        self._requests.everywhere(RequestKind.CONFIGURE, document=settings).wait()
 
     # -- the key-value API --------------------------------------------------------------------
     def init(self, key: str, tensor: torch.Tensor) -> None:
@@ -183,15 +99,7 @@ class KVStore:
             floating point unless the store was made with ``reduce="sum"``; the same shape and dtype
             on every worker.
         """
-        if not isinstance(key, str):
-            raise ArgumentTypeError(f"init: key must be a str, got {type(key).__name__}")
-        if not isinstance(tensor, torch.Tensor):
-            raise ArgumentTypeError(f"init of key {key!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            raise InvalidArgumentError(f"init of key {key!r}: dtype {tensor.dtype} is not supported")
-        if self.reduce == "mean" and not tensor.is_floating_point():
-            raise InvalidArgumentError(f"init of key {key!r}: a {tensor.dtype} key cannot be averaged; "
-                                       "create the KVStore with reduce='sum' for integer keys")
+        check_init(key, tensor, self.reduce)
         known = self._keys.get(key)
         if known is not None:
             if (known.shape, known.dtype) != (tensor.shape, tensor.dtype):
@@ -199,16 +107,16 @@ class KVStore:
                                            f"init again with shape {list(tensor.shape)} {tensor.dtype}")
             return
         chunks = self._placement.add(key, tensor.numel(), tensor.element_size())
-        flat = _host(tensor).view(-1)
+        flat = on_host(tensor).view(-1)
         owner = self._link.worker == 0
         handles = []
         for chunk in chunks:
             meta = protocol.encode({"key": key, "shape": list(tensor.shape), "offset": chunk.offset})
             data = flat[chunk.offset:chunk.offset + chunk.numel] if owner else None
-            handles.append(self._request(chunk.server, Op.INIT, chunk, dtype=tensor.dtype, meta=meta, data=data,
-                                         what=f"init of key {key!r}"))
+            handles.append(self._requests.request(chunk.server, RequestKind.INIT, chunk, dtype=tensor.dtype, meta=meta,
+                                                  data=data, what=f"init of key {key!r}"))
         pushes = self._push_tags(key, chunks, handles, tensor.dtype)
-        self._keys[key] = _Key(tensor.shape, tensor.dtype, chunks, pushes, tuple(sorted({p[0] for p in pushes})))
+        self._keys[key] = KeyRecord(tensor.shape, tensor.dtype, chunks, pushes, tuple(sorted({p[0] for p in pushes})))
 
     def _push_tags(self, key: str, chunks: tuple[Chunk, ...], inits: list[Handle],
                    dtype: torch.dtype) -> tuple[tuple[int, int, torch.Tensor], ...]:
@@ -222,7 +130,7 @@ class KVStore:
                 errors.append(str(e))
                 continue
             tag = self._link.push_tag(chunk.server, handle.payloads[0]["push_tag"])
-            header = protocol.request(Op.PUSH, self.store_id, chunk.chunk_id, dtype=dtype, numel=chunk.numel)
+            header = protocol.request(RequestKind.PUSH, self.store_id, chunk.chunk_id, dtype=dtype, numel=chunk.numel)
             pushes.append((self._link.server_rank(chunk.server), tag, header.encode()))
         if errors:
             raise ParameterServerError("; ".join(dict.fromkeys(errors)))
@@ -242,9 +150,9 @@ class KVStore:
             shape and dtype, on any device; do not modify it until the push is done.
         :returns: a :class:`Handle`; its ``wait()`` returns None once the data has left.
         """
-        info = self._key(key, tensor, "push")
-        self._ensure_open()
-        data = _host(tensor)
+        info = known_key(self._keys, key, tensor, "push")
+        self._requests.ensure_open()
+        data = on_host(tensor)
         link = self._link
         sends = []
         with link.lock:
@@ -256,7 +164,8 @@ class KVStore:
                 for chunk, (rank, tag, header) in zip(info.chunks, info.pushes):
                     part = flat[chunk.offset:chunk.offset + chunk.numel]
                     sends += [link.comm.isend(header, rank, HEADER_TAG), link.comm.isend(part, rank, tag)]
-        return self._track(Handle(sends, [], link=link, servers=info.servers, what=f"push of key {key!r}"))
+        return self._requests.track(Handle(sends, [], link=link, servers=info.servers,
+                                           what=f"push of key {key!r}"))
 
     def pull_async(self, key: str, out: torch.Tensor | None = None) -> Handle:
         """Fetch ``key``'s value once the consistency mode allows: after this worker's earlier
@@ -271,7 +180,7 @@ class KVStore:
             new CPU tensor.
         :returns: a :class:`Handle`; its ``wait()`` returns the value.
         """
-        info = self._key(key, out, "pull")
+        info = known_key(self._keys, key, out, "pull")
         if out is None:
             out = torch.empty(info.shape, dtype=info.dtype)
         direct = out.device.type == "cpu" and out.is_contiguous()
@@ -279,15 +188,15 @@ class KVStore:
         sends: list[Request] = []
         replies: list[Reply] = []
         if len(info.chunks) == 1:  # the common case, kept short: a pull is on the step's critical path
-            self._post(sends, replies, info.chunks[0].server, Op.PULL, info.chunks[0], dtype=info.dtype,
-                       receive_into=target)
+            self._requests.post(sends, replies, info.chunks[0].server, RequestKind.PULL, info.chunks[0],
+                                dtype=info.dtype, receive_into=target)
         else:
             flat = target.view(-1)
             for c in info.chunks:
-                self._post(sends, replies, c.server, Op.PULL, c, dtype=info.dtype,
-                           receive_into=flat[c.offset:c.offset + c.numel])
-        return self._track(Handle(sends, replies, out, None if direct else (lambda: out.copy_(target)),
-                                  link=self._link, servers=info.servers, what=f"pull of key {key!r}"))
+                self._requests.post(sends, replies, c.server, RequestKind.PULL, c, dtype=info.dtype,
+                                    receive_into=flat[c.offset:c.offset + c.numel])
+        return self._requests.track(Handle(sends, replies, out, None if direct else (lambda: out.copy_(target)),
+                                           link=self._link, servers=info.servers, what=f"pull of key {key!r}"))
 
     def push_pull_async(self, key: str, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Handle:
         """Push ``tensor``, then pull the value that includes it.
@@ -364,7 +273,7 @@ class KVStore:
             checked here by building the optimizer once.
         """
         spec = optimizer_spec(optimizer, hyperparameters)
-        self._everywhere(Op.SET_OPTIMIZER, document={"name": spec.name,
+        self._requests.everywhere(RequestKind.SET_OPTIMIZER, document={"name": spec.name,
                                                      "hyperparameters": spec.hyperparameters}).wait()
 
     def set_learning_rate(self, lr: float) -> None:
@@ -375,7 +284,7 @@ class KVStore:
         """
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
             raise InvalidArgumentError(f"learning rate must be a number >= 0, got {lr!r}")
-        self._everywhere(Op.SET_LR, document={"lr": float(lr)}, reply=False)
+        self._requests.everywhere(RequestKind.SET_LR, document={"lr": float(lr)}, reply=False)
 
     # -- checkpoints and statistics ----------------------------------------------------------------
     def save(self, path: str) -> None:
@@ -391,7 +300,7 @@ class KVStore:
         path = str(path)
         save_id = hvd.broadcast_object(uuid.uuid4().hex if self._link.worker == 0 else None, root_rank=0,
                                        name=f"psrt.ps.save.{self.store_id}")
-        handle = self._everywhere(Op.SAVE, document={"path": path, "save_id": save_id})
+        handle = self._requests.everywhere(RequestKind.SAVE, document={"path": path, "save_id": save_id})
         handle.wait()
         failure = None
         if self._link.worker == 0:  # every server has saved: now it is a checkpoint
@@ -422,8 +331,8 @@ class KVStore:
         if isinstance(manifest, str):
             raise ParameterServerError(manifest)
         document = {"path": path, "save_id": manifest["save_id"], "files": manifest.get("files")}
-        self._everywhere(Op.LOAD, document={**document, "check": True}).wait()
-        handle = self._everywhere(Op.LOAD, document={**document, "check": False})
+        self._requests.everywhere(RequestKind.LOAD, document={**document, "check": True}).wait()
+        handle = self._requests.everywhere(RequestKind.LOAD, document={**document, "check": False})
         handle.wait()
         steps = [p["steps"][str(self.store_id)] for p in handle.payloads]
         return min(s for s in steps if s is not None)
@@ -433,7 +342,7 @@ class KVStore:
         and how often a pull was answered at each staleness (steps ahead of the slowest).  A
         request to the servers that no other worker has to match.
         """
-        handle = self._everywhere(Op.STATS)
+        handle = self._requests.everywhere(RequestKind.STATS)
         handle.wait()
         keys: dict[str, dict] = {}
         staleness: dict[int, int] = {}
@@ -450,37 +359,4 @@ class KVStore:
 
     def close(self) -> None:
         """Finish this worker's outstanding requests (run by ``psrt.shutdown()``)."""
-        for handle in self._open:
-            if not handle.finished:
-                try:
-                    handle.wait()
-                except PsrtError as e:
-                    print(f"psrt: worker {self._link.worker}: a request nobody waited for failed: {e}",
-                          file=sys.stderr, flush=True)
-        self._open = []
-
-
-_OPTIMIZERS = {name.lower(): name for name in dir(torch.optim)
-               if isinstance(getattr(torch.optim, name), type)
-               and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
-               and name != "Optimizer"}
-
-
-def optimizer_spec(optimizer: str | type, hyperparameters: dict) -> OptimizerSpec:
-    """Check an optimizer choice here, before anything is sent."""
-    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        name = optimizer.__name__
-    elif isinstance(optimizer, str):
-        name = optimizer
-    else:
-        raise ArgumentTypeError(f"optimizer must be a torch.optim class or its name, got {optimizer!r}")
-    if name.lower() not in _OPTIMIZERS:
-        raise InvalidArgumentError(f"unknown optimizer {name!r}: expected one of torch.optim's, "
-                                   f"e.g. {sorted(_OPTIMIZERS.values())[:6]}")
-    options = {k: list(v) if isinstance(v, tuple) else v for k, v in hyperparameters.items()}
-    for k, v in options.items():
-        if not isinstance(v, (int, float, bool, str, list, type(None))):
-            raise ArgumentTypeError(f"optimizer option {k}={v!r} is not a number, bool, str or tuple")
-    spec = OptimizerSpec(_OPTIMIZERS[name.lower()], options)
-    spec.build(torch.nn.Parameter(torch.zeros(1)))  # raises torch's own message for a bad option
-    return spec
+        self._requests.finish()

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from psrt.comm.base import Request
-from psrt.comm.direct import HEADER_WORDS, Header
+from psrt.comm.header import HEADER_WORDS, Header
 from psrt.comm.poll import wait_politely
 from psrt.errors import ParameterServerError, PsrtError
 from psrt.ps import protocol

@@ -1,11 +1,11 @@
 """The messages between workers and servers: direct-layer headers and tensor data.
 
-Every request is a :class:`~psrt.comm.direct.Header` on :data:`HEADER_TAG`, so a server
+Every request is a :class:`~psrt.comm.header.Header` on :data:`HEADER_TAG`, so a server
 keeps exactly one receive posted per worker and reads that worker's requests in the order
-they were sent.  Its kind is the :class:`Op`, its id the request's tag ``t``, its dtype and
-shape those of the chunk data the request carries or asks for, and its four ints are the
-store id, the chunk id, the length of a UTF-8 JSON document following on ``t``, and a flag
-(an init with data).  An init's data follows on ``t + 1``.  The server's answer comes back
+they were sent.  Its kind is the :class:`RequestKind`, its id the request's tag ``t``, its
+dtype and shape those of the chunk data the request carries or asks for, and its four ints
+are the store id, the chunk id, the length of a UTF-8 JSON document following on ``t``, and a
+flag (an init with data).  An init's data follows on ``t + 1``.  The server's answer comes back
 on ``t`` (a header: the :class:`Status` as its kind, the length of the payload as its
 shape), ``t + 1`` (the payload: tensor data or a JSON document) and ``t + 2`` (an error
 text, for a pull whose data receive is already posted).
@@ -24,13 +24,15 @@ import json
 
 import torch
 
-from psrt.comm.direct import Header
+from psrt.comm.header import Header
 
 HEADER_TAG = 1
 _FIRST_TAG = 10
 
 
-class Op(enum.IntEnum):
+class RequestKind(enum.IntEnum):
+    """What a worker asks a server: the kind of a request's header."""
+
     CONFIGURE = 1     # create a store: mode, max staleness, reduction
     INIT = 2          # register a chunk (and, from worker 0, its first value)
     PUSH = 3          # a gradient (or value) for a chunk
@@ -75,12 +77,12 @@ def push_tag(slot: int, max_tag: int) -> int:
     return tag
 
 
-def request(op: Op, store: int = 0, chunk: int = 0, tag: int = 0, *, dtype: torch.dtype | None = None,
+def request(kind: RequestKind, store: int = 0, chunk: int = 0, tag: int = 0, *, dtype: torch.dtype | None = None,
             numel: int = 0, meta: torch.Tensor | None = None, flag: int = 0) -> Header:
     """The header of a request about ``numel`` elements of ``dtype`` of a chunk, followed by
     ``meta`` (a JSON document, see :func:`encode`) if given."""
     shape = () if dtype is None else (numel,)
-    return Header(op, tag, dtype, shape, (store, chunk, 0 if meta is None else meta.numel(), flag))
+    return Header(kind, tag, dtype, shape, (store, chunk, 0 if meta is None else meta.numel(), flag))
 
 
 def reply(code: Status, tag: int = 0, payload_len: int = 0) -> Header:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from launcher.contract import rank_name
 from psrt.errors import InvalidArgumentError
 
 
@@ -34,8 +35,8 @@ class Roles:
     def describe_rank(self, job_rank: int) -> str:
         """``rank 2 (parameter server 0)``, ``rank 1 (worker 1)``: how reports name a rank."""
         if job_rank in self.servers:
-            return f"rank {job_rank} (parameter server {self.server_index(job_rank)})"
-        return f"rank {job_rank} (worker {self.worker_index(job_rank)})"
+            return rank_name(job_rank, f"parameter server {self.server_index(job_rank)}")
+        return rank_name(job_rank, f"worker {self.worker_index(job_rank)}")
 
 
 def assign_roles(hosts: Sequence[object], num_servers: int) -> Roles:

@@ -24,7 +24,7 @@ from psrt.comm.mpi import MpiCommunicator
 from psrt.comm.watchdog import Watchdog
 from psrt.config import Config
 from psrt.ps import protocol
-from psrt.ps.protocol import Op
+from psrt.ps.protocol import RequestKind
 from psrt.ps.roles import Roles, assign_roles
 from psrt.ps.server import Server
 
@@ -114,7 +114,7 @@ class WorkerLink:
         empty = torch.empty(0, dtype=torch.uint8)
         with self.lock:
             requests = [self.comm.isend(empty, rank, tag) for rank, tag in self._push_tags]
-            bye = protocol.request(Op.BYE).encode()
+            bye = protocol.request(RequestKind.BYE).encode()
             requests += [self.comm.isend(bye, self.server_rank(server), protocol.HEADER_TAG)
                          for server in range(self.num_servers)]
             for request in requests:

@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 
 from psrt.comm.buffers import host_buffer
-from psrt.errors import InvalidArgumentError
+from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.ps.protocol import Mode
 
 
@@ -61,6 +61,33 @@ class OptimizerSpec:
                                        "torch.optim class such as 'SGD' or 'Adam'")
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in self.hyperparameters.items()}
         return cls([param], **options)
+
+
+_OPTIMIZERS = {name.lower(): name for name in dir(torch.optim)
+               if isinstance(getattr(torch.optim, name), type)
+               and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
+               and name != "Optimizer"}
+
+
+def optimizer_spec(optimizer: str | type, hyperparameters: dict) -> OptimizerSpec:
+    """The spec of ``optimizer`` (a torch.optim class or its name) with ``hyperparameters``,
+    checked on the worker before anything is sent (by building it once)."""
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        name = optimizer.__name__
+    elif isinstance(optimizer, str):
+        name = optimizer
+    else:
+        raise ArgumentTypeError(f"optimizer must be a torch.optim class or its name, got {optimizer!r}")
+    if name.lower() not in _OPTIMIZERS:
+        raise InvalidArgumentError(f"unknown optimizer {name!r}: expected one of torch.optim's, "
+                                   f"e.g. {sorted(_OPTIMIZERS.values())[:6]}")
+    options = {k: list(v) if isinstance(v, tuple) else v for k, v in hyperparameters.items()}
+    for k, v in options.items():
+        if not isinstance(v, (int, float, bool, str, list, type(None))):
+            raise ArgumentTypeError(f"optimizer option {k}={v!r} is not a number, bool, str or tuple")
+    spec = OptimizerSpec(_OPTIMIZERS[name.lower()], options)
+    spec.build(torch.nn.Parameter(torch.zeros(1)))  # raises torch's own message for a bad option
+    return spec
 
 
 @dataclass

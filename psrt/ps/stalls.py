@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-from psrt.comm.watchdog import Wait
+from psrt.comm.waits import Wait
 
 if TYPE_CHECKING:
-    from psrt.ps.protocol import Op
+    from psrt.ps.protocol import RequestKind
     from psrt.ps.store import Store
 
 KIND = "a request held by a parameter server"
@@ -29,7 +29,7 @@ def _workers(missing: Sequence[int]) -> str:
     return f"worker{'s' if len(missing) > 1 else ''} {names(missing)}"
 
 
-def waits(stores: dict[int, Store], gathering: dict[Op, dict[int, tuple[int, dict, float]]],
+def waits(stores: dict[int, Store], gathering: dict[RequestKind, dict[int, tuple[int, dict, float]]],
           active: Sequence[int], job_rank: Sequence[int]) -> Iterator[Wait]:
     """Every request the server is holding back; ``job_rank[w]`` is worker w's rank in the job."""
     for store in stores.values():
@@ -44,11 +44,11 @@ def waits(stores: dict[int, Store], gathering: dict[Op, dict[int, tuple[int, dic
             for who, _, meta, since in inits:
                 yield Wait(KIND, f"worker {who}'s init of key {meta.key!r} (waiting for worker 0's)",
                            [job_rank[0]], since)
-    for op, requests in gathering.items():
+    for kind, requests in gathering.items():
         if requests:
             missing = [w for w in active if w not in requests]
             because = (f"{_workers(missing)} did not ask (every worker must call it at the same point)"
                        if missing else "pushes are still being applied")
             since = min(t for _, _, t in requests.values())
-            yield Wait(KIND, f"{op.name.lower()} asked for by workers {names(sorted(requests))} ({because})",
+            yield Wait(KIND, f"{kind.name.lower()} asked for by workers {names(sorted(requests))} ({because})",
                        [job_rank[w] for w in missing], since)

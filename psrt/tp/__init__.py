@@ -5,8 +5,8 @@ from a full single-process ``state_dict``."""
 from psrt.tp.comm import CommStats, stats
 from psrt.tp.cross_entropy import vocab_parallel_cross_entropy
 from psrt.tp.rewrite import TensorParallelism, parallelize
-from psrt.tp.plan import (ColumnWise, Replicated, RowWise, SequenceGather, SequenceParallel, SequenceScatter,
-                          VocabEmbedding)
+from psrt.models.tp_styles import (ColumnWise, Replicated, RowWise, SequenceGather, SequenceParallel,
+                                   SequenceScatter, VocabEmbedding)
 from psrt.tp.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
 from psrt.tp.random import (RNGStatesTracker, manual_seed, replicated_dropout, rng_tracker,
                             tensor_parallel_dropout)

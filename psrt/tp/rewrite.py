@@ -4,7 +4,7 @@
 psrt's tensor-parallel layers, each keeping this rank's slice of the weights the module
 already holds, so ``model.state_dict()`` keeps its keys (with this rank's slices as
 values) and the model is called as before.  Which module becomes what is a plan
-(:mod:`psrt.tp.plan`); ``plan="auto"`` takes it from the model family
+(:mod:`psrt.models.tp_styles`); ``plan="auto"`` takes it from the model family
 (:mod:`psrt.models`).  Every check runs before anything changes and before any
 communication, so a bad plan or layout raises the same error on every rank.
 """
@@ -18,10 +18,10 @@ from torch import nn
 
 from psrt import models
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
+from psrt.models.tp_styles import (ColumnWise, RowWise, SequenceGather, SequenceParallel, SequenceScatter, Style,
+                                   TpPlan, VocabEmbedding, describe, resolve)
 from psrt.tp import comm, regions
 from psrt.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from psrt.tp.plan import (ColumnWise, Plan, RowWise, SequenceGather, SequenceParallel, SequenceScatter,
-                          Style, VocabEmbedding, describe, resolve)
 from psrt.tp.random import replicated_dropout
 from psrt.tp.sharding import sharding_of
 from psrt.topology import ProcessSet
@@ -42,7 +42,7 @@ class TensorParallelism:
         return comm.group_size(self.process_set)
 
 
-def parallelize(model: nn.Module, process_set: ProcessSet | None, plan: Plan | str = "auto", *,
+def parallelize(model: nn.Module, process_set: ProcessSet | None, plan: TpPlan | str = "auto", *,
                 sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
     """Split ``model``'s planned modules over the TP set ``process_set``, in place; returns it.
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import launch
 from psrt import cli
-from psrt.engine.timeline_summary import summarize
+from psrt.timeline_summary import summarize
 
 pytestmark = pytest.mark.parallel
 

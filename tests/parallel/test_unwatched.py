@@ -20,8 +20,8 @@ from conftest import launch
 pytestmark = pytest.mark.parallel
 
 SITE = Path(__file__).resolve().parent / "unwatched_site"
-# The unmarked wait the main job makes on purpose: psrt's host layout, called from the job itself.
-CONTROL = re.compile(r"at psrt/comm/bootstrap\.py:\d+ \(host_layout\) "
+# The unmarked wait the main job makes on purpose: psrt's host groups, called from the job itself.
+CONTROL = re.compile(r"at psrt/comm/bootstrap\.py:\d+ \(host_groups\) "
                      r"\(called from tests/parallel/scripts/audit_job\.py:")
 AUDIT = re.compile(r"^UNWATCHED-AUDIT rank (\d+): (\d+) waits on peers, (\d+) unwatched$")
 

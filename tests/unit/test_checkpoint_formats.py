@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 import psrt.torch as hvd
+from launcher import contract
 from psrt import checkpoint_files
 from psrt.elastic import commits
 from psrt.errors import InvalidArgumentError
@@ -90,7 +91,7 @@ def test_a_parameter_server_file_of_earlier_psrt_loads(tmp_path):
 def test_an_elastic_commit_of_earlier_psrt_restores(world_of_one, tmp_path, monkeypatch):
     directory = shutil.copytree(EARLIER / "elastic", tmp_path / "elastic")
     assert json.loads((directory / commits.LATEST).read_text())["format"] == "psrt-elastic/1"
-    monkeypatch.setenv(commits.ENV_DIR, str(directory))
+    monkeypatch.setenv(contract.ENV_ELASTIC_DIR, str(directory))
     model = untrained_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     state = hvd.elastic.TorchState(model, optimizer, epoch=0)

@@ -17,7 +17,8 @@ import torch
 from psrt.comm import poll
 from psrt.comm.base import Communicator, CompletedRequest, ReduceOp, Request
 from psrt.comm.buffers import WIRE_DTYPES, dtype_code, dtype_of
-from psrt.comm.direct import HEADER_WORDS, MAX_DIMS, DirectGroup, Header, Kind
+from psrt.comm.direct import DirectGroup
+from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind
 from psrt.errors import CollectiveMismatchError, CommunicationError, InvalidArgumentError, PsrtError
 
 _REDUCE = {ReduceOp.SUM: torch.add, ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}
@@ -195,7 +196,7 @@ def test_headers_name_dtypes_by_the_one_wire_table():
 
 def test_the_digest_is_the_same_in_every_process():
     """Ranks compare digests, so the digest must not depend on the process's hash seed."""
-    code = ("import torch; from psrt.comm.direct import Header, Kind; "
+    code = ("import torch; from psrt.comm.header import Header, Kind; "
             "print(Header.of(Kind.ALL_REDUCE, torch.zeros(2, 3), args=(1,)).digest())")
     repo = Path(__file__).resolve().parents[2]
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo,

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launcher import cli, elastic
+from launcher import cli, contract, elastic
 from launcher.blacklist import Blacklist, check_cooldown_range
 from launcher.elastic import ElasticSettings, Supervisor, discover, rank_groups
 from launcher.failures import Failure, FailureKind
@@ -272,14 +272,11 @@ def test_a_latest_json_that_psrt_did_not_write_is_refused(tmp_path, record):
 def test_hosts_version_and_reset_request(tmp_path):
     store = CommitStore(str(tmp_path))
     assert store.hosts_version() == 0 and CommitStore(None).hosts_version() == 0
-    (tmp_path / commits.HOSTS).write_text(json.dumps({"version": 3, "hosts": ["a:1"]}))
+    (tmp_path / contract.HOSTS_FILE).write_text(json.dumps({"version": 3, "hosts": ["a:1"]}))
     assert store.hosts_version() == 3
     store.request_reset("the hosts changed")
-    assert json.loads((tmp_path / commits.RESET).read_text()) == {"reason": "the hosts changed"}
+    assert json.loads((tmp_path / contract.RESET_FILE).read_text()) == {"reason": "the hosts changed"}
     CommitStore(None).request_reset("nowhere to write: nothing happens")
-    # launcher.elastic keeps its own copies of the names, so that psrun needs no torch
-    assert (elastic.ENV_DIR, elastic.ENV_HOSTS_VERSION, elastic.HOSTS, elastic.RESET, elastic.RESTORE_FAILED) == \
-        (commits.ENV_DIR, commits.ENV_HOSTS_VERSION, commits.HOSTS, commits.RESET, commits.RESTORE_FAILED)
 
 
 # launcher: slot groups and discovery
@@ -414,13 +411,13 @@ def test_discovery_is_waited_for_up_to_the_elastic_timeout(tmp_path, monkeypatch
 
 def request_reset(env: dict) -> JobResult:
     """A job that stopped at a commit to be relaunched on new hosts (psrt.elastic.run)."""
-    CommitStore(env[commits.ENV_DIR]).request_reset("the hosts changed")
+    CommitStore(env[contract.ENV_ELASTIC_DIR]).request_reset("the hosts changed")
     return SUCCESS
 
 
 def test_a_job_asking_to_be_relaunched_does_not_use_a_restart(tmp_path):
     run = supervise(tmp_path, [request_reset, SUCCESS], restarts=0)
-    assert run.code == 0 and len(run.launches) == 2 and not (tmp_path / commits.RESET).exists()
+    assert run.code == 0 and len(run.launches) == 2 and not (tmp_path / contract.RESET_FILE).exists()
     assert any("relaunch: the hosts changed" in m for m in run.messages)
     run = supervise(tmp_path, [request_reset, request_reset, raised(0), SUCCESS], restarts=1)
     assert run.code == 0 and len(run.launches) == 4
@@ -429,10 +426,10 @@ def test_a_job_asking_to_be_relaunched_does_not_use_a_restart(tmp_path):
 def test_each_launch_is_told_the_elastic_directory_and_its_number(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = supervise(tmp_path, [raised(0), raised(0), SUCCESS], directory="elastic")
-    directories = [env[elastic.ENV_DIR] for env in run.envs]
+    directories = [env[contract.ENV_ELASTIC_DIR] for env in run.envs]
     assert all(os.path.isabs(d) and os.path.samefile(d, tmp_path / "elastic") for d in directories)
-    assert [env[elastic.ENV_LAUNCH] for env in run.envs] == ["1", "2", "3"]
-    assert [env[elastic.ENV_HOSTS_VERSION] for env in run.envs] == ["0"] * 3
+    assert [env[contract.ENV_ELASTIC_LAUNCH] for env in run.envs] == ["1", "2", "3"]
+    assert [env[contract.ENV_ELASTIC_HOSTS_VERSION] for env in run.envs] == ["0"] * 3
 
 
 def test_every_launch_takes_every_usable_slot_up_to_max_np_as_horovod(tmp_path):
@@ -463,7 +460,7 @@ def test_a_lost_group_is_blacklisted_with_a_cooldown_and_the_job_grows_back_into
     monkeypatch.setattr(elastic, "DISCOVERY_INTERVAL_S", 0.05)
 
     def waits_for_the_group_to_return(env: dict) -> JobResult:
-        hosts = Path(env[commits.ENV_DIR]) / commits.HOSTS
+        hosts = Path(env[contract.ENV_ELASTIC_DIR]) / contract.HOSTS_FILE
         deadline = time.monotonic() + 30
         while not hosts.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -520,7 +517,7 @@ def test_a_cooldown_range_outside_horovods_bounds_is_refused(low, high):
 def restore_fails(reason: str):
     """A launch whose job could not restore its commit (psrt.elastic's State._resume)."""
     def job(env: dict) -> JobResult:
-        CommitStore(env[commits.ENV_DIR]).report_restore_failure(reason)
+        CommitStore(env[contract.ENV_ELASTIC_DIR]).report_restore_failure(reason)
         return raised(0)
     return job
 
@@ -531,7 +528,7 @@ def test_a_commit_that_fails_to_restore_the_same_way_twice_is_not_relaunched_aga
     assert run.code == 1 and len(run.launches) == 2, run.messages
     assert "giving up: launches 1 and 2 could not restore the last commit, both for the same reason" \
         in run.messages[-1] and damaged in run.messages[-1]
-    assert not (tmp_path / commits.RESTORE_FAILED).exists()
+    assert not (tmp_path / contract.RESTORE_FAILED_FILE).exists()
 
 
 def test_restore_failures_that_differ_or_are_not_in_a_row_use_the_restarts(tmp_path):
@@ -595,7 +592,7 @@ def test_dry_run_with_elastic_flags_prints_the_first_launch_and_runs_nothing(tmp
     assert code == 0 and not ran.exists(), err
     command = shlex.split(out)
     assert command[0] == mpirun and command[command.index("-np") + 1] == "2" and command[-2:] == ["python", "train.py"]
-    assert f"{elastic.ENV_DIR}={tmp_path / 'job'}" in command and f"{elastic.ENV_LAUNCH}=1" in command
+    assert f"{contract.ENV_ELASTIC_DIR}={tmp_path / 'job'}" in command and f"{contract.ENV_ELASTIC_LAUNCH}=1" in command
     assert "dry run: launch 1 would run 2 ranks on localhost:1, localhost:1" in err
     assert not (tmp_path / "job").exists() and list((tmp_path / "tmp").iterdir()) == []
 

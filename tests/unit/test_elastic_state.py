@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import psrt.torch as hvd
+from launcher import contract
 from psrt.elastic import commits
 from psrt.elastic.commits import CommitStore
 from psrt.errors import ArgumentTypeError, CheckpointError, ElasticError
@@ -25,7 +26,7 @@ def world_of_one():
 
 @pytest.fixture
 def elastic_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(commits.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(contract.ENV_ELASTIC_DIR, str(tmp_path))
     return tmp_path
 
 
@@ -166,7 +167,7 @@ def test_commits_without_latest_json_are_refused_naming_them_and_kept(world_of_o
         hvd.elastic.ObjectState(epoch=5).commit()
     assert commits_in(elastic_dir) == ["commit-000002"] and (elastic_dir / "commit-000002" / commits.REPLICATED).exists()
     assert not (elastic_dir / commits.LATEST).exists()
-    assert expected in json.loads((elastic_dir / commits.RESTORE_FAILED).read_text())["reason"]  # for psrun
+    assert expected in json.loads((elastic_dir / contract.RESTORE_FAILED_FILE).read_text())["reason"]  # for psrun
 
 
 @pytest.mark.parametrize("pointer", ["{not json", '{"format": "other/1", "commit": 2, "files": {}}'])
@@ -212,7 +213,7 @@ def test_a_job_killed_inside_its_first_commit_starts_afresh(world_of_one, elasti
 
 
 def test_without_a_commit_directory_run_keeps_commits_in_memory(world_of_one, monkeypatch):
-    monkeypatch.delenv(commits.ENV_DIR, raising=False)
+    monkeypatch.delenv(contract.ENV_ELASTIC_DIR, raising=False)
     state = hvd.elastic.ObjectState(epoch=0)
     assert two_commits(state) == 2 and state.restored_from is None
     state.epoch = 7
@@ -226,7 +227,7 @@ def test_a_restore_failure_is_reported_for_psrun(world_of_one, elastic_dir):
     path.write_bytes(path.read_bytes()[:-4] + b"oops")
     with pytest.raises(ElasticError, match="cannot resume from commit 2") as caught:
         two_commits(hvd.elastic.ObjectState(epoch=0))
-    reason = json.loads((elastic_dir / commits.RESTORE_FAILED).read_text())["reason"]
+    reason = json.loads((elastic_dir / contract.RESTORE_FAILED_FILE).read_text())["reason"]
     assert reason == str(caught.value) and "sha256" in reason
 
 
@@ -242,7 +243,7 @@ def test_a_restore_that_fails_in_an_optimizer_checkpoint_is_reported_for_psrun_t
     monkeypatch.setattr(fresh, "_read", damaged)
     with pytest.raises(CheckpointError):
         two_commits(fresh)
-    reason = json.loads((elastic_dir / commits.RESTORE_FAILED).read_text())["reason"]
+    reason = json.loads((elastic_dir / contract.RESTORE_FAILED_FILE).read_text())["reason"]
     assert reason == "CheckpointError: zero/meta.json: sha256 differs"
 
 

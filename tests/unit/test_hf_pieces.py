@@ -12,7 +12,7 @@ import psrt.torch as hvd
 from psrt import pp, tp
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.pretrained import load_pretrained, save_pretrained
-from psrt.tp.plan import resolve
+from psrt.models.tp_styles import resolve
 from psrt.tp.sharding import Sharding
 
 

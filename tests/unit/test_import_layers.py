@@ -1,9 +1,11 @@
-"""psrt's import graph follows its layers: no module imports one of a higher layer, and no
-strategy package imports, through any chain, one that imports it back.
+"""psrt's import graph follows its layers: no module imports one of a higher layer, no two
+packages import each other through any chain, and psrt takes nothing from the launcher but
+the contract between psrun and its ranks.
 
-The graph is grimp's (the library behind import-linter), built from the source, so an
-import inside a function counts as much as one at the top of a module: a lazy import only
-hides a dependency from the interpreter, not from the design.
+This file is where psrt's layers are written down (:data:`LAYERS`, bottom-up, each with why
+it sits where it does).  The graph is grimp's (the library behind import-linter), built from
+the source, so an import inside a function counts as much as one at the top of a module: a
+lazy import only hides a dependency from the interpreter, not from the design.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import pytest
 
 import psrt
 
-# The layers, bottom-up, as DESIGN.md's table has them plus what exists beside it.  A module
-# may import its own layer and the ones below, never one above.  Each line says why it sits
-# where it does.
+# The layers, bottom-up: the transport and the direct layer beside it, the topology, the
+# engine, the runtime, the framework binding, then the model families and the strategies built
+# on it, and what combines strategies at the top.  A module may import its own layer and the
+# ones below, never one above.  Each line says why it sits where it does.
 LAYERS: list[tuple[str, ...]] = [
     # leaves every layer uses: errors, the typed configuration, small tensor and file helpers
     ("psrt.errors", "psrt.config", "psrt.autograd", "psrt.checkpoint_files", "psrt.safetensors_slices",
@@ -39,21 +42,24 @@ LAYERS: list[tuple[str, ...]] = [
     ("psrt.dp",),
     # the framework binding: the Horovod-shaped torch API and the torch.distributed backend
     ("psrt.torch",),
-    # the tensor-parallel plan vocabulary: plain values that model families write plans in
-    ("psrt.tp.plan",),
-    # model families: their TP plans and pipeline layouts, as values for the generic machinery
+    # model families, their TP plans and pipeline stage layouts, and the vocabularies those are
+    # written in (psrt.models.tp_styles, psrt.models.stage_layout): values for the generic machinery
     ("psrt.models",),
     # parallelism strategies, built on the torch API and the topology (TP and PP apply the
     # families' plans and layouts)
     ("psrt.zero", "psrt.ps", "psrt.tp", "psrt.pp", "psrt.cp", "psrt.ep"),
-    # what combines strategies: elastic training, full state, pretrained weights, plans, tuning, CLI
-    ("psrt.elastic", "psrt.full_state", "psrt.pretrained", "psrt.plan", "psrt.tune", "psrt.cli"),
+    # what combines strategies: elastic training, full state, pretrained weights, plans, tuning, the
+    # psrt command and its offline subcommands (a timeline's summary)
+    ("psrt.elastic", "psrt.full_state", "psrt.pretrained", "psrt.plan", "psrt.tune", "psrt.cli",
+     "psrt.timeline_summary"),
 ]
 # Imports up a layer that the design accepts, each with its reason (none today: ``hvd.elastic``,
 # Horovod's name for psrt.elastic, is resolved by name on first use, psrt.torch's code never
 # uses it).
 ACCEPTED_UPWARD: set[tuple[str, str]] = set()
-STRATEGIES = ("psrt.zero", "psrt.ps", "psrt.tp", "psrt.pp", "psrt.cp", "psrt.ep")
+# What psrt may import of the launcher: the names and lines psrun and the ranks share, which
+# import nothing themselves (psrun must start without torch or MPI).
+LAUNCHER_CONTRACT = "launcher.contract"
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +79,7 @@ def _layer_of(module: str) -> int | None:
 
 
 def _package(module: str) -> str:
+    """``psrt.models`` for ``psrt.models.tp_styles``; ``psrt.torch`` for ``psrt.torch.c10d``."""
     return ".".join(module.split(".")[:2])
 
 
@@ -99,14 +106,25 @@ def test_no_module_imports_a_higher_layer(graph):
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
-def test_no_import_circle_across_strategy_packages(graph):
+def test_no_two_packages_import_each_other(graph):
+    """A circle between packages (``psrt.a`` imports ``psrt.b``, which imports ``psrt.a`` back
+    through any chain) makes neither of them a layer: each needs the other to be understood."""
+    packages = sorted({_package(m) for m in graph.modules if m != "psrt"})
     circles = []
-    for first, second in itertools.combinations(STRATEGIES, 2):
+    for first, second in itertools.combinations(packages, 2):
         there = graph.find_shortest_chain(importer=first, imported=second, as_packages=True)
         back = graph.find_shortest_chain(importer=second, imported=first, as_packages=True)
         if there and back:
             circles.append(f"{first} <-> {second}: {' -> '.join(there)}; back: {' -> '.join(back)}")
-    assert not circles, "strategy packages that import each other:\n" + "\n".join(circles)
+    assert not circles, "packages that import each other:\n" + "\n".join(circles)
+
+
+def test_psrt_takes_only_the_contract_from_the_launcher_and_the_launcher_nothing_from_psrt():
+    both = grimp.build_graph("psrt", "launcher")
+    crossing = [_where(both, importer, imported) for importer, imported in _edges(both)
+                if (importer.startswith("psrt") and imported.startswith("launcher") and imported != LAUNCHER_CONTRACT)
+                or (importer.startswith("launcher") and imported.startswith("psrt"))]
+    assert not crossing, "imports between psrt and the launcher other than the contract:\n" + "\n".join(crossing)
 
 
 def test_no_package_imports_another_packages_private_names(graph):

@@ -10,14 +10,13 @@ import torch
 from psrt.config import config_from_env
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint
-from psrt.ps.client import optimizer_spec
 from psrt.ps import pushes as pushes_module
 from psrt.ps.placement import Placement
 from psrt.ps.pushes import PostedPushes
-from psrt.ps.protocol import Mode, Op
+from psrt.ps.protocol import Mode, RequestKind
 from psrt.ps.roles import assign_roles
 from psrt.ps.store import Store
-from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard
+from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard, optimizer_spec
 from psrt.ps.stalls import waits
 
 MiB = 1 << 20
@@ -324,7 +323,7 @@ def test_stall_descriptions_name_the_missing_workers():
     store.register(0, 0, 10, meta_of((4,)), torch.zeros(4), 2, worker_0_gone=False)
     push(store.shards[0], 0, 1.0)
     store.shards[0].add_pull(0, tag=13)
-    gathering = {Op.SAVE: {0: (16, {"path": "x"}, 50.0)}, Op.LOAD: {}}
+    gathering = {RequestKind.SAVE: {0: (16, {"path": "x"}, 50.0)}, RequestKind.LOAD: {}}
     held = list(waits({0: store}, gathering, [0, 1], job_rank=[0, 2]))
     assert "needs pushes from worker 1" in held[0].describe() and held[0].peer_ranks() == (2,)
     assert held[1].describe().startswith("save asked for by workers 0")

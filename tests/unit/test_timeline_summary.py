@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from psrt import cli
-from psrt.engine.timeline_summary import TimelineError, summarize
+from psrt.timeline_summary import TimelineError, summarize
 
 HEADER = '{"displayTimeUnit": "ms", "traceEvents": [\n'
 PHASE_NAMES = {"negotiate": "NEGOTIATE", "wait": "WAIT_FOR_OTHER_RANKS", "queue": "QUEUE",

@@ -9,7 +9,8 @@ import pytest
 
 from psrt.comm import watchdog as watchdog_module
 from psrt.comm.ranks import rank_ranges
-from psrt.comm.watchdog import Wait, Watchdog, combined
+from psrt.comm.waits import Wait
+from psrt.comm.watchdog import Watchdog, combined
 
 
 class FakeProber:

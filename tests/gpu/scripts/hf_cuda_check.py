@@ -96,7 +96,7 @@ def main() -> None:
         empty, _ = build(meta=True)
         tp.parallelize(empty, grid.tp_set, plan=how["plan"])
         again = pp.split(empty, grid.pp_set, **how["parts"])
-        load_pretrained(again, directory, grid, device=device)
+        load_pretrained(again, directory, device=device)
         assert all(t.device.type == device.type for t in again.state_dict().values()), "a tensor left the device"
         full = full_state_dict(again, grid)
         for name, value in reference.state_dict().items():
@@ -107,7 +107,7 @@ def main() -> None:
         with torch.no_grad():
             for param in there.parameters():
                 param.zero_()
-        load_pretrained(there, directory, grid)
+        load_pretrained(there, directory)
         full = full_state_dict(there, grid)
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(full[name], value.cpu(), rtol=0, atol=0)

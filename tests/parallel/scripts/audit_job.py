@@ -106,9 +106,9 @@ def control() -> None:
     from psrt import runtime
     from psrt.comm import bootstrap
 
-    layout = bootstrap.host_layout(runtime.current().topology.world)
-    layout.local.free()
-    layout.cross.free()
+    hosts = bootstrap.host_groups(runtime.current().topology.world)
+    hosts.local.free()
+    hosts.cross.free()
 
 
 def parameter_server(directory: str) -> None:

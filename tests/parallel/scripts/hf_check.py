@@ -112,7 +112,7 @@ class Layout:
         else:
             self.module, self.pipeline = self.model, None
         if checkpoint is not None:
-            load_pretrained(self.module, checkpoint, self.grid)
+            load_pretrained(self.module, checkpoint)
         if zero:
             self.optimizer = ZeroOptimizer(self.module, torch.optim.AdamW, stage=zero, process_set=self.grid.dp_set,
                                            lr=LR)
@@ -233,7 +233,7 @@ def check_load_reads_only_own_slices(key: str) -> None:
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")  # the peak (VmHWM) starts again from what is resident now
         before = _resident_kib("VmRSS") * 1024
-        report = load_pretrained(stage, directory, grid)
+        report = load_pretrained(stage, directory)
         grown = _resident_kib("VmHWM") * 1024 - before
         own = sum(t.numel() * t.element_size() for t in stage.state_dict().values())
         bound = own + report.largest_tensor_bytes + (2 << 20)  # 2 MiB for the reader's own allocations

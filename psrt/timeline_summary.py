@@ -1,4 +1,6 @@
-"""Where each step's time went, read back from a timeline file (``hvd.start_timeline``).
+"""Where each step's time went, read back from a timeline file (``hvd.start_timeline``):
+``psrt timeline-summary``, an offline command that runs in one process and needs nothing of
+the engine that wrote the file.
 
 The timeline (:mod:`psrt.engine.timeline`) is rank 0's Chrome trace: one row per tensor,
 and for each collective of it (an *operation*) the phases NEGOTIATE, WAIT_FOR_OTHER_RANKS,

@@ -13,6 +13,12 @@ a module's input back (the attention and the MLP, whose column-parallel layers t
 joined input as it is), ``SequenceParallel(gather_output=True)`` a norm's output (the final
 norm before the output head).
 Without ``sequence_parallel`` those two styles do nothing.
+
+The styles are the vocabulary the model families (:mod:`psrt.models`) write their plans in
+and :mod:`psrt.tp` applies, so they sit here, below both: a family never imports the
+machinery that applies it (``psrt.tp`` re-exports the styles, the names users write plans
+with).  The type of a plan is :data:`TpPlan`; the layout planner's results
+(:class:`psrt.plan.Plan`) are another thing.
 """
 from __future__ import annotations
 
@@ -80,11 +86,11 @@ class Replicated:
 
 
 Style = Union[ColumnWise, RowWise, VocabEmbedding, SequenceParallel, SequenceScatter, SequenceGather, Replicated]
-Plan = Mapping[str, Style]
+TpPlan = Mapping[str, Style]
 STYLES = (ColumnWise, RowWise, VocabEmbedding, SequenceParallel, SequenceScatter, SequenceGather, Replicated)
 
 
-def resolve(model: nn.Module, plan: Plan) -> dict[str, Style]:
+def resolve(model: nn.Module, plan: TpPlan) -> dict[str, Style]:
     """Each planned module's name and style, in the model's module order: the first pattern
     that matches decides.  A pattern matching no module, or a style that is not one of this
     module's, is an error naming it (before anything is changed)."""

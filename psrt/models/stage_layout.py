@@ -1,9 +1,11 @@
-"""Where a decoder model's parts are for the pipeline: the layout each model family
+"""Where a decoder model's parts are for the pipeline: the stage layout each model family
 provides (:mod:`psrt.models`) and :func:`psrt.pp.split` cuts at block boundaries.
 
-A value, as a tensor-parallel plan is (:mod:`psrt.tp.plan`): the families are written in
-this vocabulary and the generic pipeline machinery consumes it, so neither the families
-nor this module depend on that machinery.
+"Layout" here means where a model's own modules are (its embedding, block list, head);
+how a job spreads over ranks is the layout planner's (:class:`psrt.plan.Layout`).  A
+value, as a tensor-parallel plan is (:mod:`psrt.models.tp_styles`): the families are
+written in this vocabulary and the generic pipeline machinery consumes it, so neither the
+families nor this module depend on that machinery.
 """
 from __future__ import annotations
 
