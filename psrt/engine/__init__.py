@@ -4,6 +4,6 @@ ranks, fused, cached, checked for mismatches and stalls, and traced on a timelin
 Strategies reach it through a :class:`Channel` (:mod:`psrt.engine.channel`)."""
 from psrt.engine.channel import Channel, PreparedAllreduce
 from psrt.engine.engine import Engine
-from psrt.engine.work import Announcement, Descriptor, Piece, Reduction, Work
+from psrt.engine.work import Announcement, BufferSpec, Descriptor, Reduction, Work
 
-__all__ = ["Announcement", "Channel", "Descriptor", "Engine", "Piece", "PreparedAllreduce", "Reduction", "Work"]
+__all__ = ["Announcement", "BufferSpec", "Channel", "Descriptor", "Engine", "PreparedAllreduce", "Reduction", "Work"]

@@ -27,7 +27,7 @@ import torch
 from psrt.comm.base import Communicator, ReduceOp
 from psrt.engine.engine import Engine
 from psrt.engine.names import Names
-from psrt.engine.work import Announcement, Descriptor, Piece, Reduction, Route, Work
+from psrt.engine.work import Announcement, BufferSpec, Descriptor, Reduction, Route, Work
 
 Finish = Callable[[object], object]
 Execute = Callable[[Communicator, Communicator], object]
@@ -111,7 +111,7 @@ class Channel:
         else:
             layout = (("dtypes", tuple(t.dtype for t in like)), ("shapes", tuple(tuple(t.shape) for t in like)))
         reduction = Reduction(self.set_id, str(first.device), op,
-                              tuple(Piece(t.numel(), t.dtype, s) for t, s in zip(like, scales)))
+                              tuple(BufferSpec(t.numel(), t.dtype, s) for t, s in zip(like, scales)))
         announcement = self.announce("allreduce", name, (*layout, ("device", first.device.type), *agreed),
                                      reduction)
         route = self._engine.route(announcement) if len(like) == 1 and name is not None else None

@@ -22,7 +22,8 @@ import torch
 
 from psrt.comm import poll
 from psrt.comm.base import Request
-from psrt.comm.watchdog import Wait, Watchdog
+from psrt.comm.waits import Wait
+from psrt.comm.watchdog import Watchdog
 from psrt.config import Config
 from psrt.engine.doorbell import Doorbell
 from psrt.engine.execution import Execution

@@ -32,7 +32,8 @@ import threading
 
 import torch
 
-from psrt.comm.watchdog import Wait, Watchdog
+from psrt.comm.waits import Wait
+from psrt.comm.watchdog import Watchdog
 from psrt.config import Config
 from psrt.engine.cycle import Cycle
 from psrt.engine.lifecycle import Lifecycle

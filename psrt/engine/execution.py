@@ -20,7 +20,8 @@ import torch
 
 from psrt.comm.base import Communicator, ReduceOp
 from psrt.comm.ranks import rank_ranges
-from psrt.comm.watchdog import Wait, Watchdog
+from psrt.comm.waits import Wait
+from psrt.comm.watchdog import Watchdog
 from psrt.config import Config
 from psrt.engine import fusion
 from psrt.engine.autotune import Autotuner, Setting

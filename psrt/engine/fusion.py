@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from psrt.engine.negotiation import Response
-from psrt.engine.work import Piece
+from psrt.engine.work import BufferSpec
 
 
 @dataclass
@@ -67,7 +67,7 @@ def plan(responses: Sequence[Response], threshold: int) -> list[Batch]:
     return batches
 
 
-def messages(pieces: Sequence[Piece], pack_limit: int = PACK_LIMIT_BYTES) -> list[list[int]]:
+def messages(pieces: Sequence[BufferSpec], pack_limit: int = PACK_LIMIT_BYTES) -> list[list[int]]:
     """Split a batch's pieces (in batch order) into messages: each large piece alone, each
     run of small ones of one dtype and scale together.  Pieces are agreed across ranks, so
     every rank splits the same way."""

@@ -17,7 +17,8 @@ import time
 
 from psrt.comm import bootstrap
 from psrt.comm.ranks import rank_ranges
-from psrt.comm.watchdog import Wait, Watchdog, combined
+from psrt.comm.waits import Wait
+from psrt.comm.watchdog import Watchdog, combined
 from psrt.config import Config
 from psrt.engine.cycle import Cycle
 from psrt.engine.negotiation import RoundResult

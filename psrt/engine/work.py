@@ -22,7 +22,7 @@ Descriptor = tuple[tuple[str, object], ...]
 WorkKey = tuple[int, str]
 
 
-class Piece(NamedTuple):
+class BufferSpec(NamedTuple):
     """One buffer of an allreduce: its element count, dtype, and the factor folded into its
     reduction (1/size for a floating-point Average; integers are scaled afterwards)."""
 
@@ -47,7 +47,7 @@ class Reduction(NamedTuple):
     set_id: int
     device: str
     op: ReduceOp
-    pieces: tuple[Piece, ...]
+    pieces: tuple[BufferSpec, ...]
 
     @property
     def fusion_key(self) -> tuple:

@@ -19,7 +19,6 @@ import uuid
 
 import torch
 
-import psrt.torch as hvd
 from psrt.comm.base import Request
 from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint, protocol
@@ -79,6 +78,7 @@ class KVStore:
         if reduce not in _REDUCTIONS:
             raise InvalidArgumentError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
         self._link = link(self.runtime)
+        self._workers = self.runtime.channel()  # the workers' world: where they agree on saves and loads
         self.mode, self.max_staleness, self.reduce = mode, max_staleness, reduce
         self.store_id = self._link.register_store(self)
         self._placement = Placement(self._link.num_servers, self._link.config.ps_chunk_bytes)
@@ -298,8 +298,8 @@ class KVStore:
             server.
         """
         path = str(path)
-        save_id = hvd.broadcast_object(uuid.uuid4().hex if self._link.worker == 0 else None, root_rank=0,
-                                       name=f"psrt.ps.save.{self.store_id}")
+        save_id = self._workers.broadcast_object(uuid.uuid4().hex if self._link.worker == 0 else None, 0,
+                                                 name=f"psrt.ps.save.{self.store_id}")
         handle = self._requests.everywhere(RequestKind.SAVE, document={"path": path, "save_id": save_id})
         handle.wait()
         failure = None
@@ -309,7 +309,7 @@ class KVStore:
                 checkpoint.write_manifest(path, save_id, self._link.num_servers, files)
             except OSError as e:  # every worker raises it, none is left waiting
                 failure = f"the servers saved to {path!r}, but writing its {checkpoint.MANIFEST} failed: {e}"
-        failure = hvd.broadcast_object(failure, root_rank=0, name=f"psrt.ps.saved.{self.store_id}")
+        failure = self._workers.broadcast_object(failure, 0, name=f"psrt.ps.saved.{self.store_id}")
         if failure is not None:
             raise ParameterServerError(failure)
 
@@ -326,8 +326,8 @@ class KVStore:
         :returns: the number of steps this store had taken.
         """
         path = str(path)
-        manifest = hvd.broadcast_object(checkpoint.read_manifest(path) if self._link.worker == 0 else None,
-                                        root_rank=0, name=f"psrt.ps.load.{self.store_id}")
+        manifest = self._workers.broadcast_object(checkpoint.read_manifest(path) if self._link.worker == 0 else None,
+                                                  0, name=f"psrt.ps.load.{self.store_id}")
         if isinstance(manifest, str):
             raise ParameterServerError(manifest)
         document = {"path": path, "save_id": manifest["save_id"], "files": manifest.get("files")}

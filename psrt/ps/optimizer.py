@@ -18,7 +18,8 @@ import inspect
 import torch
 
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
-from psrt.ps.client import KVStore, optimizer_spec
+from psrt.ps.client import KVStore
+from psrt.ps.shard import optimizer_spec
 from psrt.ps.handles import Handle
 from psrt.dp import Bucket, BucketStrategy, GradientReducer, check_names
 

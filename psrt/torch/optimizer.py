@@ -37,19 +37,17 @@ from __future__ import annotations
 import functools
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from psrt import runtime
-from psrt.dp import (Bucket, Bucketing, BucketStrategy, GradientReducer, Slot, check_names, overlap_pays_here,
-                     plan_buckets, split_evenly, whole_buffer)
-from psrt.engine import Channel, Work
+from psrt.dp import Bucketing, GradientReducer, Slot, check_names, overlap_pays_here, plan_buckets, split_evenly
 from psrt.runtime import global_process_set
 from psrt.topology import ProcessSet
 from psrt.torch import adasum
-from psrt.torch.collectives.allreduce import AllreduceCall, allreduce_call, allreduce_work
-from psrt.torch.collectives.grouped_allreduce import start_sparse_allreduce
+from psrt.torch.averaging import Averaging
+from psrt.torch.collectives.allreduce import allreduce_call, allreduce_work
 from psrt.torch.compression import Compression, compressor
 from psrt.torch.ops import Adasum, Average, Sum
 
@@ -145,83 +143,6 @@ def _wrapped_class(base: type) -> type:
     return type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
 
 
-class _Reduction:
-    """What a bucket's reduction started: the dense tensors reduced in place (the bucket buffer,
-    or its members' gradients) and the work reducing them, their compression contexts, dense
-    copies standing for sparse gradients (``sparse_as_dense``), and the allgathers of sparse
-    ones."""
-
-    __slots__ = ("dense", "work", "ctxs", "densified", "sparse")
-
-    def __init__(self) -> None:
-        self.dense: list[torch.Tensor] = []
-        self.work: Work | None = None
-        self.ctxs: list[object] = []
-        self.densified: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dense copy, the sparse gradient)
-        self.sparse: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
-
-
-class _Averaging(BucketStrategy):
-    """DistributedOptimizer's bucket: its gradients averaged (``op=Sum``: summed) over the set,
-    in place, on the set's channel.  With views the bucket buffer is one allreduce; otherwise
-    the members' gradients are one grouped allreduce.  A sparse gradient is allgathered
-    (Horovod's sparse allreduce) or, with ``sparse_as_dense``, reduced as a dense copy."""
-
-    def __init__(self, optimizer: _DistributedOptimizer, channel: Channel) -> None:
-        self.optimizer, self.channel = optimizer, channel
-        self._calls: dict[tuple, AllreduceCall] = {}  # by bucket and layout: worked out once
-
-    def launch(self, bucket: Bucket) -> None:
-        opt = self.optimizer
-        reduction = bucket.started = _Reduction()
-        whole = whole_buffer(bucket)
-        for slot, param in enumerate(bucket.params):
-            grad = param.grad
-            if not grad.is_sparse:
-                if not whole:
-                    reduction.dense.append(grad)
-            elif opt.sparse_as_dense:
-                dense = bucket.views[slot].copy_(grad.to_dense()) if whole else grad.to_dense()
-                reduction.densified.append((dense, grad))
-                if not whole:
-                    reduction.dense.append(dense)
-            else:
-                name = f"{bucket.name}.{opt._parameter_names[param]}"
-                reduction.sparse.append((grad, start_sparse_allreduce(self.channel, grad, name, opt.op)))
-        if whole and len(reduction.sparse) < len(bucket.params):
-            reduction.dense.append(bucket.buffer)
-        if not reduction.dense:
-            return
-        packed = [opt._compression.compress(tensor) for tensor in reduction.dense]
-        reduction.ctxs = [ctx for _, ctx in packed]
-        wires = [wire for wire, _ in packed]
-        call = self._call(bucket, wires)
-        reduction.work = self.channel.start(allreduce_work(call, wires, in_place=True, grouped=True))
-
-    def _call(self, bucket: Bucket, wires: list[torch.Tensor]) -> AllreduceCall:
-        key = (bucket.index, *[(t.dtype, t.shape) for t in wires])
-        call = self._calls.get(key)
-        if call is None:
-            prescale, postscale = self.optimizer._scales
-            call = self._calls[key] = allreduce_call(self.channel, wires, True, bucket.name, self.optimizer.op, None,
-                                                     prescale, postscale)
-        return call
-
-    def finish(self, bucket: Bucket) -> None:
-        reduction = bucket.started
-        if reduction is None:  # its launch failed before starting anything
-            return
-        outputs = self.channel.wait(reduction.work) if reduction.work is not None else []
-        for tensor, wire, ctx in zip(reduction.dense, outputs, reduction.ctxs):
-            reduced = self.optimizer._compression.decompress(wire, ctx)
-            if reduced is not tensor:
-                tensor.copy_(reduced)
-        for dense, target in reduction.densified:  # given back sparse, as in Horovod
-            target.zero_().add_(dense.to_sparse(target.sparse_dim()))
-        for grad, result in reduction.sparse:
-            grad.zero_().add_(result())
-
-
 class _DistributedOptimizer:
     """The methods a wrapped optimizer's class gets in front of its own (see DistributedOptimizer)."""
 
@@ -258,8 +179,10 @@ class _DistributedOptimizer:
         # Views need the bucket to travel whole: not for Adasum (which reduces parameter changes)
         # nor for a compressor of the user's, which compresses each gradient on its own.
         views = op != Adasum and compressor(compression) in (Compression.none, Compression.fp16)
+        averaging = Averaging(self._channel, op=op, scales=self._scales, compression=compression,
+                              sparse_as_dense=sparse_as_dense, names=self._parameter_names)
         self._reducer = GradientReducer(
-            ordered, [spec.members for spec in plan], _Averaging(self, self._channel),
+            ordered, [spec.members for spec in plan], averaging,
             names=[f"{prefix}.{number}" for number in range(len(plan))],
             param_names=[self._parameter_names.get(p, "?") for p in ordered],
             passes_per_step=backward_passes_per_step, overlap=self._overlap, views=views)

@@ -10,14 +10,14 @@ from psrt.comm.base import ReduceOp
 from psrt.engine.fusion import contiguous_span, messages, pack, plan, unpack
 from psrt.engine.negotiation import Response, ResponseCache
 from psrt.engine.timeline import Timeline
-from psrt.engine.work import Announcement, Piece, Reduction
+from psrt.engine.work import Announcement, BufferSpec, Reduction
 
 MiB = 1 << 20
 
 
 def allreduce(name: str, numel: int, dtype=torch.float32, op=ReduceOp.SUM, scale=1.0,
               set_id=0) -> Response:
-    reduction = Reduction(set_id, "cpu", op, (Piece(numel, dtype, scale),))
+    reduction = Reduction(set_id, "cpu", op, (BufferSpec(numel, dtype, scale),))
     return Response(Announcement((set_id, name), (0, 1), (("collective", "allreduce"),),
                                  reduction, True))
 
@@ -45,8 +45,8 @@ def test_plan_keeps_process_sets_apart_and_errors_alone():
     assert not plan([failed], 1 << 30)[0].fused
 
 
-def pieces(*specs) -> list[Piece]:
-    return [Piece(nbytes // dtype.itemsize, dtype, scale) for nbytes, dtype, scale in specs]
+def pieces(*specs) -> list[BufferSpec]:
+    return [BufferSpec(nbytes // dtype.itemsize, dtype, scale) for nbytes, dtype, scale in specs]
 
 
 def test_messages_send_large_pieces_alone_and_pack_runs_of_one_dtype_and_scale():
@@ -83,8 +83,8 @@ def test_pack_and_unpack_round_trip():
 
 
 def test_joined_zeros_match_the_pieces():
-    reduction = Reduction(0, "cpu", ReduceOp.SUM, (Piece(3, torch.int32, 1.0), Piece(0, torch.float32, 1.0),
-                                                    Piece(2, torch.float64, 0.5)))
+    reduction = Reduction(0, "cpu", ReduceOp.SUM, (BufferSpec(3, torch.int32, 1.0), BufferSpec(0, torch.float32, 1.0),
+                                                    BufferSpec(2, torch.float64, 0.5)))
     zeros = reduction.zeros()
     assert [(z.shape, z.dtype) for z in zeros] == [((3,), torch.int32), ((0,), torch.float32),
                                                    ((2,), torch.float64)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import psrt.torch as hvd
-import psrt.torch.optimizer
+import psrt.torch.averaging
 from psrt.dp import Bucketing, Slot, overlap_pays, plan_buckets, split_evenly
 from psrt.torch.optimizer import DistributedOptimizer
 
@@ -105,13 +105,13 @@ SMALL = Bucketing(first_bucket_bytes=8, bucket_bytes=8, overlap=True)
 def grouped_calls(monkeypatch):
     """Every grouped allreduce the optimizer starts: (name, the list of tensors)."""
     calls = []
-    real = psrt.torch.optimizer.allreduce_work
+    real = psrt.torch.averaging.allreduce_work
 
     def recording(call, tensors, *args, **kwargs):
         calls.append((call.name, list(tensors)))
         return real(call, tensors, *args, **kwargs)
 
-    monkeypatch.setattr(psrt.torch.optimizer, "allreduce_work", recording)
+    monkeypatch.setattr(psrt.torch.averaging, "allreduce_work", recording)
     return calls
 
 

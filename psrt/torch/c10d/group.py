@@ -28,7 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from psrt.comm.direct import DirectGroup, Kind
+from psrt.comm.direct import DirectGroup
+from psrt.comm.header import Kind
 from psrt.errors import InvalidArgumentError, UnsupportedOperationError
 from psrt.torch.c10d.arguments import (LABEL, check_like, contiguous, even_split, expect_counts, op_of, reduction,
                                        rows_of, single)
