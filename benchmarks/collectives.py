@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import psrt.torch as hvd
 from psrt import runtime
-from psrt.comm import ReduceOp
+from psrt.comm import ElementwiseOp
 from psrt.comm.ring import ring_allreduce
 
 from _gloo import init_gloo  # noqa: E402
@@ -144,7 +144,7 @@ def allreduce_impls(nbytes: int) -> list[Impl]:
             for name, buf, run in (
                 ("psrt", psrt_t, lambda: hvd.allreduce_(psrt_t, op=hvd.Sum)),
                 ("psrt_transport", transport_t,
-                 lambda: world.allreduce(transport_t, ReduceOp.SUM)),
+                 lambda: world.allreduce(transport_t, ElementwiseOp.SUM)),
                 ("mpi4py", mpi_a,
                  lambda: comm.Allreduce(MPI.IN_PLACE, [mpi_a, MPI.FLOAT], op=MPI.SUM)),
                 ("gloo", gloo_t, lambda: dist.all_reduce(gloo_t, op=dist.ReduceOp.SUM)))]

@@ -9,6 +9,6 @@ from psrt.comm.bootstrap import start_mpi_at_import
 
 start_mpi_at_import()
 
-from psrt.comm.base import Communicator, CompletedRequest, ReduceOp, Request  # noqa: E402
+from psrt.comm.base import Communicator, CompletedRequest, ElementwiseOp, Request  # noqa: E402
 
-__all__ = ["Communicator", "CompletedRequest", "ReduceOp", "Request"]
+__all__ = ["Communicator", "CompletedRequest", "ElementwiseOp", "Request"]

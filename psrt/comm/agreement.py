@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from psrt.comm.base import Communicator, Persistent, ReduceOp
+from psrt.comm.base import Communicator, Persistent, ElementwiseOp
 from psrt.comm.header import HEADER_WORDS, Header, Kind
 from psrt.errors import CollectiveMismatchError
 
@@ -99,7 +99,7 @@ class Agreement:
         """Whether every member passed ``digest``."""
         if self._reduction is None:  # made on the first check, which every member makes
             extremes = torch.zeros(2, dtype=torch.int64)  # kept alive by the request and the view
-            self._reduction = self._host.persistent_allreduce(extremes, ReduceOp.MAX)
+            self._reduction = self._host.persistent_allreduce(extremes, ElementwiseOp.MAX)
             self._words = memoryview(extremes.numpy())
         words = self._words
         words[0], words[1] = digest, -digest

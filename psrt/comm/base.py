@@ -24,7 +24,7 @@ import torch
 ANY_SOURCE = -1
 
 
-class ReduceOp(enum.Enum):
+class ElementwiseOp(enum.Enum):
     """Element-wise reductions every backend supports."""
 
     SUM = "sum"
@@ -78,7 +78,7 @@ class Communicator(abc.ABC):
 
     # -- collectives -------------------------------------------------------
     @abc.abstractmethod
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> None:
         """Reduce ``tensor`` over the group, in place, then multiply it by ``scale``.
 
         ``scale`` (for Average and post-scaling of floating-point tensors) is
@@ -87,10 +87,10 @@ class Communicator(abc.ABC):
         """
 
     @abc.abstractmethod
-    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> Request:
+    def iallreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> Request:
         """Non-blocking :meth:`allreduce`."""
 
-    def persistent_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> "Persistent":
+    def persistent_allreduce(self, tensor: torch.Tensor, op: ElementwiseOp) -> "Persistent":
         """The same in-place allreduce of ``tensor``, to be started again and again (MPI's
         persistent collectives set it up once).  Collective: every rank makes it at the
         same point, as a collective call."""
@@ -112,7 +112,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
-                       counts: Sequence[int], op: ReduceOp) -> Request:
+                       counts: Sequence[int], op: ElementwiseOp) -> Request:
         """Reduce ``send`` over the group; rank r keeps block r (``counts[r]`` elements)."""
 
     @abc.abstractmethod

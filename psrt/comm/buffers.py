@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from psrt.comm.base import ReduceOp
+from psrt.comm.base import ElementwiseOp
 from psrt.errors import InvalidArgumentError
 
 # dtype -> (dtype of the numpy view, MPI datatype used to move it)
@@ -43,15 +43,15 @@ SUPPORTED_DTYPES = frozenset(_VIEWS)
 WIRE_DTYPES: tuple[torch.dtype, ...] = tuple(_VIEWS)
 _WIRE_CODES = {dtype: code for code, dtype in enumerate(WIRE_DTYPES)}
 
-_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
-            ReduceOp.PRODUCT: MPI.PROD}
+_MPI_OPS = {ElementwiseOp.SUM: MPI.SUM, ElementwiseOp.MIN: MPI.MIN, ElementwiseOp.MAX: MPI.MAX,
+            ElementwiseOp.PRODUCT: MPI.PROD}
 # On booleans Min is "all", Max is "any", Product is "all"; Sum has no boolean meaning.
-_MPI_BOOL_OPS = {ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR, ReduceOp.PRODUCT: MPI.LAND}
+_MPI_BOOL_OPS = {ElementwiseOp.MIN: MPI.LAND, ElementwiseOp.MAX: MPI.LOR, ElementwiseOp.PRODUCT: MPI.LAND}
 
-_NUMPY_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
-                 ReduceOp.PRODUCT: np.multiply}
-_NUMPY_BOOL_UFUNCS = {ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or,
-                      ReduceOp.PRODUCT: np.logical_and}
+_NUMPY_UFUNCS = {ElementwiseOp.SUM: np.add, ElementwiseOp.MIN: np.minimum, ElementwiseOp.MAX: np.maximum,
+                 ElementwiseOp.PRODUCT: np.multiply}
+_NUMPY_BOOL_UFUNCS = {ElementwiseOp.MIN: np.logical_and, ElementwiseOp.MAX: np.logical_or,
+                      ElementwiseOp.PRODUCT: np.logical_and}
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -101,7 +101,7 @@ def mpi_buffer_v(tensor: torch.Tensor, counts: list[int]) -> list:
     return [memory, (list(counts), displacements), datatype]
 
 
-def mpi_op(op: ReduceOp, dtype: torch.dtype) -> MPI.Op:
+def mpi_op(op: ElementwiseOp, dtype: torch.dtype) -> MPI.Op:
     """The MPI reduction implementing ``op`` on ``dtype`` (after any widening)."""
     if dtype is torch.bool:
         if op not in _MPI_BOOL_OPS:
@@ -111,7 +111,7 @@ def mpi_op(op: ReduceOp, dtype: torch.dtype) -> MPI.Op:
     return _MPI_OPS[op]
 
 
-def numpy_reducer(op: ReduceOp, dtype: torch.dtype):
+def numpy_reducer(op: ElementwiseOp, dtype: torch.dtype):
     """``out = op(a, b)`` on numpy arrays (``out`` may be ``a``), for psrt's own ring."""
     ufunc = (_NUMPY_BOOL_UFUNCS if dtype == torch.bool else _NUMPY_UFUNCS)[op]
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from psrt.comm.agreement import Agreement
-from psrt.comm.base import Communicator, ReduceOp, Request, all_of
+from psrt.comm.base import Communicator, ElementwiseOp, Request, all_of
 from psrt.comm.deadlock import DIRECT, RECEIVE
 from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind
 from psrt.comm.nccl import NcclCommunicator
@@ -147,7 +147,7 @@ class DirectGroup:
         self._agreement.check(header, label)
 
     # -- collectives ------------------------------------------------------------------------
-    def all_reduce_(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, label: str,
+    def all_reduce_(self, tensor: torch.Tensor, op: ElementwiseOp = ElementwiseOp.SUM, *, label: str,
                     check: bool = True, scale: float = 1.0) -> torch.Tensor:
         """Reduce a contiguous ``tensor`` in place over the group, then multiply it by
         ``scale`` (an average's 1/size, folded into the reduction where the transport can);
@@ -173,7 +173,7 @@ class DirectGroup:
             self._complete(comm, comm.allgatherv(tensor.view(-1), out.view(-1), [tensor.numel()] * self.size))
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True,
-                       op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+                       op: ElementwiseOp = ElementwiseOp.SUM) -> torch.Tensor:
         """Reduce over the group, then keep this member's block of ``dim`` (which the group's
         size must divide: checked after the agreement, so every member raises alike)."""
         send = torch.stack(tensor.chunk(self.size, dim)) if dim != 0 and not tensor.shape[dim] % self.size else tensor
@@ -183,7 +183,8 @@ class DirectGroup:
         return out
 
     def reduce_scatter_into(self, out: torch.Tensor, tensor: torch.Tensor, *, label: str, check: bool = True,
-                            op: ReduceOp = ReduceOp.SUM, given: tuple[torch.Tensor, int] | None = None) -> None:
+                            op: ElementwiseOp = ElementwiseOp.SUM,
+                            given: tuple[torch.Tensor, int] | None = None) -> None:
         """Reduce the contiguous ``tensor`` over the group and keep this member's block (its
         ``size``-th part, in group-rank order) in the contiguous ``out``.  ``given`` is the
         caller's tensor ``tensor`` was laid out from and the dim it splits: the agreement

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from psrt.comm.base import Communicator, ReduceOp, Request
+from psrt.comm.base import Communicator, ElementwiseOp, Request
 from psrt.comm.buffers import WIDENED_FOR_REDUCTION
 
 logger = logging.getLogger("psrt")
@@ -47,7 +47,7 @@ class HierarchicalCommunicator(Communicator):
         self._scratch = torch.empty(0)  # the leader's host sum, kept to spare an allocation per call
         self.allreduces = 0  # done hierarchically, so that a job can show this path was taken
 
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> None:
         """As the flat allreduce (same result up to the order floating-point sums are
         added in); every rank must call it with the same element count, dtype and op."""
         if not self._forced and not self._flat.choice.hierarchical(tensor.nbytes):
@@ -55,7 +55,8 @@ class HierarchicalCommunicator(Communicator):
             return
         self.allreduce_hierarchically(tensor, op, scale)
 
-    def allreduce_hierarchically(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, scale: float = 1.0) -> None:
+    def allreduce_hierarchically(self, tensor: torch.Tensor, op: ElementwiseOp = ElementwiseOp.SUM,
+                                 scale: float = 1.0) -> None:
         """:meth:`allreduce` in three steps whatever its size (as the tuner measures it)."""
         if tensor.numel() == 0:
             self._flat.allreduce(tensor, op, scale)
@@ -80,7 +81,7 @@ class HierarchicalCommunicator(Communicator):
             self._scratch = torch.empty(like.numel(), dtype=like.dtype)
         return self._scratch[:like.numel()]
 
-    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> Request:
+    def iallreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> Request:
         return self._flat.iallreduce(tensor, op, scale)
 
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Request:
@@ -94,7 +95,7 @@ class HierarchicalCommunicator(Communicator):
         return self._flat.alltoallv(send, send_counts, recv, recv_counts)
 
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
-                       counts: Sequence[int], op: ReduceOp) -> Request:
+                       counts: Sequence[int], op: ElementwiseOp) -> Request:
         return self._flat.reduce_scatter(send, recv, counts, op)
 
     def barrier(self) -> Request:

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from psrt.comm import ring
 from psrt.comm.tuning import Choice, fixed_table
-from psrt.comm.base import (ANY_SOURCE, Communicator, CompletedRequest, Persistent, ReduceOp, Request,
+from psrt.comm.base import (ANY_SOURCE, Communicator, CompletedRequest, Persistent, ElementwiseOp, Request,
                              then)
 from psrt.comm.buffers import (WIDENED_FOR_REDUCTION, as_numpy, mpi_buffer, mpi_buffer_v,
                                mpi_op, numpy_reducer)
@@ -120,7 +120,7 @@ class _MpiRepeatedAllreduce(Persistent):
     waits: 1.1 µs for a few words on 2 ranks, against 1.35 for a persistent start and wait
     and several for a fresh non-blocking call."""
 
-    def __init__(self, comm: MPI.Comm, tensor: torch.Tensor, op: ReduceOp) -> None:
+    def __init__(self, comm: MPI.Comm, tensor: torch.Tensor, op: ElementwiseOp) -> None:
         self._comm, self._tensor = comm, tensor  # the tensor stays alive with the operation
         self._spec, self._op = mpi_buffer(tensor), mpi_op(op, tensor.dtype)
         self._what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
@@ -164,7 +164,7 @@ class MpiCommunicator(Communicator):
         return MpiCommunicator(comm, self._config, self.choice if same else None)
 
     # -- allreduce -----------------------------------------------------------
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> None:
         nbytes = tensor.nbytes
         if self.size == 1 or not nbytes:
             _scale(tensor, scale)
@@ -177,7 +177,7 @@ class MpiCommunicator(Communicator):
             return
         self.allreduce_by(self.choice.allreduce(nbytes), tensor, op, scale)
 
-    def allreduce_by(self, algorithm: str, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
+    def allreduce_by(self, algorithm: str, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> None:
         """:meth:`allreduce` of a non-empty tensor of a dtype MPI reduces, by ``algorithm``
         (``"mpi"`` or ``"ring"``), as the tuner measures them; every rank names the same one."""
         try:
@@ -195,7 +195,7 @@ class MpiCommunicator(Communicator):
         if scale != 1.0:
             tensor.mul_(scale)
 
-    def _segmented_allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float) -> None:
+    def _segmented_allreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float) -> None:
         """MPI's own algorithm, one ring segment at a time, each scaled as soon as it is
         reduced: the segment stays in cache through both (a 7.4 MB allreduce on 2 ranks took
         2.6 ms in 1 MiB pieces against 3.4 ms whole; benchmarks/RESULTS.md).  Only for a
@@ -208,7 +208,7 @@ class MpiCommunicator(Communicator):
             self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(segment), reduction)
             _scale(segment, scale)
 
-    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> Request:
+    def iallreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> Request:
         if self.size == 1 or tensor.numel() == 0:
             _scale(tensor, scale)
             return CompletedRequest()
@@ -222,7 +222,7 @@ class MpiCommunicator(Communicator):
         request = MpiRequest(request, what, tensor)
         return request if scale == 1.0 else then(request, lambda: _scale(tensor, scale))
 
-    def persistent_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Persistent:
+    def persistent_allreduce(self, tensor: torch.Tensor, op: ElementwiseOp) -> Persistent:
         if self.size == 1 or tensor.dtype in WIDENED_FOR_REDUCTION:
             return super().persistent_allreduce(tensor, op)
         return _MpiRepeatedAllreduce(self._comm, tensor, op)
@@ -250,7 +250,7 @@ class MpiCommunicator(Communicator):
         return MpiRequest(request, what, send, recv)
 
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
-                       counts: Sequence[int], op: ReduceOp) -> Request:
+                       counts: Sequence[int], op: ElementwiseOp) -> Request:
         if send.dtype in WIDENED_FOR_REDUCTION:
             wide_recv = torch.empty(recv.shape, dtype=torch.float32)
             inner = self.reduce_scatter(send.float(), wide_recv, counts, op)
@@ -259,7 +259,7 @@ class MpiCommunicator(Communicator):
         return self.reduce_scatter_by(algorithm, send, recv, counts, op)
 
     def reduce_scatter_by(self, algorithm: str, send: torch.Tensor, recv: torch.Tensor,
-                          counts: Sequence[int], op: ReduceOp) -> Request:
+                          counts: Sequence[int], op: ElementwiseOp) -> Request:
         """:meth:`reduce_scatter` of a dtype MPI reduces, by ``algorithm`` (``"mpi"`` or
         ``"ring"``), as the tuner measures them; every rank names the same one."""
         what = f"reducescatter of {send.dtype} tensors"
@@ -273,7 +273,7 @@ class MpiCommunicator(Communicator):
         return MpiRequest(request, what, send, recv)
 
     def _ring_reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
-                             counts: Sequence[int], op: ReduceOp) -> None:
+                             counts: Sequence[int], op: ElementwiseOp) -> None:
         """psrt's ring, reading ``send`` without modifying it, with the blocks rotated
         so that rank r ends with block r."""
         starts = [0, *itertools.accumulate(counts[:-1])]

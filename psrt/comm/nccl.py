@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from psrt.comm.base import Communicator, ReduceOp, Request
+from psrt.comm.base import Communicator, ElementwiseOp, Request
 from psrt.errors import CommunicationError, InvalidArgumentError, UnsupportedOperationError
 
 try:  # CuPy is the optional ``psrt[gpu]`` extra
@@ -46,9 +46,9 @@ def _reduction_types() -> dict[torch.dtype, int]:
     }
 
 
-def _reduction_ops() -> dict[ReduceOp, int]:
-    return {ReduceOp.SUM: _nccl.NCCL_SUM, ReduceOp.MIN: _nccl.NCCL_MIN,
-            ReduceOp.MAX: _nccl.NCCL_MAX, ReduceOp.PRODUCT: _nccl.NCCL_PROD}
+def _reduction_ops() -> dict[ElementwiseOp, int]:
+    return {ElementwiseOp.SUM: _nccl.NCCL_SUM, ElementwiseOp.MIN: _nccl.NCCL_MIN,
+            ElementwiseOp.MAX: _nccl.NCCL_MAX, ElementwiseOp.PRODUCT: _nccl.NCCL_PROD}
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:
@@ -115,10 +115,10 @@ class NcclCommunicator(Communicator):
             raise CommunicationError(f"NCCL failed during {what}: {exc}") from exc
 
     # -- reductions ------------------------------------------------------------
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> None:
         self.iallreduce(tensor, op, scale)  # stream-ordered: later work on the stream sees it
 
-    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> Request:
+    def iallreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> Request:
         if tensor.dtype == torch.int16:  # NCCL has no 16-bit integers: reduce in int32
             wide = tensor.int()
             self.iallreduce(wide, op, scale)
@@ -139,7 +139,7 @@ class NcclCommunicator(Communicator):
         return request
 
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
-                       counts: Sequence[int], op: ReduceOp) -> Request:
+                       counts: Sequence[int], op: ElementwiseOp) -> Request:
         if send.dtype == torch.int16:
             wide_recv = torch.empty(recv.shape, dtype=torch.int32, device=recv.device)
             self.reduce_scatter(send.int(), wide_recv, counts, op)

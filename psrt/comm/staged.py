@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from psrt.comm.base import Communicator, Persistent, ReduceOp, Request, then
+from psrt.comm.base import Communicator, Persistent, ElementwiseOp, Request, then
 from psrt.comm.nccl import NcclCommunicator
 
 
@@ -74,14 +74,14 @@ class HostStagedCommunicator(Communicator):
         return then(request, lambda: device_tensor.copy_(host_tensor))
 
     # -- collectives ---------------------------------------------------------------
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> None:
         self.iallreduce(tensor, op, scale).wait()
 
-    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp, scale: float = 1.0) -> Request:
+    def iallreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> Request:
         staged = self._staged(tensor)
         return self._back(self._host.iallreduce(staged, op, scale), tensor, staged)
 
-    def persistent_allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Persistent:
+    def persistent_allreduce(self, tensor: torch.Tensor, op: ElementwiseOp) -> Persistent:
         return Persistent(lambda: self.iallreduce(tensor, op))
 
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Request:
@@ -98,7 +98,7 @@ class HostStagedCommunicator(Communicator):
         return self._back(self._host.alltoallv(self._staged(send), send_counts, into, recv_counts), recv, into)
 
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
-                       counts: Sequence[int], op: ReduceOp) -> Request:
+                       counts: Sequence[int], op: ElementwiseOp) -> Request:
         into = self._landing(recv)
         return self._back(self._host.reduce_scatter(self._staged(send), into, counts, op), recv, into)
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from psrt.comm.base import Communicator, ReduceOp
+from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.comm.hierarchical import HierarchicalCommunicator
 from psrt.comm.mpi import MpiCommunicator, library_version
 from psrt.comm.tuning import (TuningFileError, TuningKey, TuningTable, choose_bands, default_path, medians, read,
@@ -91,7 +91,8 @@ def measure(world: Communicator, runs: Mapping[str, Run], sizes: Sequence[int] =
             break
     return samples
 def allreduce_runs(world: MpiCommunicator) -> dict[str, Run]:
-    return {algorithm: (lambda t, a=algorithm: world.allreduce_by(a, t, ReduceOp.SUM)) for algorithm in ("mpi", "ring")}
+    return {algorithm: (lambda t, a=algorithm: world.allreduce_by(a, t, ElementwiseOp.SUM))
+            for algorithm in ("mpi", "ring")}
 
 
 def reduce_scatter_runs(world: MpiCommunicator) -> dict[str, Run]:
@@ -103,7 +104,7 @@ def reduce_scatter_runs(world: MpiCommunicator) -> dict[str, Run]:
             counts = [base + (rank < extra) for rank in range(world.size)]
             outputs[send.numel()] = counts, torch.empty(counts[world.rank])
         counts, recv = outputs[send.numel()]
-        world.reduce_scatter_by(algorithm, send, recv, counts, ReduceOp.SUM).wait()
+        world.reduce_scatter_by(algorithm, send, recv, counts, ElementwiseOp.SUM).wait()
     return {algorithm: (lambda t, a=algorithm: run(a, t)) for algorithm in ("mpi", "ring")}
 
 

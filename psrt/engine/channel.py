@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from psrt.comm.base import Communicator, ReduceOp
+from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.engine.engine import Engine
 from psrt.engine.names import Names
 from psrt.engine.work import Announcement, BufferSpec, Descriptor, Reduction, Route, Work
@@ -100,7 +100,7 @@ class Channel:
         host communicator and the one carrying tensors on ``device``."""
         return Work(self.announce(collective, name, descriptor), device=device, execute=run, finish=finish)
 
-    def prepare_allreduce(self, like: Sequence[torch.Tensor], *, name: str | None, op: ReduceOp,
+    def prepare_allreduce(self, like: Sequence[torch.Tensor], *, name: str | None, op: ElementwiseOp,
                           scales: Sequence[float], agreed: Descriptor = ()) -> PreparedAllreduce:
         """An in-place allreduce of buffers shaped as ``like`` (one device), each multiplied by
         its ``scales`` entry as it is reduced; the engine may fuse it with others.  ``agreed``:
@@ -117,14 +117,14 @@ class Channel:
         route = self._engine.route(announcement) if len(like) == 1 and name is not None else None
         return PreparedAllreduce(announcement, first.device, route)
 
-    def allreduce(self, buffers: list[torch.Tensor], *, name: str | None, op: ReduceOp = ReduceOp.SUM,
+    def allreduce(self, buffers: list[torch.Tensor], *, name: str | None, op: ElementwiseOp = ElementwiseOp.SUM,
                   scale: float = 1.0, finish: Finish | None = None) -> Work:
         """Reduce ``buffers`` (contiguous, one device) in place, each scaled by ``scale``."""
         prepared = self.prepare_allreduce(buffers, name=name, op=op, scales=[scale] * len(buffers))
         return prepared.work(buffers, finish)
 
     def reduce_scatter(self, send: torch.Tensor, out: torch.Tensor, counts: Sequence[int], *, name: str | None,
-                       op: ReduceOp = ReduceOp.SUM, scale: float = 1.0, agreed: Descriptor | None = None,
+                       op: ElementwiseOp = ElementwiseOp.SUM, scale: float = 1.0, agreed: Descriptor | None = None,
                        finish: Finish | None = None) -> Work:
         """Reduce ``send`` (contiguous) over the set into ``out``: this rank's block, whose size is
         ``counts[self.rank]`` elements; blocks follow the set's rank order.  ``scale`` multiplies

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from psrt.comm.base import Communicator, ReduceOp
+from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.comm.ranks import rank_ranges
 from psrt.comm.waits import Wait
 from psrt.comm.watchdog import Watchdog
@@ -94,7 +94,8 @@ class Execution:
                 if work is not None:
                     work.ready = now
         for batch in fusion.plan(responses, self._config.fusion_threshold):
-            mark.what, mark.peers = functools.partial(self._describe_batch, batch), batch.responses[0].announcement.ranks
+            mark.what = functools.partial(self._describe_batch, batch)
+            mark.peers = batch.responses[0].announcement.ranks
             with mark:
                 if batch.fused:
                     self._allreduce(batch.responses, local)
@@ -137,7 +138,7 @@ class Execution:
             if work is not None:
                 self._finish(work, None, None, phases)
 
-    def _reduce_message(self, buffers: list[torch.Tensor], op: ReduceOp, scale: float,
+    def _reduce_message(self, buffers: list[torch.Tensor], op: ElementwiseOp, scale: float,
                         comm: Communicator, phases: list[tuple[str, float, float]]) -> None:
         """One allreduce carrying ``buffers``: in place when they are one tensor or lie back
         to back, else packed into the fusion buffer and unpacked after."""

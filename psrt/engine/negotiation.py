@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from psrt.comm.base import Communicator, Persistent, ReduceOp, Request
+from psrt.comm.base import Communicator, Persistent, ElementwiseOp, Request
 from psrt.engine.work import Announcement, Work, WorkKey
 from psrt.engine.mismatch import describe_mismatch
 
@@ -125,7 +125,7 @@ class Negotiator:
             if self._fast is not None:
                 self._fast[2].free()
             self._fast = (memoryview(vector.numpy()), bytes(template),
-                          self.comm.persistent_allreduce(vector, ReduceOp.MIN))
+                          self.comm.persistent_allreduce(vector, ElementwiseOp.MIN))
             self._fast_key = (n, list(self.joined))
         return self._fast
 

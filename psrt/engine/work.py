@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from psrt.comm.base import Communicator, ReduceOp
+from psrt.comm.base import Communicator, ElementwiseOp
 
 Descriptor = tuple[tuple[str, object], ...]
 #: Process sets are told apart by their id; names are unique within a set.
@@ -46,7 +46,7 @@ class Reduction(NamedTuple):
 
     set_id: int
     device: str
-    op: ReduceOp
+    op: ElementwiseOp
     pieces: tuple[BufferSpec, ...]
 
     @property

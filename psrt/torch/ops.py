@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 
-from psrt.comm.base import ReduceOp as TransportOp
+from psrt.comm.base import ElementwiseOp as TransportOp
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from psrt.comm.base import ReduceOp
+from psrt.comm.base import ElementwiseOp
 from psrt.comm.direct import DirectGroup, check_divisible
 from psrt.comm.stats import CommStats
 from psrt.runtime import Runtime, given
@@ -42,7 +42,8 @@ def group_rank(process_set: ProcessSet | None) -> int:
     return 0 if process_set is None else process_set.rank()
 
 
-def all_reduce_(tensor: torch.Tensor, process_set: ProcessSet | None, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+def all_reduce_(tensor: torch.Tensor, process_set: ProcessSet | None,
+                op: ElementwiseOp = ElementwiseOp.SUM) -> torch.Tensor:
     """Reduce a contiguous ``tensor`` in place over the set; returns it."""
     if group_size(process_set) == 1:
         return tensor

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from psrt.autograd import skips_without_gradient
-from psrt.comm.base import ReduceOp
+from psrt.comm.base import ElementwiseOp
 from psrt.errors import InvalidArgumentError
 from psrt.topology import ProcessSet
 from psrt.tp import comm
@@ -27,7 +27,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if padded.any():
             logits.masked_fill_(padded, float("-inf"))
         maximum = logits.amax(dim=-1)
-        comm.all_reduce_(maximum, process_set, ReduceOp.MAX)
+        comm.all_reduce_(maximum, process_set, ElementwiseOp.MAX)
         logits.sub_(maximum.unsqueeze(-1))
         outside = (target < start) | (target >= start + local_vocab)
         local_target = torch.where(outside, 0, target - start)

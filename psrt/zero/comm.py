@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from psrt.comm.base import ReduceOp
+from psrt.comm.base import ElementwiseOp
 from psrt.engine import Channel, Work
 
 
@@ -37,7 +37,7 @@ def total_norm(channel: Channel, partial: torch.Tensor, norm_type: float, sharde
     """
     if sharded:
         partial = partial.clone()
-        op = ReduceOp.MAX if norm_type == float("inf") else ReduceOp.SUM
+        op = ElementwiseOp.MAX if norm_type == float("inf") else ElementwiseOp.SUM
         channel.run(channel.allreduce([partial], name="zero.grad_norm", op=op))
     return partial if norm_type == float("inf") else partial ** (1.0 / norm_type)
 
@@ -45,5 +45,5 @@ def total_norm(channel: Channel, partial: torch.Tensor, norm_type: float, sharde
 def any_rank(channel: Channel, flag: bool, name: str) -> bool:
     """True if ``flag`` is true on any rank of the set."""
     value = torch.tensor([int(flag)])
-    channel.run(channel.allreduce([value], name=name, op=ReduceOp.MAX))
+    channel.run(channel.allreduce([value], name=name, op=ElementwiseOp.MAX))
     return bool(value)

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from psrt.comm import poll
-from psrt.comm.base import Communicator, CompletedRequest, ReduceOp, Request
+from psrt.comm.base import Communicator, CompletedRequest, ElementwiseOp, Request
 from psrt.comm.buffers import WIRE_DTYPES, dtype_code, dtype_of
 from psrt.comm.direct import DirectGroup
 from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind
 from psrt.errors import CollectiveMismatchError, CommunicationError, InvalidArgumentError, PsrtError
 
-_REDUCE = {ReduceOp.SUM: torch.add, ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}
+_REDUCE = {ElementwiseOp.SUM: torch.add, ElementwiseOp.MAX: torch.maximum, ElementwiseOp.MIN: torch.minimum}
 
 
 class _Hub:

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from psrt.comm.base import ReduceOp
+from psrt.comm.base import ElementwiseOp
 from psrt.engine.fusion import contiguous_span, messages, pack, plan, unpack
 from psrt.engine.negotiation import Response, ResponseCache
 from psrt.engine.timeline import Timeline
@@ -15,7 +15,7 @@ from psrt.engine.work import Announcement, BufferSpec, Reduction
 MiB = 1 << 20
 
 
-def allreduce(name: str, numel: int, dtype=torch.float32, op=ReduceOp.SUM, scale=1.0,
+def allreduce(name: str, numel: int, dtype=torch.float32, op=ElementwiseOp.SUM, scale=1.0,
               set_id=0) -> Response:
     reduction = Reduction(set_id, "cpu", op, (BufferSpec(numel, dtype, scale),))
     return Response(Announcement((set_id, name), (0, 1), (("collective", "allreduce"),),
@@ -32,7 +32,7 @@ def names(batches) -> list[list[str]]:
 
 def test_plan_fuses_compatible_allreduces_up_to_the_threshold_in_response_order():
     responses = [allreduce("a", 100), allreduce("b", 100), other("c"), allreduce("d", 100),
-                 allreduce("e", 100, op=ReduceOp.MAX)]
+                 allreduce("e", 100, op=ElementwiseOp.MAX)]
     assert names(plan(responses, threshold=1200)) == [["a", "b", "d"], ["c"], ["e"]]
     assert names(plan(responses, threshold=800)) == [["a", "b"], ["c"], ["d"], ["e"]]
     assert names(plan(responses, threshold=0)) == [["a"], ["b"], ["c"], ["d"], ["e"]]
@@ -83,8 +83,9 @@ def test_pack_and_unpack_round_trip():
 
 
 def test_joined_zeros_match_the_pieces():
-    reduction = Reduction(0, "cpu", ReduceOp.SUM, (BufferSpec(3, torch.int32, 1.0), BufferSpec(0, torch.float32, 1.0),
-                                                    BufferSpec(2, torch.float64, 0.5)))
+    reduction = Reduction(0, "cpu", ElementwiseOp.SUM, (BufferSpec(3, torch.int32, 1.0),
+                                                         BufferSpec(0, torch.float32, 1.0),
+                                                         BufferSpec(2, torch.float64, 0.5)))
     zeros = reduction.zeros()
     assert [(z.shape, z.dtype) for z in zeros] == [((3,), torch.int32), ((0,), torch.float32),
                                                    ((2,), torch.float64)]

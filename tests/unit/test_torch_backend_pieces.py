@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import psrt.torch  # noqa: F401  (registers the backend)
-from psrt.comm.base import ReduceOp
+from psrt.comm.base import ElementwiseOp
 from psrt.errors import InvalidArgumentError, UnsupportedOperationError
 from psrt.torch.c10d import rendezvous
 from psrt.torch.c10d.group import reduction
@@ -20,11 +20,11 @@ from psrt.torch.c10d.group import reduction
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("op,expected", [(dist.ReduceOp.SUM, (ReduceOp.SUM, 1.0)),
-                                         (dist.ReduceOp.MIN, (ReduceOp.MIN, 1.0)),
-                                         (dist.ReduceOp.MAX, (ReduceOp.MAX, 1.0)),
-                                         (dist.ReduceOp.PRODUCT, (ReduceOp.PRODUCT, 1.0)),
-                                         (dist.ReduceOp.AVG, (ReduceOp.SUM, 0.25))])
+@pytest.mark.parametrize("op,expected", [(dist.ReduceOp.SUM, (ElementwiseOp.SUM, 1.0)),
+                                         (dist.ReduceOp.MIN, (ElementwiseOp.MIN, 1.0)),
+                                         (dist.ReduceOp.MAX, (ElementwiseOp.MAX, 1.0)),
+                                         (dist.ReduceOp.PRODUCT, (ElementwiseOp.PRODUCT, 1.0)),
+                                         (dist.ReduceOp.AVG, (ElementwiseOp.SUM, 0.25))])
 def test_torch_reductions_map_to_a_psrt_reduction_and_a_scale(op, expected):
     assert reduction(dist.ReduceOp(op), 4, torch.float32) == expected
 
@@ -32,13 +32,13 @@ def test_torch_reductions_map_to_a_psrt_reduction_and_a_scale(op, expected):
 def test_a_bare_reduction_type_maps_too():
     """``dist.ReduceOp.SUM`` itself (a ``RedOpType``), as a direct call of the group's
     methods without options passes it."""
-    assert reduction(dist.ReduceOp.SUM, 2, torch.float32) == (ReduceOp.SUM, 1.0)
-    assert reduction(dist.ReduceOp.MAX, 2, torch.float32) == (ReduceOp.MAX, 1.0)
-    assert reduction(dist.ReduceOp.AVG, 2, torch.float32) == (ReduceOp.SUM, 0.5)
+    assert reduction(dist.ReduceOp.SUM, 2, torch.float32) == (ElementwiseOp.SUM, 1.0)
+    assert reduction(dist.ReduceOp.MAX, 2, torch.float32) == (ElementwiseOp.MAX, 1.0)
+    assert reduction(dist.ReduceOp.AVG, 2, torch.float32) == (ElementwiseOp.SUM, 0.5)
 
 
 def test_a_premultiplied_sum_is_a_sum_scaled_by_its_factor():
-    assert reduction(dist._make_nccl_premul_sum(0.125), 4, torch.bfloat16) == (ReduceOp.SUM, 0.125)
+    assert reduction(dist._make_nccl_premul_sum(0.125), 4, torch.bfloat16) == (ElementwiseOp.SUM, 0.125)
 
 
 def test_an_integer_average_and_bitwise_reductions_are_refused_by_name():

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from psrt.comm.base import ReduceOp
+from psrt.comm.base import ElementwiseOp
 from psrt.comm.direct import DirectGroup
 from psrt.errors import InvalidArgumentError, UnsupportedOperationError
 
@@ -17,16 +17,16 @@ from psrt.errors import InvalidArgumentError, UnsupportedOperationError
 LABEL = "torch.distributed"
 
 _RedOpType = dist.ReduceOp.RedOpType
-_OPS = {_RedOpType.SUM: ReduceOp.SUM, _RedOpType.MIN: ReduceOp.MIN, _RedOpType.MAX: ReduceOp.MAX,
-        _RedOpType.PRODUCT: ReduceOp.PRODUCT}
+_OPS = {_RedOpType.SUM: ElementwiseOp.SUM, _RedOpType.MIN: ElementwiseOp.MIN, _RedOpType.MAX: ElementwiseOp.MAX,
+        _RedOpType.PRODUCT: ElementwiseOp.PRODUCT}
 
 
-def reduction(op: dist.ReduceOp | _RedOpType, size: int, dtype: torch.dtype) -> tuple[ReduceOp, float]:
+def reduction(op: dist.ReduceOp | _RedOpType, size: int, dtype: torch.dtype) -> tuple[ElementwiseOp, float]:
     """psrt's reduction and the factor to scale its result by, for torch's ``op``: an
     average is a sum times 1/size, and a pre-multiplied sum a sum times its factor (both
     linear, so scaling after the reduction gives the same result)."""
     if op == _RedOpType.SUM:  # most calls: a comparison costs a fifth of unpacking the op
-        return ReduceOp.SUM, 1.0
+        return ElementwiseOp.SUM, 1.0
     kind, factor = (op, None) if isinstance(op, _RedOpType) else op.__getstate__()
     if kind in _OPS:
         return _OPS[kind], 1.0
@@ -35,8 +35,8 @@ def reduction(op: dist.ReduceOp | _RedOpType, size: int, dtype: torch.dtype) -> 
             raise InvalidArgumentError(f"{LABEL}: {kind.name} of a {dtype} tensor: psrt averages and scales "
                                        "floating-point tensors only (sum, then divide)")
         if kind == _RedOpType.AVG:
-            return ReduceOp.SUM, 1.0 / size
-        return ReduceOp.SUM, float(factor)
+            return ElementwiseOp.SUM, 1.0 / size
+        return ElementwiseOp.SUM, float(factor)
     raise UnsupportedOperationError(f"{LABEL}: psrt's backend has no {kind.name} reduction (it has SUM, AVG, "
                                     "PREMUL_SUM, MIN, MAX and PRODUCT)")
 

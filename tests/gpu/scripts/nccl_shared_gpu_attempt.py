@@ -11,7 +11,7 @@ import torch
 
 import psrt.runtime
 import psrt.torch as hvd
-from psrt.comm.base import ReduceOp
+from psrt.comm.base import ElementwiseOp
 from psrt.comm.nccl import NcclCommunicator
 
 
@@ -21,7 +21,7 @@ def attempt(world) -> tuple[str, str]:
     except Exception as exc:  # NCCL's refusal is the expected outcome, recorded as such
         return "refused", f"{type(exc).__name__}: {exc}"
     tensor = torch.full((1024,), float(world.rank + 1), device="cuda:0")
-    comm.allreduce(tensor, ReduceOp.SUM)
+    comm.allreduce(tensor, ElementwiseOp.SUM)
     torch.cuda.synchronize()
     want = world.size * (world.size + 1) / 2
     comm.free()

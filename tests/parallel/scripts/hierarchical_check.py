@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import psrt.runtime
 import psrt.torch as hvd
-from psrt.comm import ReduceOp
+from psrt.comm import ElementwiseOp
 from psrt.comm.hierarchical import HierarchicalCommunicator, hierarchical_or_none
 from psrt.comm.mpi import MpiCommunicator
 from psrt.config import Config
@@ -26,8 +26,8 @@ from _reference import DTYPES, check_reduced, samples
 CONFIG = Config(ring_threshold=4096, ring_segment=512)
 LAYOUTS = {"2+2": (2, 2), "1+3": (1, 3)}
 SIZES = (1, 13, 1003, 5001)
-_OPS = {"Sum": ReduceOp.SUM, "Average": ReduceOp.SUM, "Min": ReduceOp.MIN, "Max": ReduceOp.MAX,
-        "Product": ReduceOp.PRODUCT}
+_OPS = {"Sum": ElementwiseOp.SUM, "Average": ElementwiseOp.SUM, "Min": ElementwiseOp.MIN, "Max": ElementwiseOp.MAX,
+        "Product": ElementwiseOp.PRODUCT}
 
 
 def made_up_hosts(world: MpiCommunicator, sizes: tuple[int, ...]) -> HierarchicalCommunicator | None:

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import psrt
 from psrt import runtime
-from psrt.comm import ReduceOp
+from psrt.comm import ElementwiseOp
 from psrt.comm.base import Communicator
 from psrt.comm.mpi import MpiCommunicator
 from psrt.config import Config
@@ -87,7 +87,7 @@ def split_gives_each_color_its_own_group(world):
     members = [r for r in range(world.size) if r % 2 == world.rank % 2]
     assert sub.size == len(members) and sub.rank == members.index(world.rank)
     value = torch.tensor([float(world.rank)])
-    sub.allreduce(value, ReduceOp.SUM)
+    sub.allreduce(value, ElementwiseOp.SUM)
     assert value.item() == float(sum(members))
     none = world.split(None if world.rank == 0 else 1)
     assert (none is None) == (world.rank == 0)
@@ -110,12 +110,12 @@ def segmented_allreduce_matches_numpy_for_odd_sizes_and_all_ops(world):
 
 def _allreduce_matches_numpy(world, config: Config, scale: float = 1.0) -> None:
     comm = MpiCommunicator(MPI.COMM_WORLD, config)
-    references = {ReduceOp.SUM: np.sum, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max,
-                  ReduceOp.PRODUCT: np.prod}
+    references = {ElementwiseOp.SUM: np.sum, ElementwiseOp.MIN: np.min, ElementwiseOp.MAX: np.max,
+                  ElementwiseOp.PRODUCT: np.prod}
     for numel in (1, world.size - 1, 53, 1001):
         for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16):
             for op, reference in references.items():
-                if op is ReduceOp.PRODUCT:
+                if op is ElementwiseOp.PRODUCT:
                     mine = inputs(world.rank, numel, dtype).clamp(-2, 2)
                     every = np.stack([inputs(r, numel, dtype).clamp(-2, 2).numpy()
                                       for r in range(world.size)])
@@ -128,7 +128,7 @@ def _allreduce_matches_numpy(world, config: Config, scale: float = 1.0) -> None:
                 expected = reference(every, axis=0) * factor
                 assert np.allclose(mine.numpy(), expected, rtol=1e-6), (numel, dtype, op)
     scaled = inputs(world.rank, 101, torch.float64)
-    comm.allreduce(scaled, ReduceOp.SUM, scale=0.5)
+    comm.allreduce(scaled, ElementwiseOp.SUM, scale=0.5)
     expected = sum(inputs(r, 101, torch.float64) for r in range(world.size)) * 0.5
     assert torch.allclose(scaled, expected)
     comm.free()
@@ -143,7 +143,7 @@ def ring_reduce_scatter_leaves_each_rank_its_block_and_keeps_the_input(world):
             mine = inputs(world.rank, sum(counts), dtype)
             before = mine.clone()
             received = torch.empty(counts[world.rank], dtype=dtype)
-            comm.reduce_scatter(mine, received, counts, ReduceOp.SUM).wait()
+            comm.reduce_scatter(mine, received, counts, ElementwiseOp.SUM).wait()
             total = sum(inputs(r, sum(counts), torch.float64) for r in range(world.size))
             start = sum(counts[:world.rank])
             expected = total[start:start + counts[world.rank]].to(dtype)
