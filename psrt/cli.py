@@ -3,7 +3,7 @@
     psrt zero-to-full CKPT_DIR OUT.pt   # a sharded ZeRO checkpoint as one ordinary file
     psrt plan --params 7e9 ...          # which layouts fit a model, fastest first (psrt.plan)
     psrt timeline-summary TRACE.json    # where each step's time went, from hvd.start_timeline's file
-    psrt tune [--np N] [--file PATH]    # which allreduce algorithm to use at each size here (psrt.tune)
+    psrt tune [--np N] [--file PATH]    # which allreduce algorithm to use at each size here (psrt.tune_command)
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from psrt import checkpoint_files, timeline_summary, tune
+from psrt import checkpoint_files, timeline_summary, tune_command
 from psrt.errors import PsrtError
 from psrt.plan import cli as plan_cli
 
@@ -50,7 +50,7 @@ def make_parser() -> argparse.ArgumentParser:
     zero.set_defaults(run=_zero_to_full)
     plan_cli.add_parser(commands)
     timeline_summary.add_command(commands)
-    tune.add_command(commands)
+    tune_command.add_command(commands)
     return parser
 
 

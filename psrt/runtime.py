@@ -18,10 +18,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
-from psrt.comm import bootstrap, tuner
+from psrt.comm import bootstrap
+from psrt.comm.tuning import measure as tuner
 from psrt.comm.mpi import MpiCommunicator
 from psrt.comm.stats import CommStats
-from psrt.comm.tuning import TuningTable
+from psrt.comm.tuning.table import TuningTable
 from psrt.comm.prober import MpiProber
 from psrt.comm.watchdog import Watchdog
 from psrt.config import Config, config_from_env

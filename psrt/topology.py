@@ -92,7 +92,7 @@ class Topology:
         """Collective over ``world``.  ``hierarchical_allreduce`` makes the global set's host
         allreduces hierarchical where that helps; else, with ``tuned``, a job over several
         hosts gets the hierarchical communicator too, for the tuning table to choose it by
-        size (see :mod:`psrt.comm.tuner`).  ``tp_check_shapes``: whether tensor-parallel
+        size (see :mod:`psrt.comm.tuning.measure`).  ``tp_check_shapes``: whether tensor-parallel
         collectives on the direct groups run the agreement check (``PSRT_TP_CHECK_SHAPES``)."""
         self.world, self.local, self.cross = world, local, cross
         self.tp_check_shapes = tp_check_shapes

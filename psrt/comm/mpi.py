@@ -19,7 +19,7 @@ import torch
 from mpi4py import MPI
 
 from psrt.comm import ring
-from psrt.comm.tuning import Choice, fixed_table
+from psrt.comm.tuning.table import Choice, fixed_table
 from psrt.comm.base import (ANY_SOURCE, Communicator, CompletedRequest, Persistent, ElementwiseOp, Request,
                              then)
 from psrt.comm.buffers import (WIDENED_FOR_REDUCTION, as_numpy, mpi_buffer, mpi_buffer_v,

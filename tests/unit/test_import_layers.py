@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("psrt.zero", "psrt.ps", "psrt.tp", "psrt.pp", "psrt.cp", "psrt.ep"),
     # what combines strategies: elastic training, full state, pretrained weights, plans, tuning, the
     # psrt command and its offline subcommands (a timeline's summary)
-    ("psrt.elastic", "psrt.full_state", "psrt.pretrained", "psrt.plan", "psrt.tune", "psrt.cli",
+    ("psrt.elastic", "psrt.full_state", "psrt.pretrained", "psrt.plan", "psrt.tune_command", "psrt.cli",
      "psrt.timeline_summary"),
 ]
 # Imports up a layer that the design accepts, each with its reason (none today: ``hvd.elastic``,

@@ -1,4 +1,4 @@
-"""The tuning table (psrt.comm.tuning), its measurement and files (psrt.comm.tuner) and the
+"""The tuning table (psrt.comm.tuning.table), its measurement and files (psrt.comm.tuning.measure) and the
 engine's autotuner (psrt.engine.autotune), with a fake transport and fake clocks: which
 algorithm is faster where is made up, so the choices can be checked exactly."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from psrt.comm import tuner
-from psrt.comm.tuning import (Band, Choice, TuningFileError, TuningKey, TuningTable, choose_bands, default_path,
+from psrt.comm.tuning import measure as tuner
+from psrt.comm.tuning.table import (Band, Choice, TuningFileError, TuningKey, TuningTable, choose_bands, default_path,
                               fixed_table, read, relative, write)
 from psrt.config import Config, config_from_env
 from psrt.engine.autotune import Autotuner, CoordinateSearch, Setting

@@ -17,7 +17,7 @@ import psrt
 import psrt.torch as hvd
 from psrt.comm import ring
 from psrt.comm.mpi import library_version
-from psrt.comm.tuning import Band, TuningTable, read, write
+from psrt.comm.tuning.table import Band, TuningTable, read, write
 
 KiB, MiB = 1 << 10, 1 << 20
 PATH = os.environ["PSRT_TUNE_FILE"]

@@ -6,7 +6,7 @@ algorithm of each: ``"mpi"`` (the MPI library's own), ``"ring"`` (psrt's chunked
 :mod:`psrt.comm.ring`) and, for the global set of a job over several hosts,
 ``"hierarchical"`` (see :mod:`psrt.comm.hierarchical`).  It is keyed by what decides those
 timings (the hosts, their CPU, the MPI library, the number of ranks and ranks per host): a
-table measured for another key is never used.  :mod:`psrt.comm.tuner` measures tables and
+table measured for another key is never used.  :mod:`psrt.comm.tuning.measure` measures tables and
 finds or writes their files; this module only describes, chooses, reads and writes them.
 
 Every rank of a communicator must choose the same algorithm for a call (ring on one rank,

@@ -1,4 +1,4 @@
-"""Measuring a job's tuning table (:mod:`psrt.comm.tuning`), and finding or writing its file,
+"""Measuring a job's tuning table (:mod:`psrt.comm.tuning.table`), and finding or writing its file,
 at ``psrt.init()``.
 
 A job with no table for its key (hosts, CPU, MPI library, ranks, ranks per host) measures
@@ -24,7 +24,7 @@ import torch
 from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.comm.hierarchical import HierarchicalCommunicator
 from psrt.comm.mpi import MpiCommunicator, library_version
-from psrt.comm.tuning import (TuningFileError, TuningKey, TuningTable, choose_bands, default_path, medians, read,
+from psrt.comm.tuning.table import (TuningFileError, TuningKey, TuningTable, choose_bands, default_path, medians, read,
                               relative, write)
 from psrt.config import Config
 

@@ -1,11 +1,11 @@
 """``psrt tune``: measure this machine's tuning table (which algorithm carries a host
-allreduce or reduce-scatter of each size, see :mod:`psrt.comm.tuning`) with a psrun job
+allreduce or reduce-scatter of each size, see :mod:`psrt.comm.tuning.table`) with a psrun job
 of the ranks given, write it where jobs of that layout find it, and print it.
 
     psrt tune                       # 2 ranks; writes ~/.cache/psrt/tuning/<key>.json
     psrt tune --np 4 --file tuning/four-ranks.json   # a file to commit; jobs use it with PSRT_TUNE_FILE
 
-The job (``python -m psrt.tune`` under psrun) is an ordinary ``psrt.init()`` with
+The job (``python -m psrt.tune_command`` under psrun) is an ordinary ``psrt.init()`` with
 ``PSRT_TUNE=measure``: the measurement is the one a job makes on first use.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import sys
 
 from psrt import probe_job
-from psrt.comm.tuning import TuningTable, default_path
+from psrt.comm.tuning.table import TuningTable, default_path
 from psrt.errors import PsrtError
 
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> None:
     env["PSRT_TUNE"] = "measure"
     if args.file:
         env["PSRT_TUNE_FILE"] = os.path.abspath(args.file)
-    done = probe_job.run("psrt.tune", [], args.np, "psrt tune: measuring", env)
+    done = probe_job.run("psrt.tune_command", [], args.np, "psrt tune: measuring", env)
     report = next((json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"tuning_file"')), None)
     if report is None:
         raise PsrtError(f"the tuning job reported no table:\n{done.stdout[-2000:]}")
