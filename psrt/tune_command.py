@@ -63,7 +63,8 @@ def describe(table: TuningTable) -> str:
         if bands:
             lines.append(f"  {collective}: " + ", ".join(f"from {_size(b.from_bytes)} {b.algorithm}" for b in bands))
     for collective, rows in table.measurements.items():
-        lines.append(f"  {collective} measured (median us; ring/mpi = median of the per-repeat ratio):")
+        lines.append(f"  {collective} measured (median us; ring_over_mpi: median of the per-repeat ratio; "
+                     "ring_faster: in how many repeats the ring was faster):")
         lines += ["    " + "  ".join(f"{k} {_size(v) if k == 'bytes' else v}" for k, v in row.items()) for row in rows]
     return "\n".join(lines)
 

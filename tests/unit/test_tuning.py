@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from psrt.comm.tuning import measure as tuner
+from psrt.comm.tuning import measure
+from psrt.comm.tuning import table as table_module
 from psrt.comm.tuning.table import (Band, Choice, TuningFileError, TuningKey, TuningTable, choose_bands, default_path,
-                              fixed_table, read, relative, write)
+                                    fixed_table, read, ratios, write)
 from psrt.config import Config, config_from_env
 from psrt.engine.autotune import Autotuner, CoordinateSearch, Setting
 from psrt.errors import InvalidArgumentError
@@ -39,6 +40,9 @@ class FakeWorld:
     def allgather_object(self, obj):
         return [obj]
 
+    def allreduce(self, tensor, op):
+        pass
+
 
 def fake_runs(clock: FakeClock, crossover: int) -> dict:
     """'mpi' costs 10 us + 1 ns/byte; 'ring' 0.3 ns/byte and a fixed cost that makes it faster above
@@ -52,34 +56,69 @@ def fake_runs(clock: FakeClock, crossover: int) -> dict:
     return {"mpi": cost(lambda n: 10e-6 + n * 1e-9), "ring": cost(lambda n: ring_fixed + n * 0.3e-9)}
 
 
-def test_measured_bands_put_the_ring_above_the_crossover_and_mpi_below():
+def test_measured_bands_put_the_ring_from_the_first_size_it_won_and_mpi_below():
     clock = FakeClock()
-    samples = tuner.measure(FakeWorld(), fake_runs(clock, crossover=3 * MiB), sizes=tuner.SIZES, repeats=3,
-                            clock=clock)
-    bands = choose_bands(relative(samples))
-    assert bands == (Band(0, "mpi"), Band(2 * MiB, "ring"))  # half-way (in log scale) between 1 and 4 MiB
+    samples = measure.time_runs(FakeWorld(), fake_runs(clock, crossover=3 * MiB), sizes=measure.SIZES, repeats=3,
+                                clock=clock)
+    bands = choose_bands(ratios(samples))
+    assert bands == (Band(0, "mpi"), Band(4 * MiB, "ring"))  # not half-way from 1 MiB, where it lost
     table = TuningTable(KEY, bands)
-    assert [table.algorithm("allreduce", n) for n in (8, 1 * MiB, 2 * MiB - 1, 2 * MiB, 64 * MiB)] == \
+    assert [table.algorithm("allreduce", n) for n in (8, 1 * MiB, 4 * MiB - 1, 4 * MiB, 64 * MiB)] == \
         ["mpi", "mpi", "mpi", "ring", "ring"]
 
 
+def _same(ring: float, repeats: int = 5) -> dict[str, list[float]]:
+    """Per-repeat times over MPI's: the ring's ``ring`` in every repeat."""
+    return {"mpi": [1.0] * repeats, "ring": [ring] * repeats}
+
+
 def test_an_algorithm_faster_by_less_than_the_margin_does_not_replace_mpi():
-    bands = choose_bands({1 * MiB: {"mpi": 1.0, "ring": 0.95}, 4 * MiB: {"mpi": 1.0, "ring": 0.85}})
-    assert bands == (Band(0, "mpi"), Band(2 * MiB, "ring"))
+    bands = choose_bands({1 * MiB: _same(0.95), 4 * MiB: _same(0.85)})
+    assert bands == (Band(0, "mpi"), Band(4 * MiB, "ring"))
+
+
+def test_a_ring_faster_in_the_median_but_not_in_three_repeats_of_four_does_not_replace_mpi():
+    mixed = {"mpi": [1.0] * 5, "ring": [0.5, 0.5, 0.5, 1.2, 1.3]}
+    assert choose_bands({1 * MiB: mixed, 4 * MiB: mixed}) == (Band(0, "mpi"),)
+    assert choose_bands({1 * MiB: _same(0.8), 4 * MiB: _same(0.8)}) == (Band(0, "mpi"), Band(1 * MiB, "ring"))
 
 
 def test_bands_follow_every_change_of_the_winner_and_merge_runs_of_one():
-    costs = {1 * MiB: {"mpi": 1, "ring": 2}, 4 * MiB: {"mpi": 1, "ring": 0.5}, 16 * MiB: {"mpi": 1, "ring": 0.5},
-             64 * MiB: {"mpi": 1, "ring": 1.5}}
-    assert choose_bands(costs) == (Band(0, "mpi"), Band(2 * MiB, "ring"), Band(32 * MiB, "mpi"))
+    costs = {1 * MiB: _same(2.0), 4 * MiB: _same(0.5), 16 * MiB: _same(0.5), 64 * MiB: _same(1.5)}
+    assert choose_bands(costs) == (Band(0, "mpi"), Band(4 * MiB, "ring"), Band(32 * MiB, "mpi"))
+
+
+def test_a_lone_win_between_sizes_mpi_won_is_taken_for_noise():
+    costs = {256 << 10: _same(1.1), 1 * MiB: _same(0.8), 4 * MiB: _same(1.05), 16 * MiB: _same(0.6),
+             64 * MiB: _same(0.4)}
+    assert choose_bands(costs) == (Band(0, "mpi"), Band(16 * MiB, "ring"))
+    assert choose_bands({1 * MiB: _same(1.1), 4 * MiB: _same(0.4)}) == (Band(0, "mpi"), Band(4 * MiB, "ring"))
 
 
 def test_a_decisive_win_stops_the_measurement_of_larger_sizes():
     clock = FakeClock()
-    samples = tuner.measure(FakeWorld(), fake_runs(clock, crossover=256 << 10), sizes=tuner.SIZES, repeats=3,
-                            clock=clock)
+    samples = measure.time_runs(FakeWorld(), fake_runs(clock, crossover=256 << 10), sizes=measure.SIZES,
+                                repeats=3, clock=clock)
     assert max(samples) == 1 * MiB  # the ring took less than half MPI's time there
-    assert choose_bands(relative(samples))[-1].algorithm == "ring"
+    assert choose_bands(ratios(samples))[-1] == Band(1 * MiB, "ring")
+
+
+def test_small_sizes_get_many_repeats_and_large_ones_few_within_the_budget():
+    clock = FakeClock()
+
+    def run(buffer):
+        clock.now += buffer.numel() * 4e-9  # 1 ns a byte
+    samples = measure.time_runs(FakeWorld(), {"mpi": run, "ring": run}, sizes=(256 << 10, 64 * MiB),
+                                repeats=3, max_repeats=35, budget_s=0.05, clock=clock)
+    assert len(samples[256 << 10]["mpi"]) == 35  # about 0.5 ms a repeat: the budget allows more than the most
+    assert len(samples[64 * MiB]["mpi"]) == 3  # over 0.1 s a repeat: the fewest
+
+
+def test_every_rank_stops_repeating_when_any_rank_is_done():
+    class Other(FakeWorld):
+        def allreduce(self, tensor, op):
+            tensor.fill_(max(tensor.item(), 1.0))  # the other rank is done
+    assert measure._everyone_done(Other(), False) and not measure._everyone_done(FakeWorld(), False)
 
 
 def test_the_slowest_rank_times_each_call():
@@ -87,8 +126,8 @@ def test_the_slowest_rank_times_each_call():
         def allgather_object(self, obj):
             return [obj, {name: [2 * t for t in times] for name, times in obj.items()}]
     clock = FakeClock()
-    one = tuner.measure(FakeWorld(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
-    two = tuner.measure(TwoRanks(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
+    one = measure.time_runs(FakeWorld(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
+    two = measure.time_runs(TwoRanks(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
     assert two[1 * MiB]["mpi"] == pytest.approx([2 * t for t in one[1 * MiB]["mpi"]])
 
 
@@ -111,8 +150,8 @@ def test_the_tuning_file_round_trips(tmp_path):
 
 @pytest.mark.parametrize("text, says", [
     ("{not json", "is not JSON"),
-    ('{"format": 99}', "is not a psrt tuning table of format 1"),
-    ('{"format": 1, "key": {"hosts": []}}', "is malformed"),
+    ('{"format": 1}', "is not a psrt tuning table of format 2"),
+    ('{"format": 2, "key": {"hosts": []}}', "is malformed"),
 ])
 def test_a_corrupt_tuning_file_is_rejected_naming_the_file_and_the_problem(tmp_path, text, says):
     path = tmp_path / "t.json"
@@ -146,6 +185,14 @@ def test_tables_live_in_the_cache_unless_psrt_tune_file_names_one(tmp_path):
     assert KEY.file_name().startswith("node1-2ranks-") and replace(KEY, cpu="x").file_name() != KEY.file_name()
 
 
+def test_a_table_of_another_format_lives_in_another_file(monkeypatch):
+    """A psrt of another table format (an older one in another checkout, say) neither reads
+    this one's cached table nor overwrites it."""
+    name = KEY.file_name()
+    monkeypatch.setattr(table_module, "FORMAT", 1)
+    assert KEY.file_name() != name and KEY.file_name().startswith("node1-2ranks-")
+
+
 class _World:
     """What establish needs of a world: two ranks seen from rank 0, and the choice it sets."""
 
@@ -167,21 +214,21 @@ def measured(monkeypatch):
     """establish's measurements, faked: the table each returned, counted."""
     made = []
 
-    def tune(world, hierarchical, key, *args):
+    def measure_table(world, hierarchical, key, *args):
         made.append(TuningTable(key, (Band(0, "mpi"), Band(len(made) + 1, "ring")), measured=f"#{len(made) + 1}"))
         return made[-1]
-    monkeypatch.setattr(tuner, "tune", tune)
-    monkeypatch.setattr(tuner, "library_version", lambda: "Fake MPI 1.0")
+    monkeypatch.setattr(measure, "measure_table", measure_table)
+    monkeypatch.setattr(measure, "library_version", lambda: "Fake MPI 1.0")
     return made
 
 
 def test_the_first_job_measures_and_writes_later_ones_read(tmp_path, measured):
     config = Config(tune_file=str(tmp_path / "t.json"))
     world = _World()
-    first = tuner.establish(world, _Local(), None, config)
+    first = measure.establish(world, _Local(), None, config)
     assert world.choice.table == first and len(measured) == 1 and read(tmp_path / "t.json", first.key) == first
-    assert tuner.establish(_World(), _Local(), None, config) == first and len(measured) == 1
-    again = tuner.establish(_World(), _Local(), None, replace(config, tune="measure"))
+    assert measure.establish(_World(), _Local(), None, config) == first and len(measured) == 1
+    again = measure.establish(_World(), _Local(), None, replace(config, tune="measure"))
     assert len(measured) == 2 and read(tmp_path / "t.json", first.key) == again != first
 
 
@@ -189,14 +236,14 @@ def test_a_corrupt_cache_is_measured_again_with_a_warning(tmp_path, measured, ca
     path = tmp_path / "t.json"
     path.write_text("{torn")
     with caplog.at_level(logging.WARNING, logger="psrt"):
-        table = tuner.establish(_World(), _Local(), None, Config(tune_file=str(path)))
+        table = measure.establish(_World(), _Local(), None, Config(tune_file=str(path)))
     assert f"the tuning file {path} is not JSON" in caplog.text and "measuring this job's table" in caplog.text
     assert len(measured) == 1 and read(path, table.key) == table
 
 
 def test_tuning_off_keeps_the_fixed_threshold(tmp_path, measured):
     world = _World()
-    table = tuner.establish(world, _Local(), None, Config(tune="off", tune_file=str(tmp_path / "t.json")))
+    table = measure.establish(world, _Local(), None, Config(tune="off", tune_file=str(tmp_path / "t.json")))
     assert table.key is None and table.allreduce == (Band(0, "mpi"), Band(Config.ring_threshold, "ring"))
     assert not measured and not (tmp_path / "t.json").exists()
 

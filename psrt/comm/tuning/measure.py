@@ -4,8 +4,10 @@ at ``psrt.init()``.
 A job with no table for its key (hosts, CPU, MPI library, ranks, ranks per host) measures
 one once, collectively: at a few sizes, each algorithm in turn (the order rotating, so that
 drifts of a shared machine hit all alike), a barrier before each call, the slowest rank's
-time of each call, the median over a few calls.  Rank 0 chooses the bands, writes the file
-and shares the table, so that every rank picks the same algorithm for every size.  A job
+time of each call; a few repeats at large sizes, many at small ones.  Rank 0 chooses the bands
+(another algorithm than MPI's own only where it clearly won, see
+:func:`psrt.comm.tuning.table.choose_bands`), writes the file and shares the table, so that
+every rank picks the same algorithm for every size.  A job
 that finds its table reads it: one small message at start-up.  ``PSRT_TUNE=off`` keeps the
 fixed threshold, ``PSRT_TUNE=measure`` measures again and replaces the file.
 """
@@ -17,6 +19,7 @@ import platform
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from statistics import median
 from typing import Optional
 
 import torch
@@ -24,8 +27,8 @@ import torch
 from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.comm.hierarchical import HierarchicalCommunicator
 from psrt.comm.mpi import MpiCommunicator, library_version
-from psrt.comm.tuning.table import (TuningFileError, TuningKey, TuningTable, choose_bands, default_path, medians, read,
-                              relative, write)
+from psrt.comm.tuning.table import (TuningFileError, TuningKey, TuningTable, choose_bands, clearly_beats,
+                                    default_path, medians, ratios, read, write)
 from psrt.config import Config
 
 logger = logging.getLogger("psrt")
@@ -33,8 +36,14 @@ logger = logging.getLogger("psrt")
 _KiB, _MiB = 1 << 10, 1 << 20
 #: Below the smallest, MPI's own algorithms win on latency (a ring step per rank costs more).
 SIZES = (256 * _KiB, 1 * _MiB, 4 * _MiB, 16 * _MiB, 64 * _MiB)
-REPEATS = 5
-#: An algorithm this much faster than MPI's at one size is taken to stay ahead at larger ones.
+#: Repeats at every size, and more (up to MAX_REPEATS) until BUDGET_S seconds have passed at
+#: the size: on a shared 2-core VM, 5 repeats at 1 MiB chose the ring, which then lost to MPI
+#: in the same job, while a large size's 3 repeats cost more than 30 of a small one's.
+REPEATS = 3
+MAX_REPEATS = 35
+BUDGET_S = 0.05
+#: An algorithm this much faster than MPI's (clearly, see clearly_beats) at one size is taken to
+#: stay ahead at larger ones, which are not measured.
 DECISIVE = 0.5
 
 #: One collective at one size by one algorithm: given a float32 buffer of the size, runs it.
@@ -63,33 +72,52 @@ def job_key(world: Communicator, local: Communicator) -> TuningKey:
                      ranks=world.size, ranks_per_host=tuple(sorted(n for _, _, n in everyone if n is not None)))
 
 
-def measure(world: Communicator, runs: Mapping[str, Run], sizes: Sequence[int] = SIZES, repeats: int = REPEATS,
-            clock: Callable[[], float] = time.perf_counter) -> Samples:
+def time_runs(world: Communicator, runs: Mapping[str, Run], sizes: Sequence[int] = SIZES,
+              repeats: int = REPEATS, max_repeats: int = MAX_REPEATS, budget_s: float = BUDGET_S,
+              clock: Callable[[], float] = time.perf_counter) -> Samples:
     """Seconds of each of ``runs`` (algorithm -> run) at each size, the slowest rank's per
     call; collective over ``world`` (every rank passes the same algorithms and sizes).
 
-    Sizes above one where an algorithm took at most :data:`DECISIVE` of MPI's time are not
-    measured (they would take most of the time): a ring's advantage over MPI only grows
-    with the size, as its cost is the bytes it moves and MPI's adds temporaries."""
+    A repeat runs each algorithm once, the first rotating.  Each size gets at least
+    ``repeats`` repeats, then more until ``budget_s`` seconds have passed there (or
+    ``max_repeats``): the small sizes, where noise decides most choices and a call takes
+    microseconds, get many, the large ones, whose calls take milliseconds each, few.  Sizes
+    above one where an algorithm took at most :data:`DECISIVE` of MPI's time (clearly, see
+    :func:`~psrt.comm.tuning.table.clearly_beats`) are not measured (they would take most of
+    the time): a ring's advantage over MPI only grows with the size, as its cost is the bytes
+    it moves and MPI's adds temporaries."""
     names = list(runs)
     samples: Samples = {}
     for size in sizes:
-        buffer = torch.ones(max(1, size // 4))
-        mine: dict[str, list[float]] = {name: [] for name in names}
+        buffer = torch.zeros(max(1, size // 4))  # zeros: sums never overflow, however many repeats
         for name in names:  # one untimed call each: first-touch of buffers, MPI's set-up
             runs[name](buffer)
-        for repeat in range(repeats):
+        mine: dict[str, list[float]] = {name: [] for name in names}
+        start, repeat = clock(), 0
+        while not _everyone_done(world, repeat >= max_repeats or (repeat >= repeats and clock() - start >= budget_s)):
             for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                 world.barrier().wait()
-                start = clock()
+                began = clock()
                 runs[name](buffer)
-                mine[name].append(clock() - start)
+                mine[name].append(clock() - began)
+            repeat += 1
         everyone = world.allgather_object(mine)  # the same on every rank, so is what follows
-        samples[size] = {name: [max(theirs[name][i] for theirs in everyone) for i in range(repeats)]
+        samples[size] = {name: [max(theirs[name][i] for theirs in everyone) for i in range(repeat)]
                          for name in names}
-        if "mpi" in names and min(relative({size: samples[size]})[size].values()) <= DECISIVE:
+        if "mpi" in names and any(median(r) <= DECISIVE and clearly_beats(r)
+                                  for name, r in ratios({size: samples[size]})[size].items() if name != "mpi"):
             break
     return samples
+
+
+def _everyone_done(world: Communicator, done: bool) -> bool:
+    """Whether any rank is done repeating (each rank's clock differs a little): the same
+    answer on every rank, so that all run the same repeats."""
+    flag = torch.tensor([float(done)])
+    world.allreduce(flag, ElementwiseOp.MAX)
+    return bool(flag.item())
+
+
 def allreduce_runs(world: MpiCommunicator) -> dict[str, Run]:
     return {algorithm: (lambda t, a=algorithm: world.allreduce_by(a, t, ElementwiseOp.SUM))
             for algorithm in ("mpi", "ring")}
@@ -108,23 +136,23 @@ def reduce_scatter_runs(world: MpiCommunicator) -> dict[str, Run]:
     return {algorithm: (lambda t, a=algorithm: run(a, t)) for algorithm in ("mpi", "ring")}
 
 
-def tune(world: MpiCommunicator, hierarchical: Optional[HierarchicalCommunicator], key: TuningKey,
-         sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> TuningTable:
+def measure_table(world: MpiCommunicator, hierarchical: Optional[HierarchicalCommunicator], key: TuningKey,
+                  sizes: Sequence[int] = SIZES) -> TuningTable:
     """Measure and choose this job's table (collective over ``world``); every rank returns
     rank 0's.  With ``hierarchical`` (a job over several hosts), its three steps are measured
     against the flat algorithms too."""
     start = time.perf_counter()
     flat = allreduce_runs(world)
     runs = dict(flat, hierarchical=hierarchical.allreduce_hierarchically) if hierarchical is not None else flat
-    allreduce = measure(world, runs, sizes, repeats)
-    reduce_scatter = measure(world, reduce_scatter_runs(world), sizes, repeats)
+    allreduce = time_runs(world, runs, sizes)
+    reduce_scatter = time_runs(world, reduce_scatter_runs(world), sizes)
     table = None
     if world.rank == 0:
-        costs = relative(allreduce)
+        costs = ratios(allreduce)
         flat_only = {size: {a: cost[a] for a in flat} for size, cost in costs.items()}
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         table = TuningTable(
-            key, choose_bands(flat_only), choose_bands(relative(reduce_scatter)),
+            key, choose_bands(flat_only), choose_bands(ratios(reduce_scatter)),
             choose_bands(costs) if hierarchical is not None else (),
             measured=f"{when}, in {time.perf_counter() - start:.2f} s",
             measurements={"allreduce": _rows(allreduce), "reduce_scatter": _rows(reduce_scatter)})
@@ -132,11 +160,15 @@ def tune(world: MpiCommunicator, hierarchical: Optional[HierarchicalCommunicator
 
 
 def _rows(samples: Samples) -> list[dict]:
-    """What a table's file shows of its measurements: per size, each algorithm's median
-    microseconds and its median time relative to MPI's (what the bands were chosen by)."""
-    times, costs = medians(samples), relative(samples)
-    return [{"bytes": size, **{f"{name}_us": round(value * 1e6, 1) for name, value in times[size].items()},
-             **{f"{name}_over_mpi": round(value, 3) for name, value in costs[size].items() if name != "mpi"}}
+    """What a table's file shows of its measurements: per size, the repeats, each algorithm's
+    median microseconds, its median time relative to MPI's and in how many repeats it was
+    faster (what the bands were chosen by)."""
+    times, costs = medians(samples), ratios(samples)
+    return [{"bytes": size, "repeats": len(samples[size]["mpi"]),
+             **{f"{name}_us": round(value * 1e6, 1) for name, value in times[size].items()},
+             **{key: value for name, r in costs[size].items() if name != "mpi"
+                for key, value in ((f"{name}_over_mpi", round(median(r), 3)),
+                                   (f"{name}_faster", sum(x < 1.0 for x in r)))}}
             for size in sorted(samples)]
 
 
@@ -162,7 +194,7 @@ def establish(world: MpiCommunicator, local: Communicator, hierarchical: Optiona
             logger.warning("psrt: %s; measuring this job's table instead (PSRT_TUNE=off: fixed thresholds)", exc)
     table = world.allgather_object(found)[0]  # rank 0's: every rank then measures, or none does
     if table is None:
-        table = tune(world, hierarchical, key)
+        table = measure_table(world, hierarchical, key)
         if world.rank == 0:
             _save(path, table)
     world.choice.use(table)

@@ -28,10 +28,14 @@ from typing import Mapping, Sequence
 
 from psrt.errors import PsrtError
 
-FORMAT = 1
+#: 2: bands against MPI start at a size measured where the algorithm clearly won (in 1, half-way
+#: below it, where the ring could lose).  Part of a cached file's name, so that a table of another
+#: format (another psrt's) is never read in place of this one's, nor overwritten by it.
+FORMAT = 2
 COLLECTIVES = ("allreduce", "reduce_scatter", "hierarchical_allreduce")
 ALGORITHMS = ("mpi", "ring", "hierarchical")
-#: Another algorithm replaces MPI's only when it is faster by at least this fraction: psrt must
+#: Another algorithm replaces MPI's only when it is faster by at least this fraction (in the
+#: median over repeats, and faster in three repeats out of four, see clearly_beats): psrt must
 #: never be slower than the MPI it sits on, and on a shared 2-core VM repeated measurements of one
 #: size moved by more than 3 %.
 MARGIN = 0.10
@@ -60,8 +64,8 @@ class TuningKey:
     ranks_per_host: tuple[int, ...]  # sorted
 
     def file_name(self) -> str:
-        """A readable, file-system-safe name unique to the key."""
-        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """A readable, file-system-safe name unique to the key and the table format."""
+        digest = hashlib.sha256(json.dumps({**asdict(self), "format": FORMAT}, sort_keys=True).encode()).hexdigest()[:12]
         host = re.sub(r"[^A-Za-z0-9_.-]", "_", self.hosts[0] if self.hosts else "host")[:40]
         more = f"+{len(self.hosts) - 1}" if len(self.hosts) > 1 else ""
         return f"{host}{more}-{self.ranks}ranks-{digest}.json"
@@ -145,25 +149,45 @@ def fixed_table(ring_threshold: int, key: TuningKey | None = None) -> TuningTabl
     return TuningTable(key, bands, bands, measured=f"fixed: PSRT_RING_THRESHOLD={ring_threshold}")
 
 
-def choose_bands(seconds: Mapping[int, Mapping[str, float]], default: str = "mpi",
+def choose_bands(ratios: Mapping[int, Mapping[str, Sequence[float]]], default: str = "mpi",
                  margin: float = MARGIN) -> tuple[Band, ...]:
-    """Bands from measured ``seconds[size][algorithm]`` (or times relative to ``default``'s,
-    see :func:`relative`): at each size the fastest algorithm,
-    unless it beats ``default`` by less than ``margin``; below the smallest size measured,
-    ``default``; a change of algorithm between two sizes measured happens half-way (in
-    log scale) between them.  Adjacent bands of one algorithm are merged."""
+    """Bands from ``ratios[size][algorithm]``, each repeat's time of the algorithm over
+    ``default``'s (see :func:`ratios`).  ``default`` (MPI's own) carries every size unless
+    another algorithm :func:`clearly_beats` it where measured, so that an algorithm chosen
+    against MPI never loses to it at a size measured:
+
+    - a band of another algorithm starts at the smallest size measured where it clearly won
+      (not half-way below it: no size under the first win is taken on trust), and runs up
+      to half-way (in log scale) to the next size measured where it did not;
+    - a win at a lone size measured, between sizes where it did not win, is taken for noise
+      (the ring's advantage grows with the size), unless it is the largest size measured;
+    - below the smallest size measured, ``default``.  Adjacent bands of one algorithm merge."""
+    sizes = sorted(ratios)
+    winners = []
+    for size in sizes:
+        clear = {name: median(r) for name, r in ratios[size].items() if name != default and clearly_beats(r, margin)}
+        winners.append(min(clear, key=clear.get) if clear else default)
+    for i, winner in enumerate(list(winners)):
+        alone = (i == 0 or winners[i - 1] != winner) and i + 1 < len(winners) and winners[i + 1] != winner
+        if winner != default and alone:
+            winners[i] = default
     bands = [Band(0, default)]
-    previous = None
-    for size in sorted(seconds):
-        times = seconds[size]
-        best = min(times, key=times.get)
-        if best != default and times[best] > times[default] * (1 - margin):
-            best = default
-        if best != bands[-1].algorithm:
-            start = size if previous is None else int(math.sqrt(previous * size))
-            bands.append(Band(start, best))
-        previous = size
+    for i, (size, winner) in enumerate(zip(sizes, winners)):
+        if winner == bands[-1].algorithm:
+            continue
+        after_default = bands[-1].algorithm == default
+        start = size if i == 0 or (after_default and winner != default) else int(math.sqrt(sizes[i - 1] * size))
+        bands.append(Band(start, winner))
     return tuple(bands)
+
+
+def clearly_beats(ratios: Sequence[float], margin: float = MARGIN) -> bool:
+    """Whether an algorithm whose time over MPI's was ``ratios`` (one per repeat) clearly
+    beats MPI: by at least ``margin`` in the median, and in three repeats out of four."""
+    if not ratios:
+        return False
+    ordered = sorted(ratios)
+    return median(ordered) <= 1 - margin and ordered[math.ceil(0.75 * (len(ordered) - 1))] < 1.0
 
 
 def medians(samples: Mapping[int, Mapping[str, Sequence[float]]]) -> dict[int, dict[str, float]]:
@@ -171,11 +195,11 @@ def medians(samples: Mapping[int, Mapping[str, Sequence[float]]]) -> dict[int, d
     return {size: {name: median(times) for name, times in by_name.items()} for size, by_name in samples.items()}
 
 
-def relative(samples: Mapping[int, Mapping[str, Sequence[float]]], default: str = "mpi") -> dict[int, dict[str, float]]:
-    """Per size and algorithm, the median over repeats of its time over ``default``'s in the
-    same repeat: the algorithms of a repeat ran back to back, so a shared machine's slow
-    phases (seconds long) cancel out of each ratio, where they would move a median of times."""
-    return {size: {name: median(t / max(base, 1e-12) for t, base in zip(times, by_name[default]))
+def ratios(samples: Mapping[int, Mapping[str, Sequence[float]]], default: str = "mpi") -> dict[int, dict[str, list[float]]]:
+    """Per size and algorithm, each repeat's time over ``default``'s in the same repeat: the
+    algorithms of a repeat ran back to back, so a shared machine's slow phases (seconds
+    long) cancel out of each ratio, where they would move a median of times."""
+    return {size: {name: [t / max(base, 1e-12) for t, base in zip(times, by_name[default])]
                    for name, times in by_name.items()} for size, by_name in samples.items()}
 
 

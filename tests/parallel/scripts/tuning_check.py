@@ -17,7 +17,8 @@ import psrt
 import psrt.torch as hvd
 from psrt.comm import ring
 from psrt.comm.mpi import library_version
-from psrt.comm.tuning.table import Band, TuningTable, read, write
+from psrt.comm.tuning import measure
+from psrt.comm.tuning.table import MARGIN, Band, TuningTable, read, write
 
 KiB, MiB = 1 << 10, 1 << 20
 PATH = os.environ["PSRT_TUNE_FILE"]
@@ -45,7 +46,14 @@ def check_measured_table_is_the_files_and_every_ranks(_: str) -> None:
     assert read(Path(PATH), table.key) == table, "the file differs from the table in force"
     everyone = hvd.allgather_object(table.to_json())
     assert everyone[0] == everyone[1], "ranks hold different tables"
-    assert {row["bytes"] for row in table.measurements["allreduce"]} >= {256 * KiB, 1 * MiB}
+    rows = {row["bytes"]: row for row in table.measurements["allreduce"]}
+    assert set(rows) >= {256 * KiB, 1 * MiB} or rows[min(rows)]["ring_over_mpi"] <= measure.DECISIVE, rows
+    assert all(measure.REPEATS <= row["repeats"] <= measure.MAX_REPEATS for row in rows.values()), rows
+    for band in table.allreduce:  # the ring starts at a size measured where it clearly won
+        if band.algorithm == "ring":
+            row = rows.get(band.from_bytes)
+            assert row and row["ring_over_mpi"] <= 1 - MARGIN and row["ring_faster"] >= 0.75 * row["repeats"], \
+                (band, rows)
 
 
 def check_sizes_go_by_the_written_table(_: str) -> None:
