@@ -8,6 +8,7 @@ import logging
 from dataclasses import replace
 
 import pytest
+import torch
 
 from psrt.comm.tuning import measure
 from psrt.comm.tuning import table as table_module
@@ -77,7 +78,8 @@ def test_an_algorithm_faster_by_less_than_the_margin_does_not_replace_mpi():
     assert bands == (Band(0, "mpi"), Band(4 * MiB, "ring"))
 
 
-def test_a_ring_faster_in_the_median_but_not_in_three_repeats_of_four_does_not_replace_mpi():
+def test_a_ring_faster_in_too_few_repeats_or_not_in_three_of_four_does_not_replace_mpi():
+    assert choose_bands({1 * MiB: _same(0.8, repeats=3), 4 * MiB: _same(0.8, repeats=3)}) == (Band(0, "mpi"),)
     mixed = {"mpi": [1.0] * 5, "ring": [0.5, 0.5, 0.5, 1.2, 1.3]}
     assert choose_bands({1 * MiB: mixed, 4 * MiB: mixed}) == (Band(0, "mpi"),)
     assert choose_bands({1 * MiB: _same(0.8), 4 * MiB: _same(0.8)}) == (Band(0, "mpi"), Band(1 * MiB, "ring"))
@@ -114,11 +116,27 @@ def test_small_sizes_get_many_repeats_and_large_ones_few_within_the_budget():
     assert len(samples[64 * MiB]["mpi"]) == 3  # over 0.1 s a repeat: the fewest
 
 
-def test_every_rank_stops_repeating_when_any_rank_is_done():
+def test_a_ring_that_looks_faster_gets_the_repeats_that_confirm_it_past_the_budget():
+    clock = FakeClock()
+    runs = fake_runs(clock, crossover=1 * MiB)  # the ring is faster at 16 MiB
+    samples = measure.time_runs(FakeWorld(), runs, sizes=(16 * MiB,), repeats=3, budget_s=0.0, clock=clock)
+    assert len(samples[16 * MiB]["ring"]) == measure.CONFIRM_REPEATS
+    slower = measure.time_runs(FakeWorld(), fake_runs(clock, crossover=64 * MiB), sizes=(16 * MiB,), repeats=3,
+                               budget_s=0.0, clock=clock)
+    assert len(slower[16 * MiB]["ring"]) == 3
+
+
+def test_every_rank_stops_repeating_as_the_others_see_it():
     class Other(FakeWorld):
+        def __init__(self, spent, promising):
+            self.theirs = torch.tensor([float(spent), float(promising)])
+
         def allreduce(self, tensor, op):
-            tensor.fill_(max(tensor.item(), 1.0))  # the other rank is done
-    assert measure._everyone_done(Other(), False) and not measure._everyone_done(FakeWorld(), False)
+            torch.maximum(tensor, self.theirs, out=tensor)
+    assert measure._enough(Other(True, False), 3, 3, 35, spent=False, promising=False)  # the other rank is done
+    assert not measure._enough(Other(False, True), 3, 3, 35, spent=True, promising=False)  # it sees a faster ring
+    assert measure._enough(Other(False, True), 5, 3, 35, spent=True, promising=False)
+    assert measure._enough(FakeWorld(), 35, 3, 35, spent=False, promising=True)
 
 
 def test_the_slowest_rank_times_each_call():

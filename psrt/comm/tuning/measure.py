@@ -27,7 +27,7 @@ import torch
 from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.comm.hierarchical import HierarchicalCommunicator
 from psrt.comm.mpi import MpiCommunicator, library_version
-from psrt.comm.tuning.table import (TuningFileError, TuningKey, TuningTable, choose_bands, clearly_beats,
+from psrt.comm.tuning.table import (MARGIN, WIN_REPEATS, TuningFileError, TuningKey, TuningTable, choose_bands, clearly_beats,
                                     default_path, medians, ratios, read, write)
 from psrt.config import Config
 
@@ -41,7 +41,10 @@ SIZES = (256 * _KiB, 1 * _MiB, 4 * _MiB, 16 * _MiB, 64 * _MiB)
 #: in the same job, while a large size's 3 repeats cost more than 30 of a small one's.
 REPEATS = 3
 MAX_REPEATS = 35
-BUDGET_S = 0.05
+BUDGET_S = 0.03
+#: Repeats an algorithm that looks faster than MPI's gets, past the budget: a win is taken from
+#: no fewer (see clearly_beats).
+CONFIRM_REPEATS = WIN_REPEATS
 #: An algorithm this much faster than MPI's (clearly, see clearly_beats) at one size is taken to
 #: stay ahead at larger ones, which are not measured.
 DECISIVE = 0.5
@@ -81,7 +84,8 @@ def time_runs(world: Communicator, runs: Mapping[str, Run], sizes: Sequence[int]
     A repeat runs each algorithm once, the first rotating.  Each size gets at least
     ``repeats`` repeats, then more until ``budget_s`` seconds have passed there (or
     ``max_repeats``): the small sizes, where noise decides most choices and a call takes
-    microseconds, get many, the large ones, whose calls take milliseconds each, few.  Sizes
+    microseconds, get many, the large ones, whose calls take milliseconds each, few; an
+    algorithm that looks faster than MPI's gets at least :data:`CONFIRM_REPEATS`.  Sizes
     above one where an algorithm took at most :data:`DECISIVE` of MPI's time (clearly, see
     :func:`~psrt.comm.tuning.table.clearly_beats`) are not measured (they would take most of
     the time): a ring's advantage over MPI only grows with the size, as its cost is the bytes
@@ -94,7 +98,7 @@ def time_runs(world: Communicator, runs: Mapping[str, Run], sizes: Sequence[int]
             runs[name](buffer)
         mine: dict[str, list[float]] = {name: [] for name in names}
         start, repeat = clock(), 0
-        while not _everyone_done(world, repeat >= max_repeats or (repeat >= repeats and clock() - start >= budget_s)):
+        while not _enough(world, repeat, repeats, max_repeats, clock() - start >= budget_s, _promising(mine)):
             for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                 world.barrier().wait()
                 began = clock()
@@ -110,12 +114,22 @@ def time_runs(world: Communicator, runs: Mapping[str, Run], sizes: Sequence[int]
     return samples
 
 
-def _everyone_done(world: Communicator, done: bool) -> bool:
-    """Whether any rank is done repeating (each rank's clock differs a little): the same
-    answer on every rank, so that all run the same repeats."""
-    flag = torch.tensor([float(done)])
-    world.allreduce(flag, ElementwiseOp.MAX)
-    return bool(flag.item())
+def _promising(mine: Mapping[str, Sequence[float]]) -> bool:
+    """Whether this rank's calls so far show another algorithm beating MPI's by the margin."""
+    if "mpi" not in mine or not mine["mpi"]:
+        return False
+    return any(median(r) <= 1 - MARGIN for name, r in ratios({0: mine})[0].items() if name != "mpi")
+
+
+def _enough(world: Communicator, repeat: int, repeats: int, max_repeats: int, spent: bool, promising: bool) -> bool:
+    """Whether to stop repeating at a size: past ``repeats`` and the time budget (``spent``),
+    unless another algorithm looks faster and has had fewer than :data:`CONFIRM_REPEATS`
+    (MPI's own is replaced only on that many); or at ``max_repeats``.  Decided from every
+    rank's view alike (each rank's clock differs a little), so that all run the same repeats."""
+    flags = torch.tensor([float(spent), float(promising)])
+    world.allreduce(flags, ElementwiseOp.MAX)
+    spent, promising = bool(flags[0]), bool(flags[1])
+    return repeat >= max_repeats or (repeat >= repeats and spent and not (promising and repeat < CONFIRM_REPEATS))
 
 
 def allreduce_runs(world: MpiCommunicator) -> dict[str, Run]:

@@ -39,6 +39,8 @@ ALGORITHMS = ("mpi", "ring", "hierarchical")
 #: never be slower than the MPI it sits on, and on a shared 2-core VM repeated measurements of one
 #: size moved by more than 3 %.
 MARGIN = 0.10
+#: The fewest repeats a win over MPI's own is taken from.
+WIN_REPEATS = 5
 
 
 class TuningFileError(PsrtError):
@@ -183,8 +185,9 @@ def choose_bands(ratios: Mapping[int, Mapping[str, Sequence[float]]], default: s
 
 def clearly_beats(ratios: Sequence[float], margin: float = MARGIN) -> bool:
     """Whether an algorithm whose time over MPI's was ``ratios`` (one per repeat) clearly
-    beats MPI: by at least ``margin`` in the median, and in three repeats out of four."""
-    if not ratios:
+    beats MPI: over at least :data:`WIN_REPEATS` repeats, by at least ``margin`` in the
+    median, and in three repeats out of four."""
+    if len(ratios) < WIN_REPEATS:
         return False
     ordered = sorted(ratios)
     return median(ordered) <= 1 - margin and ordered[math.ceil(0.75 * (len(ordered) - 1))] < 1.0
