@@ -86,6 +86,12 @@ class Communicator(abc.ABC):
         memory.
         """
 
+    def allreduce_at(self, tensor: torch.Tensor, op: ElementwiseOp) -> Callable[[torch.Tensor, float], None] | None:
+        """:meth:`allreduce` prepared for a tensor at ``tensor``'s address, called again and
+        again (``run(buffer, scale)``, ``buffer`` lying where ``tensor`` lies), or None where
+        the backend prepares nothing (then call :meth:`allreduce`)."""
+        return None
+
     @abc.abstractmethod
     def iallreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> Request:
         """Non-blocking :meth:`allreduce`."""

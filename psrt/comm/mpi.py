@@ -4,15 +4,16 @@ Tensors reach MPI as zero-copy views of their memory.  Allreduces and reduce-sca
 by psrt's chunked ring (see :mod:`psrt.comm.ring`) or by MPI's own algorithms as the
 tuning table in force says for their size (see :mod:`psrt.comm.tuning`; by default MPI
 below ``Config.ring_threshold``, the ring from it); everything else uses MPI's own
-algorithms, scaled allreduces (averages) of more than two ring segments one
-segment at a time.  Internal ring traffic runs on a duplicate of the communicator, so it
+algorithms.  A scaled allreduce (an average) is one MPI call and one pass of scaling after
+it: in 1 MiB pieces, each scaled while in cache, it took 20-30 % longer on 2 ranks (1-8 MiB,
+benchmarks/RESULTS.md).  Internal ring traffic runs on a duplicate of the communicator, so it
 can never match a user's point-to-point message.
 """
 from __future__ import annotations
 
 import itertools
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +31,24 @@ from psrt.errors import CommunicationError
 
 # MPI 4.0 brought persistent collectives (MPI_Allreduce_init); an MPI 3.x library (Open MPI
 # 4.1, still the system MPI of many clusters) lacks them, and mpi4py raises NotImplementedError.
-PERSISTENT_COLLECTIVES = MPI.Get_version() >= (4, 0)
+# The version a library reports does not tell: Open MPI 5 reports MPI 3.1 and has them.  So the
+# first persistent allreduce tries (collectively: every rank runs the same library) and the
+# answer is kept; None until then.
+PERSISTENT_COLLECTIVES: bool | None = None
+
+
+def _persistent_allreduce(comm: MPI.Comm, spec: list, op: MPI.Op) -> MPI.Prequest | None:
+    """MPI's persistent allreduce of ``spec``, or None where the library has none."""
+    global PERSISTENT_COLLECTIVES
+    if PERSISTENT_COLLECTIVES is False:
+        return None
+    try:
+        request = comm.Allreduce_init(MPI.IN_PLACE, spec, op)
+    except NotImplementedError:
+        PERSISTENT_COLLECTIVES = False
+        return None
+    PERSISTENT_COLLECTIVES = True
+    return request
 
 
 def library_version() -> str:
@@ -124,8 +142,9 @@ class _MpiRepeatedAllreduce(Persistent):
         self._comm, self._tensor = comm, tensor  # the tensor stays alive with the operation
         self._spec, self._op = mpi_buffer(tensor), mpi_op(op, tensor.dtype)
         self._what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
-        self._persistent = (_MpiPersistent(comm.Allreduce_init(MPI.IN_PLACE, self._spec, self._op), self._what,
-                                           tensor) if PERSISTENT_COLLECTIVES else None)
+        with _Translated(self._what):
+            request = _persistent_allreduce(comm, self._spec, self._op)
+        self._persistent = None if request is None else _MpiPersistent(request, self._what, tensor)
 
     def start(self) -> Request:
         if self._persistent is not None:
@@ -186,27 +205,33 @@ class MpiCommunicator(Communicator):
                 ring.ring_allreduce(self._ring_comm, as_numpy(tensor), segment, numpy_reducer(op, tensor.dtype),
                                     scale)
                 return
-            if scale != 1.0 and tensor.nbytes > 2 * self._config.ring_segment:
-                self._segmented_allreduce(tensor, op, scale)
-                return
             self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(tensor), mpi_op(op, tensor.dtype))
         except MPI.Exception as exc:
             raise _failure(exc, f"allreduce of {tensor.numel()} {tensor.dtype} elements") from exc
         if scale != 1.0:
             tensor.mul_(scale)
 
-    def _segmented_allreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float) -> None:
-        """MPI's own algorithm, one ring segment at a time, each scaled as soon as it is
-        reduced: the segment stays in cache through both (a 7.4 MB allreduce on 2 ranks took
-        2.6 ms in 1 MiB pieces against 3.4 ms whole; benchmarks/RESULTS.md).  Only for a
-        scaled allreduce: with nothing to scale, the pieces only add calls (a 4 MiB one
-        took 6 % longer in pieces)."""
-        flat, reduction = tensor.view(-1), mpi_op(op, tensor.dtype)
-        step = max(1, self._config.ring_segment // tensor.element_size())
-        for start in range(0, flat.numel(), step):
-            segment = flat[start:start + step]
-            self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(segment), reduction)
-            _scale(segment, scale)
+    def allreduce_at(self, tensor: torch.Tensor, op: ElementwiseOp) -> Callable[[torch.Tensor, float], None] | None:
+        """A blocking allreduce of whatever tensor lies where ``tensor`` lies (the same address,
+        size and dtype), scaled afterwards, with its MPI buffer and op made once: for a call
+        repeated on the same memory (psrt's express path).  None where the call goes another
+        way than one MPI allreduce: psrt's ring, a widened dtype, one rank, nothing to send."""
+        nbytes = tensor.nbytes
+        if self.size == 1 or not nbytes or tensor.dtype in WIDENED_FOR_REDUCTION \
+                or self.choice.allreduce(nbytes) != "mpi":
+            return None
+        comm, spec, reduction = self._comm, mpi_buffer(tensor), mpi_op(op, tensor.dtype)
+        what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
+
+        def run(buffer: torch.Tensor, scale: float) -> None:
+            try:
+                comm.Allreduce(MPI.IN_PLACE, spec, reduction)
+            except MPI.Exception as exc:
+                raise _failure(exc, what) from exc
+            if scale != 1.0:
+                buffer.mul_(scale)
+
+        return run
 
     def iallreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> Request:
         if self.size == 1 or tensor.numel() == 0:

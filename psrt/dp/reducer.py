@@ -42,10 +42,13 @@ TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step t
 
 class Bucket:
     """One bucket: its members' positions in the reducer's parameter list, their parameters, and
-    this step's state.  ``started`` belongs to the strategy (what its ``launch`` started, kept
+    this step's state.  ``awaited`` says the bucket was launched by ``synchronize()``, which
+    waits for it right away (its communication need not wake the engine thread: the waiting
+    thread runs it).  ``started`` belongs to the strategy (what its ``launch`` started, kept
     until ``finish``); ``buffer`` and ``views`` exist with views."""
 
-    __slots__ = ("index", "name", "members", "params", "waiting", "launched", "started", "buffer", "views")
+    __slots__ = ("index", "name", "members", "params", "waiting", "launched", "awaited", "started", "buffer",
+                 "views")
 
     def __init__(self, index: int, name: str, members: tuple[int, ...], params: list[torch.Tensor]) -> None:
         self.index, self.name, self.members, self.params = index, name, members, params
@@ -55,7 +58,7 @@ class Bucket:
 
     def reset(self) -> None:
         self.waiting = len(self.members)  # members whose gradient is not complete for this step
-        self.launched = False
+        self.launched = self.awaited = False
         self.started: object | None = None
 
     def grads(self) -> list[torch.Tensor]:
@@ -146,15 +149,15 @@ class GradientReducer:
             bucket.waiting -= 1
             if bucket.waiting == 0:
                 if self.overlap:
-                    self._launch(bucket)
+                    self._launch(bucket, awaited=False)
                 self.strategy.ready(bucket)
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
         self.synchronize()
 
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.launched = True
+    def _launch(self, bucket: Bucket, awaited: bool) -> None:
+        bucket.launched, bucket.awaited = True, awaited
         self.strategy.launch(bucket)
 
     # -- at the step ----------------------------------------------------------------------
@@ -164,7 +167,7 @@ class GradientReducer:
         for bucket in self.buckets:
             if not bucket.launched:
                 _zero_fill(bucket)
-                self._launch(bucket)
+                self._launch(bucket, awaited=True)
         self.wait()
         self.synchronized = True
         self.strategy.all_finished()

@@ -64,9 +64,11 @@ class Channel:
         self.rank, self.size = self.ranks.index(world_rank), len(self.ranks)
 
     # -- starting and waiting ---------------------------------------------------------------
-    def start(self, work: Work) -> Work:
-        """Queue ``work`` for the engine thread; returns it, to wait on."""
-        return self._engine.submit(work)
+    def start(self, work: Work, wake: bool = True) -> Work:
+        """Queue ``work`` for the engine thread; returns it, to wait on.  ``wake=False`` for a
+        work the caller is about to wait for (with others it starts first): the thread that
+        waits runs the cycle, and the engine thread is left asleep."""
+        return self._engine.submit(work, wake)
 
     def run(self, work: Work) -> object:
         """Queue ``work`` and return its output, running the engine on this thread meanwhile."""

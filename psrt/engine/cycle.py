@@ -45,7 +45,7 @@ class Cycle:
     it calls the submissions' ``take``, ``finished``, ``released`` and ``has_queued``."""
 
     __slots__ = ("rank", "_everyone", "_submissions", "_watchdog", "_negotiator", "_doorbell", "_execution",
-                 "_local", "_quiet_epoch", "_unrung", "_report_after", "_thread_marks")
+                 "_local", "_express_ranks", "_quiet_epoch", "_unrung", "_report_after", "_thread_marks")
 
     def __init__(self, topology, config: Config, watchdog: Watchdog, submissions: Submissions) -> None:
         world = topology.world
@@ -57,6 +57,7 @@ class Cycle:
         self._doorbell = Doorbell(world.split(0, key=world.rank))
         self._execution = Execution(topology, config, watchdog, submissions)
         self._local: dict[WorkKey, Work] = {}  # this rank's works being negotiated
+        self._express_ranks: tuple[int, ...] = ()  # the set of the express call in its round
         self._quiet_epoch: int | None = 0  # every engine starts quiet, at round 0
         self._unrung: int | None = None  # the quiet epoch left without ringing yet
         self._report_after = min(_REPORT_AFTER_S, config.stall_check_time_s / 4)
@@ -167,7 +168,11 @@ class Cycle:
         if self._quiet_epoch is not None:
             self._unrung, self._quiet_epoch = self._quiet_epoch, None
         announcement = route.announcement
-        fast = self._negotiator.round_alone(route.index, self._wait_alone)
+        self._express_ranks = announcement.ranks  # members: they come with the call, never rung
+        try:
+            fast = self._negotiator.round_alone(route.index, self._wait_alone)
+        finally:
+            self._express_ranks = ()
         if fast is not None:
             work = Work(announcement, device=buffer.device, buffers=[buffer])
             work.cache_index = route.index
@@ -236,7 +241,7 @@ class Cycle:
     def _outsiders(self) -> list[int]:
         """Ranks outside the process set of every work pending here (all others when none
         is: a join or a shutdown needs every rank's rounds)."""
-        members = set().union(*(work.announcement.ranks for work in self._local.values()))
+        members = set(self._express_ranks).union(*(work.announcement.ranks for work in self._local.values()))
         return [rank for rank in self._everyone if rank != self.rank and rank not in members]
 
     def _describe_round(self) -> str:

@@ -106,14 +106,21 @@ class Execution:
                            if r.announcement.reduction is not None and r.error is None)
 
     def express(self, route: Route, buffer: torch.Tensor, mark: Wait) -> None:
-        """The express path's reduction of ``buffer`` (see :meth:`Cycle.express`)."""
+        """The express path's reduction of ``buffer`` (see :meth:`Cycle.express`), by the
+        transport's call prepared for the buffer's address where it has one."""
         announcement = route.announcement
         if route.comm is None:
             route.comm = self._data_comm(announcement.reduction.set_id, buffer.device)
             route.describe = functools.partial(self._describe, announcement, 0)
+        address = buffer.data_ptr()
+        if address != route.address:
+            route.address, route.prepared = address, route.comm.allreduce_at(buffer, route.op)
         mark.what, mark.peers = route.describe, announcement.ranks
         with mark:
-            route.comm.allreduce(buffer, route.op, route.scale)
+            if route.prepared is not None:
+                route.prepared(buffer, route.scale)
+            else:
+                route.comm.allreduce(buffer, route.op, route.scale)
         if self._autotuner is not None:
             self._autotune(((announcement.key, announcement.reduction.nbytes),))
 

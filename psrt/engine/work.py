@@ -89,9 +89,10 @@ class Route:
     """The engine's way for one repeated blocking allreduce of a single buffer (its scale folded
     into the reduction): made by :meth:`psrt.engine.Engine.route` and held by the caller as a
     token.  Only the engine fills it in, on first use: the response-cache entry (which never
-    moves), the communicator and the watchdog's description."""
+    moves), the communicator, the watchdog's description, and the transport's call prepared for
+    the buffer's address (``address``), made again when a call brings another buffer."""
 
-    __slots__ = ("announcement", "op", "scale", "index", "comm", "describe")
+    __slots__ = ("announcement", "op", "scale", "index", "comm", "describe", "address", "prepared")
 
     def __init__(self, announcement: Announcement) -> None:
         self.announcement = announcement
@@ -99,6 +100,8 @@ class Route:
         self.index: int | None = None
         self.comm: Communicator | None = None
         self.describe: Callable[[], str] | None = None
+        self.address: int | None = None
+        self.prepared: Callable[[torch.Tensor, float], None] | None = None
 
 
 class StreamDependencies:

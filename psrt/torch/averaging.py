@@ -68,7 +68,8 @@ class Averaging(BucketStrategy):
         reduction.ctxs = [ctx for _, ctx in packed]
         wires = [wire for wire, _ in packed]
         call = self._call(bucket, wires)
-        reduction.work = self.channel.start(allreduce_work(call, wires, in_place=True, grouped=True))
+        reduction.work = self.channel.start(allreduce_work(call, wires, in_place=True, grouped=True),
+                                            wake=not bucket.awaited)
 
     def _call(self, bucket: Bucket, wires: list[torch.Tensor]) -> AllreduceCall:
         key = (bucket.index, *[(t.dtype, t.shape) for t in wires])

@@ -13,16 +13,17 @@ from psrt.comm.base import ElementwiseOp
 from psrt.engine import Channel, Work
 
 
-def reduce_gradients(channel: Channel, flat: torch.Tensor, name: str, num_shards: int) -> Work:
+def reduce_gradients(channel: Channel, flat: torch.Tensor, name: str, num_shards: int, wake: bool) -> Work:
     """Start averaging ``flat`` (a whole group's gradients, padded to a multiple of the shards)
     over the set; the work's output is this rank's shard, or the whole averaged group where the
-    group is not sharded (stage 0)."""
+    group is not sharded (stage 0).  ``wake``: see :meth:`Channel.start`."""
     if num_shards == 1:
-        return channel.start(channel.allreduce([flat], name=name, scale=1.0 / channel.size, finish=lambda _: flat))
-    shard = flat.numel() // channel.size
-    out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
-    return channel.start(channel.reduce_scatter(flat, out, [shard] * channel.size, name=name,
-                                                scale=1.0 / channel.size))
+        work = channel.allreduce([flat], name=name, scale=1.0 / channel.size, finish=lambda _: flat)
+    else:
+        shard = flat.numel() // channel.size
+        out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
+        work = channel.reduce_scatter(flat, out, [shard] * channel.size, name=name, scale=1.0 / channel.size)
+    return channel.start(work, wake)
 
 
 def gather(channel: Channel, shard: torch.Tensor, full: torch.Tensor, name: str) -> Work:

@@ -49,8 +49,9 @@ class ShardedGroup:
             self.release()
 
     # -- gradients ------------------------------------------------------------------
-    def start_reduction(self) -> Work:
-        """Start averaging this rank's gradients of the group over the set; returns the work.
+    def start_reduction(self, wake: bool = True) -> Work:
+        """Start averaging this rank's gradients of the group over the set; returns the work
+        (``wake``: see :meth:`psrt.engine.Channel.start`).
 
         Parameters without a gradient count as zeros.  The parameters' ``.grad`` are dropped:
         from here on the group's gradient lives in its shard only.
@@ -61,7 +62,7 @@ class ShardedGroup:
         flat = torch.cat(pieces)  # one pass over the gradients, no zeroing pass before it
         for param in self.params:
             param.grad = None
-        return comm.reduce_gradients(self.channel, flat, f"{self.name}.grad", self.num_shards)
+        return comm.reduce_gradients(self.channel, flat, f"{self.name}.grad", self.num_shards, wake)
 
     def _zeros(self, numel: int) -> torch.Tensor:
         return torch.zeros(numel, dtype=self.compute_dtype, device=self.full.device)

@@ -360,7 +360,7 @@ class _ReduceIntoShards(BucketStrategy):
             self.zero.groups[bucket.index].release()
 
     def launch(self, bucket: Bucket) -> None:
-        bucket.started = self.zero.groups[bucket.index].start_reduction()
+        bucket.started = self.zero.groups[bucket.index].start_reduction(wake=not bucket.awaited)
 
     def finish(self, bucket: Bucket) -> None:
         self.zero.groups[bucket.index].finish_reduction(bucket.started)
