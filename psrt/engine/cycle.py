@@ -169,10 +169,8 @@ class Cycle:
             self._unrung, self._quiet_epoch = self._quiet_epoch, None
         announcement = route.announcement
         self._express_ranks = announcement.ranks  # members: they come with the call, never rung
-        try:
-            fast = self._negotiator.round_alone(route.index, self._wait_alone)
-        finally:
-            self._express_ranks = ()
+        fast = self._negotiator.round_alone(route.index, self._wait_alone)
+        self._express_ranks = ()  # (a round that raises stops the engine: nothing reads it again)
         if fast is not None:
             work = Work(announcement, device=buffer.device, buffers=[buffer])
             work.cache_index = route.index

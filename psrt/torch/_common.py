@@ -34,15 +34,11 @@ def rows_and_tail(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     return (1, ()) if tensor.dim() == 0 else (tensor.shape[0], tuple(tensor.shape[1:]))
 
 
-def remembered(current: Runtime, signature: tuple) -> object:
-    """What an earlier call with the same signature worked out (see :func:`remember`)."""
-    return current.calls.get(signature)
-
-
 def remember(current: Runtime, signature: tuple, known: object) -> None:
     """Keep what a call worked out (its prepared work, ...) for later calls whose arguments
-    give the same ``signature``; on the runtime, so a new runtime starts afresh, and
-    bounded like the response cache, whose entries these mostly are."""
+    give the same ``signature`` (looked up in ``current.calls``); on the runtime, so a new
+    runtime starts afresh, and bounded like the response cache, whose entries these mostly
+    are."""
     if len(current.calls) < current.config.cache_capacity:
         current.calls[signature] = known
 

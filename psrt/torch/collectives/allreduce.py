@@ -89,7 +89,7 @@ def remembered_call(current: runtime.Runtime, tensors: list[torch.Tensor], group
     same arguments worked out (building it costs more than the rest of a small allreduce's
     Python)."""
     key = _repeat_key(tensors, name, op, average, prescale_factor, postscale_factor, process_set)
-    known = _common.remembered(current, key) if key is not None else None
+    known = current.calls.get(key) if key is not None else None
     if known is not None:
         return known
     call = allreduce_call(current.channel(process_set), tensors, grouped, name, op, average, prescale_factor,
