@@ -118,3 +118,44 @@ def test_timeline_is_valid_chrome_trace_json(tmp_path):
     rows = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
     assert set(rows) == {"grad.w", "grad.b"} and complete[0]["tid"] == rows["grad.w"]
     assert any(e["name"] == "CYCLE_START" for e in events)
+
+
+class _FakeStream:
+    """A CUDA stream as far as the engine uses one: events recorded, events waited for."""
+
+    def __init__(self) -> None:
+        self.recorded, self.waited = [], []
+
+    def record_event(self):
+        event = object()
+        self.recorded.append(event)
+        return event
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+def test_a_cuda_work_records_a_ready_event_at_submission_and_its_collective_waits_for_it(monkeypatch):
+    """No GPU needed: the producer's stream records the ready event when the work is submitted,
+    and the stream current where the collective runs waits for that event (the host never
+    does); a host work carries no stream dependencies."""
+    from types import SimpleNamespace
+
+    from psrt.engine.engine import Engine
+    from psrt.engine.work import Work
+
+    producer, collective = _FakeStream(), _FakeStream()
+    streams = {"producer": producer}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams["producer"])
+    queued = []
+    engine = SimpleNamespace(_submissions=SimpleNamespace(put=lambda work, wake: queued.append(work)))
+    announcement = allreduce("g", 4).announcement
+    on_gpu = Work(announcement, device=torch.device("cuda", 0), buffers=[torch.zeros(4)])
+    on_host = Work(announcement, device=torch.device("cpu"), buffers=[torch.zeros(4)])
+    Engine.submit(engine, on_gpu)
+    Engine.submit(engine, on_host)
+    assert queued == [on_gpu, on_host] and on_host.streams is None
+    assert on_gpu.streams.ready is producer.recorded[0] and not producer.waited
+    streams["producer"] = collective  # the engine thread's current stream
+    on_gpu.streams.await_ready(on_gpu.device)
+    assert collective.waited == [on_gpu.streams.ready] and not collective.recorded
