@@ -35,9 +35,7 @@ class Config:
     # XDG_CACHE_HOME), one per machine, MPI library, number of ranks and ranks per host.
     tune_file: str = ""
     # The ring moves each chunk in segments of this many bytes, so each
-    # received segment is reduced while it is still in cache; for the same
-    # reason a smaller allreduce of more than two segments goes to MPI one
-    # segment at a time.
+    # received segment is reduced while it is still in cache.
     ring_segment: int = 1 * _MiB
     # An uncaught exception on any rank aborts the whole job (as
     # ``python -m mpi4py`` does) instead of leaving the other ranks blocked.
