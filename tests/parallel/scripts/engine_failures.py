@@ -94,6 +94,7 @@ def express_failure() -> None:
             raise psrt.CommunicationError("injected transport failure")
 
         route.comm.allreduce = broken
+        route.prepared = broken  # the express path's call, prepared for the tensor's address
     for call in ("doomed", "later"):
         try:
             hvd.allreduce_(tensor, name=call, op=hvd.Sum)
