@@ -67,10 +67,6 @@ class Cycle:
     def cycle_time_s(self) -> float:
         return self._execution.cycle_time_s
 
-    @property
-    def rounds(self) -> int:
-        return self._negotiator.rounds
-
     # -- a cycle --------------------------------------------------------------------------
     def run(self, join: bool, stop: bool) -> RoundResult | None:
         """Take what arrived and negotiate one round announcing ``join`` and ``stop`` (this

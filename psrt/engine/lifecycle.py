@@ -37,7 +37,7 @@ class Lifecycle:
     other parts it calls the submissions' ``refuse``, ``ranks_gone``, ``gone`` and ``wake``,
     and the cycle's ``joined``, ``stalled``, ``forget_involving`` and ``abandon``."""
 
-    __slots__ = ("rank", "size", "_everyone", "_config", "_watchdog", "_submissions", "_cycle", "_stopped",
+    __slots__ = ("rank", "size", "_everyone", "_config", "_watchdog", "_submissions", "_cycle", "_lock", "_stopped",
                  "_join_requested", "_join_sent", "_join_done", "_join_value", "_stop_requested", "_stop_sent",
                  "_next_stall_check", "_stalls_published")
 
@@ -49,6 +49,9 @@ class Lifecycle:
         self._watchdog = watchdog
         self._submissions = submissions
         self._cycle = cycle
+        # Held while a join is asked for, and while ranks that shut down or the engine's stop
+        # are noted: a join either sees them and refuses, or is failed by them, never neither.
+        self._lock = threading.Lock()
         self._stopped: str | None = None  # why the engine stopped, once it has
         self._join_requested = self._join_sent = False
         self._join_done = threading.Event()
@@ -74,13 +77,14 @@ class Lifecycle:
     def join(self) -> int:
         """Block until every rank has joined (the cycles contribute zeros meanwhile); returns the
         last rank to join."""
-        if self._stopped is not None:
-            raise EngineStoppedError(f"cannot join: {self._stopped}")
-        gone = self._submissions.gone()
-        if gone:  # a join needs every rank, and these will never join
-            raise EngineStoppedError(f"cannot join: {shut_down_by(gone)}")
-        self._join_done.clear()
-        self._join_requested = True
+        with self._lock:
+            if self._stopped is not None:
+                raise EngineStoppedError(f"cannot join: {self._stopped}")
+            gone = self._submissions.gone()
+            if gone:  # a join needs every rank, and these will never join
+                raise EngineStoppedError(f"cannot join: {shut_down_by(gone)}")
+            self._join_done.clear()
+            self._join_requested = True
         self._submissions.wake()
         # the engine's table reports a join's stall (a wait by design: never fatal)
         with self._watchdog.waiting("a join", f"hvd.join() on rank {self.rank}", self._everyone, ident=("join",),
@@ -160,14 +164,20 @@ class Lifecycle:
             self._submissions.ranks_gone(gone, [])
             self._stop(shut_down_by(sorted(stopping)))
             return True
-        for work in self._submissions.ranks_gone(gone, self._cycle.forget_involving(gone)):
+        with self._lock:
+            doomed = self._submissions.ranks_gone(gone, self._cycle.forget_involving(gone))
+            self._fail_join(f"join did not complete: {shut_down_by(sorted(gone))}")  # a join needs every rank
+        for work in doomed:
             reason = shut_down_by(sorted(gone.intersection(work.announcement.ranks)))
             work.fail(EngineStoppedError(f"{work.announcement.describe()} did not complete: {reason}"))
-        if self._join_requested and not self._join_done.is_set():  # a join needs every rank
-            self._join_requested = False
-            self._join_value = EngineStoppedError(f"join did not complete: {shut_down_by(sorted(gone))}")
-            self._join_done.set()
         return False
+
+    def _fail_join(self, message: str) -> None:
+        """Fail a join in progress (holding the lock)."""
+        if self._join_requested and not self._join_done.is_set():
+            self._join_requested = False
+            self._join_value = EngineStoppedError(message)
+            self._join_done.set()
 
     # -- failure -----------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
@@ -180,10 +190,9 @@ class Lifecycle:
             bootstrap.abort_job(how)
 
     def _stop(self, reason: str) -> None:
-        self._stopped = reason
+        with self._lock:
+            self._stopped = reason
+            self._fail_join(f"join did not complete: {reason}")
         abandoned: list[Work] = self._submissions.refuse(reason) + self._cycle.abandon()
         for work in abandoned:
             work.fail(EngineStoppedError(f"{work.announcement.describe()} did not complete: {reason}"))
-        if self._join_requested and not self._join_done.is_set():
-            self._join_value = EngineStoppedError(f"join did not complete: {reason}")
-            self._join_done.set()
