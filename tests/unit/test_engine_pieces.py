@@ -140,14 +140,15 @@ def test_a_device_work_waits_for_its_producer_and_its_consumer_waits_for_it():
         queued = []
         engine = SimpleNamespace(_submissions=SimpleNamespace(put=lambda work, wake: queued.append(work)))
         work = Work(allreduce("g", 4).announcement, device=torch.device("cpu"), buffers=[torch.zeros(4)])
-        cuda.compute.tick()  # the producer's kernel
+        produced = cuda.compute.tick()  # the producer's kernel
         Engine.submit(engine, work)
-        assert queued == [work] and work.streams.ready.stream is cuda.compute and work.streams.ready.clock == 1
+        assert queued == [work] and work.streams.ready.stream is cuda.compute
+        assert work.streams.ready.clock == produced
         with _on_communication_stream([work], "allreduce"):
             stream = cuda.current(work.device)
-            assert stream is streams.device_streams(work.device).reduce and stream.after(cuda.compute, 1)
-            stream.tick()  # the collective
+            assert stream is streams.device_streams(work.device).reduce and stream.after(cuda.compute, produced)
+            reduced = stream.tick()  # the collective
         work.complete(None)
-        assert not cuda.compute.after(stream, 1)
+        assert not cuda.compute.after(stream, reduced)
         work.result()
-        assert cuda.compute.after(stream, 1) and not cuda.host_waits
+        assert cuda.compute.after(stream, reduced) and not cuda.host_waits
