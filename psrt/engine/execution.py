@@ -138,7 +138,8 @@ class Execution:
         pieces = [p for r in responses for p in r.announcement.reduction.pieces]
         comm = self._data_comm(first.reduction.set_id, buffers[0].device)
         phases: list[tuple[str, float, float]] = []
-        with _on_communication_stream(works, "allreduce"):
+        devices = [work for work in works if work is not None and work.streams is not None]
+        with _on_communication_stream(devices, "allreduce") if devices else contextlib.nullcontext():
             for message in fusion.messages(pieces):
                 piece = pieces[message[0]]
                 self._reduce_message([buffers[i] for i in message], first.reduction.op, piece.scale, comm, phases)
@@ -178,8 +179,11 @@ class Execution:
         host = self._topology.communicator(self._topology.process_set(set_id))
         data = self._data_comm(set_id, work.device)
         start = time.perf_counter()
-        with _on_communication_stream((work,), work.announcement.collective):
+        if work.streams is None:
             value = work.execute(host, data)
+        else:
+            with _on_communication_stream((work,), work.announcement.collective):
+                value = work.execute(host, data)
         self._finish(work, value, None, ((work.announcement.collective.upper(), start, time.perf_counter()),))
 
     def _data_comm(self, set_id: int, device: torch.device) -> Communicator:
@@ -235,14 +239,11 @@ class Execution:
 
 
 @contextlib.contextmanager
-def _on_communication_stream(works, collective: str) -> Iterator[None]:
-    """Run a block's device work on its device's communication stream for ``collective``,
-    after that stream has waited for every work's ready event; record the done event their
-    consumers wait for (:mod:`psrt.comm.streams`).  Host works run as they are."""
-    ordered = [work for work in works if work is not None and work.streams is not None]
-    if not ordered:
-        yield
-        return
+def _on_communication_stream(ordered, collective: str) -> Iterator[None]:
+    """Run a block of device works (``ordered``: each with its stream dependencies) on their
+    device's communication stream for ``collective``, after that stream has waited for every
+    work's ready event; record the done event their consumers wait for
+    (:mod:`psrt.comm.streams`)."""
     cuda = streams.api()
     stream = streams.device_streams(ordered[0].device).for_collective(collective)
     with cuda.using(stream):
