@@ -135,8 +135,9 @@ class Work:
     the set's host communicator (sizes, metadata) and the one that carries
     tensors on ``device``.  ``streams`` holds a CUDA work's stream dependencies
     (None for host tensors); its tensors stay referenced by the work (``buffers``, or the
-    ``execute`` callable's) until its consumer has waited in :meth:`result`.  Waiting is the engine's (:meth:`psrt.engine.Engine.wait`,
-    which runs cycles on the waiting thread); the work itself only records completion.
+    ``execute`` callable's) until its consumer has waited in :meth:`result`.  Waiting is the
+    engine's (:meth:`psrt.engine.Engine.wait`, which runs cycles on the waiting thread); the
+    work itself only records completion.
     """
 
     __slots__ = ("_pending", "announcement", "buffers", "cache_index", "device", "error", "execute",

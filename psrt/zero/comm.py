@@ -43,8 +43,10 @@ def total_norm(channel: Channel, partial: torch.Tensor, norm_type: float, sharde
     return partial if norm_type == float("inf") else partial ** (1.0 / norm_type)
 
 
-def any_rank(channel: Channel, flag: bool, name: str) -> bool:
-    """True if ``flag`` is true on any rank of the set."""
-    value = torch.tensor([int(flag)])
+def any_rank(channel: Channel, flags: list[torch.Tensor], name: str) -> bool:
+    """True if any of ``flags`` (0-dim bool tensors, on the gradients' device) is true on any
+    rank of the set: one small allreduce on the device, then one read of its result, the host
+    wait a loss scaler needs to decide whether the step is taken (as torch's ``GradScaler``)."""
+    value = torch.stack(flags).any().to(torch.int32).reshape(1) if flags else torch.zeros(1, dtype=torch.int32)
     channel.run(channel.allreduce([value], name=name, op=ElementwiseOp.MAX))
     return bool(value)
