@@ -22,11 +22,11 @@ def batches() -> list[torch.Tensor]:
     return [torch.randn(32, 64, device="cuda", generator=generator) for _ in range(WARMUP + STEPS)]
 
 
-def train(model: torch.nn.Module, optimizer, label: str) -> list[torch.Tensor]:
-    """WARMUP steps, then STEPS steps under the sync debug mode; the parameters after."""
+def train(model: torch.nn.Module, optimizer, label: str) -> None:
+    """WARMUP steps, then STEPS steps each under the sync debug mode."""
     for index, x in enumerate(batches()):
-        if index == WARMUP:
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        if index >= WARMUP:
             torch.cuda.set_sync_debug_mode("error")
         try:
             model(x).square().mean().backward()
@@ -37,6 +37,9 @@ def train(model: torch.nn.Module, optimizer, label: str) -> list[torch.Tensor]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def parameters(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -48,19 +51,19 @@ def same(got: list[torch.Tensor], want: list[torch.Tensor], label: str) -> None:
 def main() -> None:
     hvd.init()
     model = net()
-    plain = train(model, torch.optim.SGD(model.parameters(), lr=0.1), "torch")
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), "torch")
+    plain = parameters(model)
     model = net()
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                          named_parameters=model.named_parameters())
-    same(train(model, optimizer, "DistributedOptimizer"), plain, "DistributedOptimizer")
+    train(model, optimizer, "DistributedOptimizer")
+    same(parameters(model), plain, "DistributedOptimizer")
     for stage in (0, 1, 2, 3):
         model = net()
         zero = ZeroOptimizer(model, torch.optim.SGD, stage=stage, lr=0.1)
-        trained = train(model, zero, f"ZeRO-{stage}")
-        if stage == 3:  # released between uses: gather to compare
-            with zero.gathered_parameters():
-                trained = [p.detach().clone() for p in model.parameters()]
-        same(trained, plain, f"ZeRO-{stage}")
+        train(model, zero, f"ZeRO-{stage}")
+        with zero.gathered_parameters():  # stage 3 releases them between uses
+            same(parameters(model), plain, f"ZeRO-{stage}")
     print("sync free check ok")
 
 
