@@ -128,13 +128,13 @@ class DeviceStreams:
         return self.reduce
 
 
-_streams: dict[tuple[int, int], DeviceStreams] = {}
+_streams: dict[tuple[CudaApi, int], DeviceStreams] = {}
 
 
 def device_streams(device: torch.device) -> DeviceStreams:
     """``device``'s communication streams (made on first use)."""
     cuda = api()
-    key = (id(cuda), cuda.index(device))
+    key = (cuda, cuda.index(device))
     streams = _streams.get(key)
     if streams is None:
         streams = _streams[key] = DeviceStreams(device)
