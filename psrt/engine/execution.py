@@ -132,14 +132,15 @@ class Execution:
         if self.rank not in first.ranks:
             return
         works = [local.pop(r.announcement.key, None) for r in responses]
-        # A member without the work has joined: it contributes zeros.
-        buffers = [b for w, r in zip(works, responses)
-                   for b in (w.buffers if w is not None else r.announcement.reduction.zeros())]
         pieces = [p for r in responses for p in r.announcement.reduction.pieces]
-        comm = self._data_comm(first.reduction.set_id, buffers[0].device)
+        comm = self._data_comm(first.reduction.set_id, _device(first.reduction.device))
         phases: list[tuple[str, float, float]] = []
         devices = [work for work in works if work is not None and work.streams is not None]
         with _on_communication_stream(devices, "allreduce") if devices else contextlib.nullcontext():
+            # A member without the work has joined: it contributes zeros (made on the stream
+            # that uses them).
+            buffers = [b for w, r in zip(works, responses)
+                       for b in (w.buffers if w is not None else r.announcement.reduction.zeros())]
             for message in fusion.messages(pieces):
                 piece = pieces[message[0]]
                 self._reduce_message([buffers[i] for i in message], first.reduction.op, piece.scale, comm, phases)
@@ -236,6 +237,11 @@ class Execution:
     def close(self) -> None:
         if self._autotune_comm is not None:
             self._autotune_comm.free()
+
+
+@functools.cache
+def _device(name: str) -> torch.device:
+    return torch.device(name)
 
 
 @contextlib.contextmanager
