@@ -41,6 +41,26 @@ def _each_alone(schedule) -> list[dict[Action, int]]:
     return [{a: i for i, (_, _, a) in enumerate(row)} for row in rows]
 
 
+def _with_next_receive(schedule) -> list[dict[Action, int]]:
+    """Each rank's sends held until its next receive and issued with it: enough for 1F1B."""
+    rows, _ = _messages(schedule)
+    out = []
+    for row in rows:
+        groups, group = {}, 0
+        for sends, _, a in row:
+            groups[a] = group
+            group += not sends
+        out.append(groups)
+    return out
+
+
+def test_sends_issued_with_the_next_receive_suffice_for_1f1b_but_deadlock_interleaved() -> None:
+    check_rounds(build("1f1b", 4, 8), _with_next_receive(build("1f1b", 4, 8)))
+    schedule = build("interleaved", 2, 4, 2)
+    with pytest.raises(ScheduleError, match="deadlock over NCCL"):
+        check_rounds(schedule, _with_next_receive(schedule))
+
+
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
 def test_messages_issued_one_at_a_time_deadlock_and_the_check_says_so(name: str, p: int, m: int, v: int) -> None:
     schedule = build(name, p, m, v)
