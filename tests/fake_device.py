@@ -293,11 +293,15 @@ def _writes(func) -> set[str]:
 
 class FakeNcclCommunicator:
     """CuPy's ``NcclCommunicator`` over host memory: each call carries the bytes at its pointers
-    over the set's MPI communicator, and tells the fake which memory it used on which stream."""
+    over the set's MPI communicator, and tells the fake which memory it used on which stream.
+    Sends and receives complete when their thread's group ends (each thread's own: the engine
+    thread's groups never finish the training thread's), on a tag of their own (the highest),
+    apart from the headers psrt sends on the same communicator."""
 
     def __init__(self, cuda: FakeCuda, host) -> None:
         self.cuda, self.host = cuda, host
-        self._pending: list = []
+        self._pending: dict[int, list] = {}  # by thread
+        self._tag = host.max_tag
 
     @staticmethod
     def _view(ptr: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -343,14 +347,16 @@ class FakeNcclCommunicator:
 
     def send(self, ptr, nbytes, dtype, peer, stream) -> None:
         with self._use(f"send to {peer}", stream, (ptr, nbytes, False)):
-            self._pending.append(self.host.isend(self._view(ptr, nbytes, torch.uint8).clone(), peer, 0))
+            request = self.host.isend(self._view(ptr, nbytes, torch.uint8).clone(), peer, self._tag)
+            self._pending.setdefault(threading.get_ident(), []).append(request)
 
     def recv(self, ptr, nbytes, dtype, peer, stream) -> None:
         with self._use(f"receive from {peer}", stream, (ptr, nbytes, True)):
-            self._pending.append(self.host.irecv(self._view(ptr, nbytes, torch.uint8), peer, 0))
+            request = self.host.irecv(self._view(ptr, nbytes, torch.uint8), peer, self._tag)
+            self._pending.setdefault(threading.get_ident(), []).append(request)
 
     def finish_group(self) -> None:
-        pending, self._pending = self._pending, []
+        pending = self._pending.pop(threading.get_ident(), [])
         with self.cuda.unrecorded():
             for request in pending:
                 request.wait()

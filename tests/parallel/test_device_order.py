@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.parallel
 
 CHECKS = ["control/a_consumer_that_does_not_wait_is_seen", "control/a_collective_that_ignores_its_producer_is_seen",
-          "dp/step", "zero1/step", "zero2/step", "zero3/step"]
+          "dp/step", "zero1/step", "zero2/step", "zero3/step", "pp/1f1b_step"]
 
 
 @pytest.mark.parametrize("check", CHECKS)

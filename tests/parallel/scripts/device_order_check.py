@@ -20,7 +20,9 @@ import _harness  # noqa: E402
 import fake_device  # noqa: E402
 import psrt.runtime  # noqa: E402
 import psrt.torch as hvd  # noqa: E402
+from psrt import pp  # noqa: E402
 from psrt.comm.base import ElementwiseOp  # noqa: E402
+from psrt.grid import ProcessGrid  # noqa: E402
 from psrt.zero import ZeroOptimizer  # noqa: E402
 
 CUDA: fake_device.FakeCuda | None = None
@@ -100,6 +102,44 @@ def check_zero_step(key: str, stage: int) -> None:
         _matches(model, _reference(torch.optim.SGD, lr=0.1))
 
 
+def _blocks() -> list[torch.nn.Module]:
+    """_mlp's layers as pipeline blocks."""
+    layers = list(_mlp())
+    return [torch.nn.Sequential(*layers[0:2]), torch.nn.Sequential(*layers[2:4]), layers[4]]
+
+
+def check_pipeline_1f1b_step(key: str) -> None:
+    """A 1F1B step over every rank (one stage each), four micro-batches: activations and their
+    gradients go over the fake NCCL on the point-to-point stream, the loss stays on the device;
+    loss and parameters after each step must be one process's on the whole batch."""
+    grid = ProcessGrid(dp=1, tp=1, pp=hvd.size())
+    stage = pp.PipelineStage(_blocks(), grid.pp_set)
+    pipe = pp.Pipeline(stage, torch.nn.functional.mse_loss, microbatches=4, schedule="1f1b")
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    reference = torch.nn.Sequential(*_blocks())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = (torch.cat(b) for b in zip(*[_batch(step, rank) for rank in range(2)]))
+        CUDA.clear()
+        loss = pipe.step(x if grid.is_first_stage else None, y if grid.is_last_stage else None)
+        problems = [p for rank in hvd.allgather_object(CUDA.problems()) for p in rank]  # every rank stops alike
+        assert not problems, f"step {step}: {len(problems)} problems, first: {problems[:3]}"
+        messages = [stream for what, stream, _ in CUDA.collectives if what.startswith(("send", "receive"))]
+        assert len(messages) == 2 * 4 and CUDA.compute not in messages, \
+            f"step {step}: {len(messages)} messages, expected 8 off the compute stream"
+        optimizer.step()
+        optimizer.zero_grad()
+        expected = torch.nn.functional.mse_loss(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        torch.testing.assert_close(loss, expected.detach(), **TIGHT, msg=f"step {step}'s loss")
+    mine = dict(stage.named_parameters())
+    for name, theirs in reference.named_parameters():
+        if name in mine:
+            torch.testing.assert_close(mine[name].detach(), theirs.detach(), **TIGHT, msg=f"parameter {name}")
+
+
 def check_control_a_consumer_that_does_not_wait_is_seen(key: str) -> None:
     """Read an allreduce's buffer after starting it, before waiting: the fake must say so."""
     channel = psrt.runtime.current().channel(hvd.global_process_set)
@@ -137,6 +177,7 @@ def main() -> None:
         checks.add("dp/step", check_dp_step)
         for stage in (1, 2, 3):
             checks.add(f"zero{stage}/step", check_zero_step, stage)
+        checks.add("pp/1f1b_step", check_pipeline_1f1b_step)
         _harness.run(checks)
         hvd.shutdown()
 
