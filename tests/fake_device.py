@@ -86,6 +86,7 @@ class FakeCuda(streams.CudaApi):
     """psrt's stream operations over :class:`FakeStream` s; host memory is the device's."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.compute = FakeStream("compute")
         self._local = threading.local()
         self._lock = threading.RLock()
@@ -139,6 +140,15 @@ class FakeCuda(streams.CudaApi):
 
     def on_device(self, device: torch.device):
         return contextlib.nullcontext()
+
+    def future(self, device: torch.device, event: FakeEvent, value: object) -> torch.futures.Future:
+        """A host memory future cannot make its waiter's stream wait (torch's CUDA future does, in
+        C++ that the fake cannot see), so the stream current when it is made waits at once: the
+        one that asked for it, DDP's reducer's right after its all-reduce."""
+        self.wait(self.current(device), event)
+        future = torch.futures.Future()
+        future.set_result(value)
+        return future
 
     def host_wait(self, event: FakeEvent, why: str) -> None:
         self.host_waits.append(why)

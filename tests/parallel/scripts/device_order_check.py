@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for fake_device
 
@@ -140,6 +141,38 @@ def check_pipeline_1f1b_step(key: str) -> None:
             torch.testing.assert_close(mine[name].detach(), theirs.detach(), **TIGHT, msg=f"parameter {name}")
 
 
+def check_ddp_over_the_psrt_backend(key: str) -> None:
+    """DistributedDataParallel over torch.distributed's "psrt" backend, with buckets small
+    enough for several all-reduces a step: each runs on the group's own stream after the
+    backward's ready event, DDP's reducer waits on its future (a stream wait), and the
+    parameters equal one process's."""
+    if not dist.is_initialized():
+        dist.init_process_group("psrt")
+    model = _mlp()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024 / 2**20)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    group = dist.group.WORLD
+
+    def step(x, y) -> None:
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reduced = [stream for what, stream, _ in CUDA.collectives if what == "allreduce"]
+        assert reduced and CUDA.compute not in reduced, f"all-reduces on {reduced}, not the group's stream"
+
+    _train(model, step)
+    _matches(model, _reference(torch.optim.SGD, lr=0.1))
+    x = torch.arange(4.0) + hvd.rank()  # a send and a receive, waited for from the caller's stream
+    into = torch.empty(4)
+    CUDA.clear()
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 1 - hvd.rank(), group),
+                                    dist.P2POp(dist.irecv, into, 1 - hvd.rank(), group)])
+    for work in works:
+        work.wait()
+    torch.testing.assert_close(into * 1, torch.arange(4.0) + 1 - hvd.rank())
+    assert not CUDA.problems(), CUDA.problems()[:3]
+
+
 def check_control_a_consumer_that_does_not_wait_is_seen(key: str) -> None:
     """Read an allreduce's buffer after starting it, before waiting: the fake must say so."""
     channel = psrt.runtime.current().channel(hvd.global_process_set)
@@ -178,7 +211,10 @@ def main() -> None:
         for stage in (1, 2, 3):
             checks.add(f"zero{stage}/step", check_zero_step, stage)
         checks.add("pp/1f1b_step", check_pipeline_1f1b_step)
+        checks.add("c10d/ddp_step", check_ddp_over_the_psrt_backend)
         _harness.run(checks)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         hvd.shutdown()
 
 
