@@ -120,7 +120,7 @@ def check_pipeline_1f1b_step(key: str) -> None:
     reference = torch.nn.Sequential(*_blocks())
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(STEPS):
-        x, y = (torch.cat(b) for b in zip(*[_batch(step, rank) for rank in range(2)]))
+        x, y = (torch.cat(b) for b in zip(*[_batch(step, rank) for rank in range(hvd.size())]))
         CUDA.clear()
         loss = pipe.step(x if grid.is_first_stage else None, y if grid.is_last_stage else None)
         problems = [p for rank in hvd.allgather_object(CUDA.problems()) for p in rank]  # every rank stops alike
@@ -162,14 +162,14 @@ def check_ddp_over_the_psrt_backend(key: str) -> None:
 
     _train(model, step)
     _matches(model, _reference(torch.optim.SGD, lr=0.1))
-    x = torch.arange(4.0) + hvd.rank()  # a send and a receive, waited for from the caller's stream
-    into = torch.empty(4)
+    n, rank = hvd.size(), hvd.rank()  # a ring of sends and receives, waited for from the caller's stream
+    x, into = torch.arange(4.0) + rank, torch.empty(4)
     CUDA.clear()
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 1 - hvd.rank(), group),
-                                    dist.P2POp(dist.irecv, into, 1 - hvd.rank(), group)])
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % n, group),
+                                    dist.P2POp(dist.irecv, into, (rank - 1) % n, group)])
     for work in works:
         work.wait()
-    torch.testing.assert_close(into * 1, torch.arange(4.0) + 1 - hvd.rank())
+    torch.testing.assert_close(into * 1, torch.arange(4.0) + (rank - 1) % n)
     assert not CUDA.problems(), CUDA.problems()[:3]
 
 
