@@ -231,17 +231,11 @@ class StepRun:
         held = self.held.pop(key)
         self.grads.pop(key, None)
         self.live_bytes -= held.bytes
-        if held.send is not None and not self._delivered(held.send):
-            self._track(held.send, held.output.numel() * held.output.element_size())
-
-    def _delivered(self, request: Request) -> bool:
-        """Whether a send has completed; on a device the compute stream then waits for it (no
-        host wait), so that its memory is freed after the transfer."""
-        if not request.test():
-            return False
-        if self.messages is not None:
-            request.wait()
-        return True
+        if held.send is not None:
+            if not held.send.test():
+                self._track(held.send, held.output.numel() * held.output.element_size())
+            elif self.messages is not None:
+                held.send.wait()  # on a device: a stream wait, so the memory is freed after the transfer
 
     def _track(self, request: Request, size: int) -> None:
         """Keep a send's payload (and count it) until the message is delivered."""
@@ -250,9 +244,11 @@ class StepRun:
         self.profile.peak_activation_bytes = max(self.profile.peak_activation_bytes, self.live_bytes)
 
     def _release_delivered(self) -> None:
-        still = []
+        still, on_device = [], self.messages is not None
         for request, size in self.pending:
-            if self._delivered(request):
+            if request.test():
+                if on_device:
+                    request.wait()  # a stream wait, so the payload's memory is freed after the transfer
                 self.live_bytes -= size
             else:
                 still.append((request, size))

@@ -101,7 +101,7 @@ class PsrtProcessGroup(dist.ProcessGroup):
         on this group's stream, after the caller's ready event and after the messages posted
         before it, with a work that records the done event and holds ``outputs`` and ``keep``
         until it is waited for."""
-        if self._inside or not self._on_device(tensor):
+        if self._inside or tensor is None or not (tensor.is_cuda or self._host_is_device):
             run()
             return completed(outputs)
         device = tensor.device
@@ -137,6 +137,9 @@ class PsrtProcessGroup(dist.ProcessGroup):
     # -- reductions ----------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
         tensor = single(tensors, "all_reduce")
+        if not (tensor.is_cuda or self._host_is_device):  # the host's path, DDP's on a CPU: no more calls than it had
+            self._all_reduce(tensor, op_of(opts))
+            return completed(tensors)
         return self._ordered(tensor, tensors, lambda: self._all_reduce(tensor, op_of(opts)))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
@@ -173,15 +176,18 @@ class PsrtProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: object = None) -> dist.Work:
         reduce, scale = reduction(op_of(opts), self.direct.size, input.dtype)
+        if not (output.is_cuda or self._host_is_device):
+            self._reduce_scatter_into(output, input, reduce, scale)
+            return completed([output])
+        return self._ordered(output, [output], lambda: self._reduce_scatter_into(output, input, reduce, scale), input)
 
-        def run() -> None:
-            out = contiguous(output)
-            self.direct.reduce_scatter_into(out, contiguous(input), label=LABEL, op=reduce)
-            if scale != 1.0:
-                out.mul_(scale)
-            if out is not output:
-                output.copy_(out)
-        return self._ordered(output, [output], run, input)
+    def _reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, reduce: object, scale: float) -> None:
+        out = contiguous(output)
+        self.direct.reduce_scatter_into(out, contiguous(input), label=LABEL, op=reduce)
+        if scale != 1.0:
+            out.mul_(scale)
+        if out is not output:
+            output.copy_(out)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -204,13 +210,16 @@ class PsrtProcessGroup(dist.ProcessGroup):
             raise InvalidArgumentError(f"{LABEL} all_gather_into_tensor: the output holds {output.numel()} "
                                        f"{output.dtype} elements, not {self.direct.size} times the input's "
                                        f"{input.numel()} {input.dtype}")
+        if not (input.is_cuda or self._host_is_device):
+            self._all_gather_into(output, input)
+            return completed([output])
+        return self._ordered(input, [output], lambda: self._all_gather_into(output, input), input)
 
-        def run() -> None:
-            out = contiguous(output)
-            self.direct.all_gather_into(out, contiguous(input), label=LABEL)
-            if out is not output:
-                output.copy_(out)
-        return self._ordered(input, [output], run, input)
+    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        out = contiguous(output)
+        self.direct.all_gather_into(out, contiguous(input), label=LABEL)
+        if out is not output:
+            output.copy_(out)
 
     all_gather_single = _allgather_base
 
