@@ -23,6 +23,7 @@ import psrt.runtime  # noqa: E402
 import psrt.torch as hvd  # noqa: E402
 from psrt import pp  # noqa: E402
 from psrt.comm.base import ElementwiseOp  # noqa: E402
+from psrt.errors import CollectiveMismatchError  # noqa: E402
 from psrt.grid import ProcessGrid  # noqa: E402
 from psrt.zero import ZeroOptimizer  # noqa: E402
 
@@ -173,6 +174,27 @@ def check_ddp_over_the_psrt_backend(key: str) -> None:
     assert not CUDA.problems(), CUDA.problems()[:3]
 
 
+def check_a_mismatched_device_receive_names_both_ranks(key: str) -> None:
+    """A receive of another shape than was sent, over the fake NCCL: the receiver raises when
+    it waits, naming both ranks and both tensors; the payload was still taken off the link, so
+    the next message arrives whole."""
+    if not dist.is_initialized():
+        dist.init_process_group("psrt")
+    n, rank = hvd.size(), hvd.rank()
+    dist.all_reduce(torch.ones(1))  # every member makes the group's device transport
+    dist.send(torch.zeros(4), (rank + 1) % n)
+    try:
+        dist.recv(torch.empty(5), (rank - 1) % n)
+        raise AssertionError("a receive of 5 elements took a message of 4")
+    except CollectiveMismatchError as exc:
+        assert "expects a float32 tensor of shape (5,) but rank" in str(exc), exc
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(rank)), (rank + 1) % n),
+                                    dist.P2POp(dist.irecv, into := torch.empty(3), (rank - 1) % n)])
+    for work in works:
+        work.wait()
+    assert torch.equal(into * 1, torch.full((3,), float((rank - 1) % n))), into
+
+
 def check_control_a_consumer_that_does_not_wait_is_seen(key: str) -> None:
     """Read an allreduce's buffer after starting it, before waiting: the fake must say so."""
     channel = psrt.runtime.current().channel(hvd.global_process_set)
@@ -212,6 +234,7 @@ def main() -> None:
             checks.add(f"zero{stage}/step", check_zero_step, stage)
         checks.add("pp/1f1b_step", check_pipeline_1f1b_step)
         checks.add("c10d/ddp_step", check_ddp_over_the_psrt_backend)
+        checks.add("c10d/a_mismatched_receive_names_both_ranks", check_a_mismatched_device_receive_names_both_ranks)
         _harness.run(checks)
         if dist.is_initialized():
             dist.destroy_process_group()
