@@ -86,6 +86,7 @@ class FakeCuda(streams.CudaApi):
     """psrt's stream operations over :class:`FakeStream` s; host memory is the device's."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.compute = FakeStream("compute")
         self._local = threading.local()
         self._lock = threading.RLock()
@@ -139,6 +140,15 @@ class FakeCuda(streams.CudaApi):
 
     def on_device(self, device: torch.device):
         return contextlib.nullcontext()
+
+    def future(self, device: torch.device, event: FakeEvent, value: object) -> torch.futures.Future:
+        """A host memory future cannot make its waiter's stream wait (torch's CUDA future does, in
+        C++ that the fake cannot see), so the stream current when it is made waits at once: the
+        one that asked for it, DDP's reducer's right after its all-reduce."""
+        self.wait(self.current(device), event)
+        future = torch.futures.Future()
+        future.set_result(value)
+        return future
 
     def host_wait(self, event: FakeEvent, why: str) -> None:
         self.host_waits.append(why)
@@ -293,11 +303,15 @@ def _writes(func) -> set[str]:
 
 class FakeNcclCommunicator:
     """CuPy's ``NcclCommunicator`` over host memory: each call carries the bytes at its pointers
-    over the set's MPI communicator, and tells the fake which memory it used on which stream."""
+    over the set's MPI communicator, and tells the fake which memory it used on which stream.
+    Sends and receives complete when their thread's group ends (each thread's own: the engine
+    thread's groups never finish the training thread's), on a tag of their own (the highest),
+    apart from the headers psrt sends on the same communicator."""
 
     def __init__(self, cuda: FakeCuda, host) -> None:
         self.cuda, self.host = cuda, host
-        self._pending: list = []
+        self._pending: dict[int, list] = {}  # by thread
+        self._tag = host.max_tag
 
     @staticmethod
     def _view(ptr: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -343,14 +357,16 @@ class FakeNcclCommunicator:
 
     def send(self, ptr, nbytes, dtype, peer, stream) -> None:
         with self._use(f"send to {peer}", stream, (ptr, nbytes, False)):
-            self._pending.append(self.host.isend(self._view(ptr, nbytes, torch.uint8).clone(), peer, 0))
+            request = self.host.isend(self._view(ptr, nbytes, torch.uint8).clone(), peer, self._tag)
+            self._pending.setdefault(threading.get_ident(), []).append(request)
 
     def recv(self, ptr, nbytes, dtype, peer, stream) -> None:
         with self._use(f"receive from {peer}", stream, (ptr, nbytes, True)):
-            self._pending.append(self.host.irecv(self._view(ptr, nbytes, torch.uint8), peer, 0))
+            request = self.host.irecv(self._view(ptr, nbytes, torch.uint8), peer, self._tag)
+            self._pending.setdefault(threading.get_ident(), []).append(request)
 
     def finish_group(self) -> None:
-        pending, self._pending = self._pending, []
+        pending = self._pending.pop(threading.get_ident(), [])
         with self.cuda.unrecorded():
             for request in pending:
                 request.wait()

@@ -139,6 +139,14 @@ class Communicator(abc.ABC):
         (MPI's persistent receives set it up once: a loop that re-posts one per message)."""
         return Persistent(lambda: self.irecv(tensor, source, tag))
 
+    def isendrecv(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+                  tag: int = 0) -> Request:
+        """Start sending each ``(tensor, dest)`` of ``sends`` and receiving into each ``(tensor,
+        source)`` of ``recvs``, together: a backend whose sends block until their receiver takes
+        them (NCCL) issues them as one group, so that two ranks sending to each other never wait
+        for a receive queued behind their own send.  Messages to one peer keep their order."""
+        return all_of([self.isend(t, dest, tag) for t, dest in sends] + [self.irecv(t, source, tag) for t, source in recvs])
+
     def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
         self.isend(tensor, dest, tag).wait()
 

@@ -274,17 +274,27 @@ class DirectGroup:
         """Start sending a header (``ident``, dtype, shape) and then ``tensor``'s data to
         member ``dest``; keep the request until it completes."""
         payload = tensor.detach().contiguous()
-        header = Header.of(Kind.MESSAGE, payload, ident)
+        return all_of([self.send_header(payload, dest, tag, ident), self.host.isend(payload, dest, tag)])
+
+    def send_header(self, tensor: torch.Tensor, dest: int, tag: int, ident: int = 0) -> Request:
+        """Start sending the header of a message of ``tensor`` (``ident``, dtype, shape) alone, for
+        a payload that travels another way (a device's: :mod:`psrt.comm.device_messages`)."""
+        header = Header.of(Kind.MESSAGE, tensor, ident)
         if not header.complete:
             raise CommunicationError(f"a direct message carries a tensor of at most {MAX_DIMS} dimensions of a "
-                                     f"supported dtype, got {payload.dtype} of shape {tuple(payload.shape)}")
-        return all_of([self.host.isend(header.encode(), dest, tag), self.host.isend(payload, dest, tag)])
+                                     f"supported dtype, got {tensor.dtype} of shape {tuple(tensor.shape)}")
+        return self.host.isend(header.encode(), dest, tag)
+
+    def recv_header(self, source: int, tag: int, *, kind: str, what: Text) -> Header:
+        """The header of the next message from member ``source`` on ``tag`` (its payload is the
+        caller's to receive), once in; the wait is marked as ``kind``/``what``."""
+        words = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        return self._header_of(self.host.irecv(words, source, tag), words, source, tag, kind, what)
 
     def recv(self, source: int, tag: int, *, kind: str, what: Text) -> tuple[Header, torch.Tensor]:
         """The next message :meth:`send` sent from member ``source`` on ``tag``: its header
         and a new host tensor holding its data.  The wait is marked as ``kind``/``what``."""
-        words = torch.empty(HEADER_WORDS, dtype=torch.int64)
-        header = self._header_of(self.host.irecv(words, source, tag), words, source, tag, kind, what)
+        header = self.recv_header(source, tag, kind=kind, what=what)
         with self.waiting(kind, what, (self.ranks[source],)):
             tensor = torch.empty(header.shape, dtype=header.dtype)
             wait_politely(self.host.irecv(tensor, source, tag))

@@ -217,6 +217,18 @@ class NcclCommunicator(Communicator):
         return self._run(f"receive from rank {source}", lambda stream: self._comm.recv(
             ptr, nbytes, _nccl.NCCL_INT8, source, stream), tensor)
 
+    def isendrecv(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+                  tag: int = 0) -> Request:
+        """Every send and receive in one NCCL group (see :meth:`Communicator.isendrecv`)."""
+        ops = [(self._comm.send, *self._bytes(t), peer) for t, peer in sends]
+        ops += [(self._comm.recv, *self._bytes(t), peer) for t, peer in recvs]
+
+        def enqueue(stream: int) -> None:
+            for call, ptr, nbytes, peer in ops:
+                call(ptr, nbytes, _nccl.NCCL_INT8, peer, stream)
+
+        return self._run("sends and receives", enqueue, *[t for t, _ in sends], *[t for t, _ in recvs])
+
     # -- host-side pieces ------------------------------------------------------------
     def barrier(self) -> Request:
         cuda = streams.api()

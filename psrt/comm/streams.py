@@ -31,6 +31,9 @@ import torch
 class CudaApi:
     """The CUDA stream and event operations psrt uses (torch.cuda's)."""
 
+    def __init__(self) -> None:
+        self._side_streams: dict[int, torch.cuda.Stream] = {}  # per device: where futures complete
+
     def available(self) -> bool:
         return torch.cuda.is_available()
 
@@ -74,6 +77,19 @@ class CudaApi:
 
     def on_device(self, device: torch.device) -> contextlib.AbstractContextManager:
         return torch.cuda.device(device)
+
+    def future(self, device: torch.device, event, value: object) -> torch.futures.Future:
+        """A completed future of ``value`` (tensors on ``device``) whose waiters' current streams
+        wait for ``event``, the host never: torch's CUDA future, completed on a side stream of
+        the device that waited for the event (what DDP's reducer waits on)."""
+        future = torch.futures.Future(devices=[torch.device("cuda", self.index(device))])
+        side = self._side_streams.get(self.index(device))
+        if side is None:
+            side = self._side_streams[self.index(device)] = torch.cuda.Stream(device)
+        side.wait_event(event)
+        with torch.cuda.stream(side):
+            future.set_result(value)
+        return future
 
     def host_wait(self, event, why: str) -> None:
         """Block the host until ``event`` has fired: only where the host needs a value (``why``

@@ -10,6 +10,8 @@ from psrt.ep.moe import aux_loss_share
 from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.pp import schedule as schedules
 from psrt.pp.p2p import TIED_VALUE_TAG, StageLink
+from psrt.pp.rounds import message_rounds
+from psrt.pp.schedule import Action
 from psrt.pp.simulate import check
 from psrt.pp.stage import PipelineStage
 from psrt.pp.step import StepProfile, StepRun
@@ -61,6 +63,7 @@ class Pipeline:
         plan = schedules.build(schedule, stage.stages, microbatches, stage.chunks)
         check(plan, microbatches, stage.chunks)
         self.actions = plan[stage.rank]
+        self._plan, self._rounds = plan, None
         self.tie_points = check_schedule(stage.ties, self.actions, stage.rank, microbatches)
         self.stage, self.loss_fn = stage, loss_fn
         self.microbatches, self.schedule, self.loss_reduction = microbatches, schedule, loss_reduction
@@ -86,18 +89,33 @@ class Pipeline:
         :param inputs: the batch, on the first stage (None elsewhere): its first dimension is split
             into the micro-batches.
         :param targets: the targets, on the last stage (None elsewhere), split the same way.
-        :returns: the step's loss (mean or sum of the micro-batch losses), on every stage.
+        :returns: the step's loss (mean or sum of the micro-batch losses), on every stage, as a
+            float64 tensor on the stage's device: on a GPU the step never waits for the device
+            itself (except to move a shared parameter's value or gradient, and where ranks share
+            a GPU), and reading the loss (``.item()``) is where the host waits for it.
         """
         with self._waiting("the agreement at the start of a pipeline step"):
             self._agree(inputs, targets)
+            device = next(self.stage.parameters(), torch.empty(0)).device
+            on_device = self.link.on_device(device) is not None  # made here, by every stage at once
         self._share_tied_values()
         run = StepRun(self, _split(inputs, self.microbatches), _split(targets, self.microbatches))
         with aux_loss_share(self.stage, 1.0 / self.microbatches):  # one MoE aux term per step, not per micro-batch
             loss = run.execute()
-        with self._waiting("the loss broadcast at the end of a pipeline step"):
-            self._host.broadcast(loss, root=self.stage.stages - 1).wait()
+        if on_device:  # stream-ordered on the device: the host reads the loss when it needs it
+            self._host.broadcast_(loss, self.stage.stages - 1, label="pipeline", check=False)
+        else:
+            with self._waiting("the loss broadcast at the end of a pipeline step"):
+                self._host.broadcast(loss, root=self.stage.stages - 1).wait()
         self.profile = run.profile
         return loss.squeeze(0)
+
+    def _message_rounds(self) -> dict[Action, int]:
+        """This rank's rounds of device messages (:mod:`psrt.pp.rounds`), found at the first step
+        on a device and kept."""
+        if self._rounds is None:
+            self._rounds = message_rounds(self._plan)[self.stage.rank]
+        return self._rounds
 
     def _share_tied_values(self) -> None:
         """Every shared parameter's owner sends its value (as the last optimizer step left it)

@@ -1,6 +1,11 @@
 """One step of a pipeline schedule on one rank: the actions, the activations held
 between a micro-batch's forward and backward, the messages in flight, and the
-record of what the step did."""
+record of what the step did.
+
+On a device (CUDA) nothing here makes the host wait for it: messages are device messages
+issued round by round (:class:`psrt.pp.p2p.RoundIssuer`), the compute stream waits for a
+received tensor and for a sent one before its memory is freed, and the loss is summed on the
+device (the caller reads it when it needs the value)."""
 from __future__ import annotations
 
 import time
@@ -10,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from psrt.comm.base import Request
-from psrt.pp.p2p import BACKWARD_TAG, FORWARD_TAG, TIED_GRADIENT_TAG, message_id
+from psrt.pp.p2p import BACKWARD_TAG, FORWARD_TAG, TIED_GRADIENT_TAG, RoundIssuer, message_id
 from psrt.pp.schedule import Action, Op
 from psrt.pp.simulate import Event
 from psrt.pp.split_backward import WeightPass, backward_input
@@ -66,10 +71,12 @@ class StepRun:
         self.grads: dict[Key, torch.Tensor] = {}
         self.leaves: dict[int, list[torch.Tensor]] = {}  # per chunk, for split backwards
         self.pending: list[tuple[Request, int]] = []  # sends whose payload is held by nothing else
-        self.loss = torch.zeros(1, dtype=torch.float64)
         self.profile = StepProfile()
         self.live_bytes = 0
         self.device = next(self.stage.parameters(), torch.empty(0)).device
+        self.loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self.messages = self.link.on_device(self.device)  # None on the host: messages over MPI
+        self.rounds = None if self.messages is None else RoundIssuer(self.messages, pipeline._message_rounds())
         self.parameter_storage = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
 
     def execute(self) -> torch.Tensor:
@@ -80,6 +87,8 @@ class StepRun:
                     self._take_tied_gradients(tie)
                 self._do(action)
                 self._release_delivered()
+            if self.rounds is not None and not self.rounds.finished:
+                raise RuntimeError("a pipeline step ended with device messages never issued")
             self._send_tied_gradients()
             with self.p._waiting("the delivery of its last messages"):
                 for request, _ in self.pending:
@@ -121,18 +130,18 @@ class StepRun:
         key = (a.microbatch, a.chunk)
         if a.op is Op.RECV_FORWARD:
             source, virtual = self._peer(a.chunk, -1)
-            x = self.link.recv(source, FORWARD_TAG, message_id(a.microbatch, virtual - 1), self.device)
+            x = self._recv(a, source, FORWARD_TAG, message_id(a.microbatch, virtual - 1))
             self.received[key] = x.requires_grad_()
         elif a.op is Op.FORWARD:
             self._timed(a, self._forward, a, key)
         elif a.op is Op.SEND_FORWARD:
             dest, virtual = self._peer(a.chunk, +1)
             held = self.held[key]
-            held.send = self.link.send(held.output, dest, FORWARD_TAG, message_id(a.microbatch, virtual))
+            held.send = self._send(a, held.output, dest, FORWARD_TAG, message_id(a.microbatch, virtual))
         elif a.op is Op.RECV_BACKWARD:
             source, virtual = self._peer(a.chunk, +1)
-            self.grads[key] = self.link.recv(source, BACKWARD_TAG, message_id(a.microbatch, virtual + 1),
-                                             self.device, like=self.held[key].output)
+            self.grads[key] = self._recv(a, source, BACKWARD_TAG, message_id(a.microbatch, virtual + 1),
+                                         like=self.held[key].output)
         elif a.op is Op.BACKWARD:
             self._timed(a, self._backward, a, key)
         elif a.op is Op.BACKWARD_INPUT:
@@ -143,8 +152,21 @@ class StepRun:
             dest, virtual = self._peer(a.chunk, -1)
             x = self.received.pop(key)
             grad = x.grad if x.grad is not None else torch.zeros_like(x)  # the stage did not use its input
-            request = self.link.send(grad, dest, BACKWARD_TAG, message_id(a.microbatch, virtual))
+            request = self._send(a, grad, dest, BACKWARD_TAG, message_id(a.microbatch, virtual))
             self._track(request, grad.numel() * grad.element_size())
+
+    def _send(self, a: Action, tensor: torch.Tensor, dest: int, tag: int, ident: int) -> Request:
+        if self.messages is None:
+            return self.link.send(tensor, dest, tag, ident)
+        return self.rounds.post(a, self.link.post_send(self.messages, tensor, dest, tag, ident))
+
+    def _recv(self, a: Action, source: int, tag: int, ident: int, like: torch.Tensor | None = None) -> torch.Tensor:
+        """The message, usable by the compute that follows (on a device: its stream has waited)."""
+        if self.messages is None:
+            return self.link.recv(source, tag, ident, self.device, like=like)
+        tensor, message = self.link.post_recv(self.messages, source, tag, ident, self.device, like=like)
+        self.rounds.post(a, message).wait()
+        return tensor
 
     def _timed(self, a: Action, work: Callable, *args) -> None:
         begin = time.perf_counter()
@@ -160,7 +182,7 @@ class StepRun:
             y = self.stage.run_chunk(a.chunk, x, kept)
             if self.stage.is_last(a.chunk):
                 loss = self.p.loss_fn(y, self.targets[a.microbatch])
-                self.loss += loss.detach().double().cpu()
+                self.loss += loss.detach().double()
                 y = loss / self.p.microbatches if self.p.loss_reduction == "mean" else loss
         # the received input and the output are held too, whether or not autograd saved them
         # (and, recomputing, each block's input); the first stage's input is the caller's batch
@@ -209,8 +231,11 @@ class StepRun:
         held = self.held.pop(key)
         self.grads.pop(key, None)
         self.live_bytes -= held.bytes
-        if held.send is not None and not held.send.test():
-            self._track(held.send, held.output.numel() * held.output.element_size())
+        if held.send is not None:
+            if not held.send.test():
+                self._track(held.send, held.output.numel() * held.output.element_size())
+            elif self.messages is not None:
+                held.send.wait()  # on a device: a stream wait, so the memory is freed after the transfer
 
     def _track(self, request: Request, size: int) -> None:
         """Keep a send's payload (and count it) until the message is delivered."""
@@ -219,9 +244,11 @@ class StepRun:
         self.profile.peak_activation_bytes = max(self.profile.peak_activation_bytes, self.live_bytes)
 
     def _release_delivered(self) -> None:
-        still = []
+        still, on_device = [], self.messages is not None
         for request, size in self.pending:
             if request.test():
+                if on_device:
+                    request.wait()  # a stream wait, so the payload's memory is freed after the transfer
                 self.live_bytes -= size
             else:
                 still.append((request, size))

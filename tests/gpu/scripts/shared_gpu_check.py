@@ -121,8 +121,8 @@ def check_tp_pp(key: str, tp_size: int, pp_size: int) -> None:
     pipeline = pp.Pipeline(stage, lambda out, target: ((out - target) ** 2).sum(), microbatches=4,
                            loss_reduction="sum")
     loss = pipeline.step(x.to(DEVICE) if grid.is_first_stage else None, y.to(DEVICE) if grid.is_last_stage else None)
-    if grid.is_last_stage:  # Pipeline.step gives the loss as a float64 on the host, on every stage
-        torch.testing.assert_close(loss, want.detach().reshape(loss.shape), rtol=1e-10, atol=1e-12)
+    if grid.is_last_stage:  # Pipeline.step gives the loss as a float64 on the stage's device, on every stage
+        torch.testing.assert_close(loss.cpu(), want.detach().reshape(loss.shape), rtol=1e-10, atol=1e-12)
     grads = dict(reference.named_parameters())
     for name, param in stage.named_parameters():
         sharding = tp.sharding.sharding_of(param)

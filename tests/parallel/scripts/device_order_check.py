@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for fake_device
 
@@ -20,7 +21,10 @@ import _harness  # noqa: E402
 import fake_device  # noqa: E402
 import psrt.runtime  # noqa: E402
 import psrt.torch as hvd  # noqa: E402
+from psrt import pp  # noqa: E402
 from psrt.comm.base import ElementwiseOp  # noqa: E402
+from psrt.errors import CollectiveMismatchError  # noqa: E402
+from psrt.grid import ProcessGrid  # noqa: E402
 from psrt.zero import ZeroOptimizer  # noqa: E402
 
 CUDA: fake_device.FakeCuda | None = None
@@ -100,6 +104,97 @@ def check_zero_step(key: str, stage: int) -> None:
         _matches(model, _reference(torch.optim.SGD, lr=0.1))
 
 
+def _blocks() -> list[torch.nn.Module]:
+    """_mlp's layers as pipeline blocks."""
+    layers = list(_mlp())
+    return [torch.nn.Sequential(*layers[0:2]), torch.nn.Sequential(*layers[2:4]), layers[4]]
+
+
+def check_pipeline_1f1b_step(key: str) -> None:
+    """A 1F1B step over every rank (one stage each), four micro-batches: activations and their
+    gradients go over the fake NCCL on the point-to-point stream, the loss stays on the device;
+    loss and parameters after each step must be one process's on the whole batch."""
+    grid = ProcessGrid(dp=1, tp=1, pp=hvd.size())
+    stage = pp.PipelineStage(_blocks(), grid.pp_set)
+    pipe = pp.Pipeline(stage, torch.nn.functional.mse_loss, microbatches=4, schedule="1f1b")
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    reference = torch.nn.Sequential(*_blocks())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = (torch.cat(b) for b in zip(*[_batch(step, rank) for rank in range(hvd.size())]))
+        CUDA.clear()
+        loss = pipe.step(x if grid.is_first_stage else None, y if grid.is_last_stage else None)
+        problems = [p for rank in hvd.allgather_object(CUDA.problems()) for p in rank]  # every rank stops alike
+        assert not problems, f"step {step}: {len(problems)} problems, first: {problems[:3]}"
+        messages = [stream for what, stream, _ in CUDA.collectives if what.startswith(("send", "receive"))]
+        assert len(messages) == 2 * 4 and CUDA.compute not in messages, \
+            f"step {step}: {len(messages)} messages, expected 8 off the compute stream"
+        optimizer.step()
+        optimizer.zero_grad()
+        expected = torch.nn.functional.mse_loss(reference(x), y)
+        expected.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        torch.testing.assert_close(loss, expected.detach(), **TIGHT, msg=f"step {step}'s loss")
+    mine = dict(stage.named_parameters())
+    for name, theirs in reference.named_parameters():
+        if name in mine:
+            torch.testing.assert_close(mine[name].detach(), theirs.detach(), **TIGHT, msg=f"parameter {name}")
+
+
+def check_ddp_over_the_psrt_backend(key: str) -> None:
+    """DistributedDataParallel over torch.distributed's "psrt" backend, with buckets small
+    enough for several all-reduces a step: each runs on the group's own stream after the
+    backward's ready event, DDP's reducer waits on its future (a stream wait), and the
+    parameters equal one process's."""
+    if not dist.is_initialized():
+        dist.init_process_group("psrt")
+    model = _mlp()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024 / 2**20)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    group = dist.group.WORLD
+
+    def step(x, y) -> None:
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reduced = [stream for what, stream, _ in CUDA.collectives if what == "allreduce"]
+        assert reduced and CUDA.compute not in reduced, f"all-reduces on {reduced}, not the group's stream"
+
+    _train(model, step)
+    _matches(model, _reference(torch.optim.SGD, lr=0.1))
+    n, rank = hvd.size(), hvd.rank()  # a ring of sends and receives, waited for from the caller's stream
+    x, into = torch.arange(4.0) + rank, torch.empty(4)
+    CUDA.clear()
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % n, group),
+                                    dist.P2POp(dist.irecv, into, (rank - 1) % n, group)])
+    for work in works:
+        work.wait()
+    torch.testing.assert_close(into * 1, torch.arange(4.0) + (rank - 1) % n)
+    assert not CUDA.problems(), CUDA.problems()[:3]
+
+
+def check_a_mismatched_device_receive_names_both_ranks(key: str) -> None:
+    """A receive of another shape than was sent, over the fake NCCL: the receiver raises when
+    it waits, naming both ranks and both tensors; the payload was still taken off the link, so
+    the next message arrives whole."""
+    if not dist.is_initialized():
+        dist.init_process_group("psrt")
+    n, rank = hvd.size(), hvd.rank()
+    dist.all_reduce(torch.ones(1))  # every member makes the group's device transport
+    dist.send(torch.zeros(4), (rank + 1) % n)
+    try:
+        dist.recv(torch.empty(5), (rank - 1) % n)
+        raise AssertionError("a receive of 5 elements took a message of 4")
+    except CollectiveMismatchError as exc:
+        assert "expects a float32 tensor of shape (5,) but rank" in str(exc), exc
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(rank)), (rank + 1) % n),
+                                    dist.P2POp(dist.irecv, into := torch.empty(3), (rank - 1) % n)])
+    for work in works:
+        work.wait()
+    assert torch.equal(into * 1, torch.full((3,), float((rank - 1) % n))), into
+
+
 def check_control_a_consumer_that_does_not_wait_is_seen(key: str) -> None:
     """Read an allreduce's buffer after starting it, before waiting: the fake must say so."""
     channel = psrt.runtime.current().channel(hvd.global_process_set)
@@ -137,7 +232,12 @@ def main() -> None:
         checks.add("dp/step", check_dp_step)
         for stage in (1, 2, 3):
             checks.add(f"zero{stage}/step", check_zero_step, stage)
+        checks.add("pp/1f1b_step", check_pipeline_1f1b_step)
+        checks.add("c10d/ddp_step", check_ddp_over_the_psrt_backend)
+        checks.add("c10d/a_mismatched_receive_names_both_ranks", check_a_mismatched_device_receive_names_both_ranks)
         _harness.run(checks)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         hvd.shutdown()
 
 
