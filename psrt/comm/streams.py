@@ -121,10 +121,11 @@ def installed(replacement: CudaApi) -> Iterator[CudaApi]:
 
 
 class DeviceStreams:
-    """One device's communication streams, made once per device and shared by its
-    communicators: collectives of one kind run in order on one stream, so all-gathers
-    (ZeRO-3's prefetches) never queue behind reductions, nor pipeline messages behind
-    either."""
+    """One device's communication streams, made once per device: the engine's all-gathers
+    (ZeRO-3's prefetches) on ``gather``, so they never queue behind its reductions (``reduce``);
+    pipeline messages, which the training thread issues on communicators of their own, on
+    ``p2p``.  A stream serialises what it is given, so one stream never carries two issuers'
+    NCCL calls: their orders could differ between ranks and deadlock."""
 
     __slots__ = ("device", "gather", "reduce", "p2p")
 
@@ -136,12 +137,8 @@ class DeviceStreams:
         self.p2p = cuda.new_stream(device)
 
     def for_collective(self, collective: str):
-        """The stream a collective named ``collective`` (an announcement's) runs on."""
-        if collective.startswith("allgather"):
-            return self.gather
-        if collective in ("send", "recv", "sendrecv", "alltoall"):
-            return self.p2p
-        return self.reduce
+        """The stream an engine collective named ``collective`` (an announcement's) runs on."""
+        return self.gather if collective.startswith("allgather") else self.reduce
 
 
 _streams: dict[tuple[CudaApi, int], DeviceStreams] = {}
