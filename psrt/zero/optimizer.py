@@ -29,7 +29,7 @@ from psrt.runtime import Runtime, given, global_process_set
 from psrt.topology import ProcessSet
 from psrt.dp import Bucket, BucketStrategy, GradientReducer, overlap_pays_here
 from psrt.zero import comm
-from psrt.zero.flat import ShardedGroup
+from psrt.zero.flat import GatheredBytes, ShardedGroup
 from psrt.zero.precision import LossScaler
 from psrt.zero.setup import plan_layout
 from psrt.zero.stage3 import ParameterGatherer, Unit
@@ -122,8 +122,10 @@ class ZeroOptimizer:
         self.overlap = (overlap_pays_here(layout.params, self.runtime.topology.local.size) if overlap is None
                         else overlap)
         name = self.runtime.names.instance("zero", process_set.process_set_id)
+        meter = GatheredBytes()  # stage 3's gathered parameter bytes, kept by the groups
         self.groups = [ShardedGroup(f"{name}.{index}", self.partition, index, [layout.params[i] for i in flat.params],
-                                    layout.shard, self.channel, compute_dtype, gathered_on_demand=stage == 3)
+                                    layout.shard, self.channel, compute_dtype, gathered_on_demand=stage == 3,
+                                    keep_grad_buffer=stage >= 2, meter=meter)
                        for index, flat in enumerate(self.partition.groups)]
         owner = [layout.optimizer_group_of(index) for index in range(len(self.groups))]
         self.optimizer = optimizer_class(
@@ -149,7 +151,7 @@ class ZeroOptimizer:
         if stage == 3:
             self.gatherer = ParameterGatherer(
                 [Unit(module, [self.groups[g] for g in groups]) for module, groups in layout.units],
-                allgather_bucket_size, layout.shared_uses)
+                allgather_bucket_size, layout.shared_uses, meter)
             holders = [module for module in model.modules()
                        if any(id(param) in self._group_of for param in module.parameters(recurse=False))]
             for module in holders:  # every module registering a sharded parameter, whatever its unit
@@ -174,11 +176,12 @@ class ZeroOptimizer:
         :param set_to_none: accepted for torch's signature; ZeRO always frees the gradients.
         """
         self._reducer.wait()
-        for group in self.groups:
-            group.grad = None
-            group.master.grad = None
-            for param in group.params:
-                param.grad = None
+        with torch._C.DisableTorchFunctionSubclass():  # a released stage-3 parameter's .grad, unchecked
+            for group in self.groups:
+                group.grad = None
+                group.master.grad = None
+                for param in group.params:
+                    param.grad = None
         self._reduced, self._step_ok = False, None
 
     def step(self, closure=None):
@@ -199,9 +202,9 @@ class ZeroOptimizer:
         if taken:
             self.optimizer.step()
             gathers = [group.publish() for group in self.groups]
-            for work in gathers:
-                if work is not None:
-                    self.channel.wait(work)
+            for started in gathers:
+                if started is not None:
+                    comm.wait(self.channel, started)
         self.loss_scaler.finish_step(taken)
         self.zero_grad()
         return loss if taken else None

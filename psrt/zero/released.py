@@ -77,6 +77,15 @@ def _released_class(own: type) -> type:
     return type(f"Released{own.__name__}", (_Released, own), {})
 
 
+def classes_of(param: torch.nn.Parameter) -> tuple[type, type]:
+    """``param``'s own class and the class it takes while released, for a caller that switches
+    many parameters at once by assigning ``__class__`` (one pass, no call per parameter);
+    :func:`mark_gathered` knows the own class afterwards too."""
+    own = getattr(param, _OWN_CLASS) if isinstance(param, _Released) else type(param)
+    setattr(param, _OWN_CLASS, own)
+    return own, _released_class(own)
+
+
 def name_parameter(param: torch.nn.Parameter, name: str) -> None:
     """Record the name errors give ``param`` (its registration name in the wrapped model)."""
     setattr(param, _NAME, name)
