@@ -247,3 +247,49 @@ def test_zero3_bad_units_are_refused_naming_what_to_change(units, message):
     units = [model[1], model[1]] if units == "twice" else units
     with pytest.raises(Exception, match=message):
         ZeroOptimizer(model, torch.optim.AdamW, stage=3, units=units, lr=1e-3)
+
+
+class PartlyUsedBlock(Block):
+    """A block whose MLP runs only when ``whole`` is set (its norm always does)."""
+
+    whole = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.whole else x + self.norm(x)
+
+
+class SkipsABlock(nn.Module):
+    """The GPT, whose second block runs only when ``use_second`` is set, and whose third block
+    uses only part of its parameters then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.use_second = gpt(), True
+        self.net[3].__class__ = PartlyUsedBlock
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.net[3].whole = self.use_second
+        x = self.net[1](self.net[0](ids))
+        x = self.net[2](x) if self.use_second else x
+        return self.net[4](self.net[3](x))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_zero3_parameters_without_a_gradient_count_as_zeros(accumulation):
+    """A block left out of some backward passes, and one partly, train as torch does with zero
+    gradients."""
+    model, reference = SkipsABlock(), SkipsABlock()
+    zero = ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=1e-2)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        for micro in range(accumulation):
+            model.use_second = reference.use_second = (step + micro) % 2 == 0
+            loss_of(model, step, micro, accumulation).backward()
+            loss_of(reference, step, micro, accumulation).backward()
+        for param in reference.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        zero.step()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_matches_reference(zero, reference)
