@@ -16,6 +16,7 @@ import torch
 from psrt.comm.base import Communicator
 from psrt.comm.direct import DirectGroup
 from psrt.comm.hierarchical import HierarchicalCommunicator, hierarchical_or_none
+from psrt.comm import streams
 from psrt.comm.staged import device_transport
 from psrt.comm.stats import CommStats
 from psrt.comm.watchdog import Watchdog
@@ -225,15 +226,16 @@ class Topology:
         as in Horovod.
         """
         host = self.communicator(process_set)
-        if device.type != "cuda":
+        cuda = streams.api()
+        if not cuda.covers(device):
             if process_set.process_set_id == GLOBAL_PROCESS_SET_ID and self._hierarchical is not None:
                 return self._hierarchical
             return host
-        index = torch.cuda.current_device() if device.index is None else device.index
+        index = cuda.index(device)
         key = (process_set.process_set_id, index)
         comm = self._device_communicators.get(key)
         if comm is None:
-            comm = device_transport(host, torch.device("cuda", index))
+            comm = device_transport(host, torch.device(device.type, index))
             self._device_communicators[key] = comm
         return comm
 

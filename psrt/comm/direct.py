@@ -36,6 +36,7 @@ from psrt.comm.deadlock import DIRECT, RECEIVE
 from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind
 from psrt.comm.nccl import NcclCommunicator
 from psrt.comm.poll import wait_politely
+from psrt.comm import streams
 from psrt.comm.staged import device_transport
 from psrt.comm.waits import Text, Wait
 from psrt.comm.watchdog import Watchdog
@@ -84,12 +85,13 @@ class DirectGroup:
     def transport(self, device: torch.device) -> Communicator:
         """The communicator that carries tensors on ``device`` (NCCL for CUDA memory, host
         staging where members share a GPU: :mod:`psrt.comm.staged`)."""
-        if device.type != "cuda":
+        cuda = streams.api()
+        if not cuda.covers(device):
             return self.host
-        index = torch.cuda.current_device() if device.index is None else device.index
+        index = cuda.index(device)
         comm = self._devices.get(index)
         if comm is None:
-            comm = self._devices[index] = device_transport(self.host, torch.device("cuda", index))
+            comm = self._devices[index] = device_transport(self.host, torch.device(device.type, index))
         return comm
 
     # -- waits ------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """NCCL implementation of :class:`Communicator` for CUDA tensors, through CuPy.
 
-Collectives are enqueued on the tensor's device's current CUDA stream and
-are ordered with the work around them on that stream, as with
-``torch.distributed``'s NCCL backend; requests complete when a CUDA event
-recorded after the collective has fired.  Small metadata (agreement checks,
+Collectives are enqueued on the calling thread's current stream of the device
+(the engine makes that a communication stream, :mod:`psrt.comm.streams`) and are
+ordered with the work around them on that stream.  A request's done event is
+recorded after the collective: waiting on the request makes the waiting thread's
+current stream wait for that event, never the host; ``test`` asks whether it fired.  Small metadata (agreement checks,
 object gathers, the NCCL unique id) travels over the MPI communicator of the
 same group, which is also what creates and splits NCCL communicators.
 
@@ -16,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from psrt.comm import streams
 from psrt.comm.base import Communicator, ElementwiseOp, Request
 from psrt.errors import CommunicationError, InvalidArgumentError, UnsupportedOperationError
 
@@ -29,7 +31,7 @@ _NCCL_BFLOAT16 = 9  # ncclBfloat16 in nccl.h (NCCL >= 2.10); older CuPy lacks th
 
 def nccl_available() -> bool:
     """True when CuPy's NCCL bindings import and torch sees a CUDA device."""
-    return _nccl is not None and torch.cuda.is_available()
+    return _nccl is not None and streams.api().available()
 
 
 def _reduction_types() -> dict[torch.dtype, int]:
@@ -59,19 +61,32 @@ def _displacements(counts: Sequence[int]) -> list[int]:
     return offsets
 
 
-class CudaEventRequest(Request):
-    """Completes when the work enqueued before it on the stream has finished."""
+def _raw_communicator(host: Communicator, device: torch.device):
+    """CuPy's NCCL communicator over ``host``'s ranks, its unique id sent over MPI (where tests
+    put a fake: ``tests/fake_device.py``)."""
+    unique_id = _nccl.get_unique_id() if host.rank == 0 else None
+    unique_id = host.allgather_object(unique_id)[0]
+    with streams.api().on_device(device):
+        return _nccl.NcclCommunicator(host.size, unique_id, host.rank)
 
-    def __init__(self, *keep: torch.Tensor) -> None:
-        self._event = torch.cuda.Event()
-        self._event.record()
+
+class CudaEventRequest(Request):
+    """Completes when the work enqueued before it on the current stream has finished; holds
+    the tensors that work uses until then."""
+
+    def __init__(self, device: torch.device, *keep: torch.Tensor) -> None:
+        cuda = streams.api()
+        self._device = device
+        self._event = cuda.record(cuda.current(device))
         self._keep = keep
 
     def test(self) -> bool:
-        return self._event.query()
+        return streams.api().query(self._event)
 
     def wait(self) -> None:
-        self._event.synchronize()
+        """Make the calling thread's current stream wait for the work (the host goes on)."""
+        cuda = streams.api()
+        cuda.wait(cuda.current(self._device), self._event)
 
     def cancel(self) -> None:
         raise UnsupportedOperationError("NCCL work already enqueued on a CUDA stream cannot be withdrawn")
@@ -89,14 +104,11 @@ class NcclCommunicator(Communicator):
         self._device = device
         self._types = _reduction_types()
         self._ops = _reduction_ops()
-        unique_id = _nccl.get_unique_id() if host.rank == 0 else None
-        unique_id = host.allgather_object(unique_id)[0]
-        with torch.cuda.device(device):
-            self._comm = _nccl.NcclCommunicator(host.size, unique_id, host.rank)
+        self._comm = _raw_communicator(host, device)
         self.rank, self.size = host.rank, host.size
 
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self._device).cuda_stream
+        return streams.api().current(self._device).cuda_stream
 
     def _bytes(self, tensor: torch.Tensor) -> tuple[int, int]:
         return tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -104,13 +116,13 @@ class NcclCommunicator(Communicator):
     def _run(self, what: str, enqueue, *keep: torch.Tensor) -> Request:
         """Enqueue NCCL calls (grouped) on the current stream; a request for their completion."""
         try:
-            with torch.cuda.device(self._device):
+            with streams.api().on_device(self._device):
                 _nccl.groupStart()
                 try:
                     enqueue(self._stream())
                 finally:
                     _nccl.groupEnd()
-                return CudaEventRequest(*keep)
+                return CudaEventRequest(self._device, *keep)
         except _nccl.NcclError as exc:
             raise CommunicationError(f"NCCL failed during {what}: {exc}") from exc
 
@@ -123,7 +135,7 @@ class NcclCommunicator(Communicator):
             wide = tensor.int()
             self.iallreduce(wide, op, scale)
             tensor.copy_(wide)
-            return CudaEventRequest(tensor, wide)
+            return CudaEventRequest(self._device, tensor, wide)
         if tensor.dtype not in self._types:
             raise InvalidArgumentError(f"dtype {tensor.dtype} is not supported by the NCCL backend")
         ptr, count = tensor.data_ptr(), tensor.numel()
@@ -135,7 +147,7 @@ class NcclCommunicator(Communicator):
         request = self._run("allreduce", enqueue, tensor)
         if scale != 1.0:
             tensor.mul_(scale)
-            request = CudaEventRequest(tensor)
+            request = CudaEventRequest(self._device, tensor)
         return request
 
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor,
@@ -144,7 +156,7 @@ class NcclCommunicator(Communicator):
             wide_recv = torch.empty(recv.shape, dtype=torch.int32, device=recv.device)
             self.reduce_scatter(send.int(), wide_recv, counts, op)
             recv.copy_(wide_recv)
-            return CudaEventRequest(recv, wide_recv)
+            return CudaEventRequest(self._device, recv, wide_recv)
         nccl_type, nccl_op = self._types[send.dtype], self._ops[op]
         size = send.element_size()
         send_ptr, recv_ptr = send.data_ptr(), recv.data_ptr()
@@ -207,7 +219,9 @@ class NcclCommunicator(Communicator):
 
     # -- host-side pieces ------------------------------------------------------------
     def barrier(self) -> Request:
-        torch.cuda.current_stream(self._device).synchronize()
+        cuda = streams.api()
+        cuda.host_wait_stream(cuda.current(self._device), "a barrier: the host passes it once the "
+                              "work queued before it has run")
         return self._host.barrier()
 
     def exchange_counts(self, counts: Sequence[int]) -> list[int]:

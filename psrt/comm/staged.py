@@ -11,24 +11,13 @@ gets the same kind of transport, since they all see the same answer.
 """
 from __future__ import annotations
 
-import os
-import socket
 from typing import Sequence
 
 import torch
 
+from psrt.comm import streams
 from psrt.comm.base import Communicator, Persistent, ElementwiseOp, Request, then
 from psrt.comm.nccl import NcclCommunicator
-
-
-def device_identity(device: torch.device) -> tuple[str, str]:
-    """What tells this rank's CUDA device apart from every other device of the job: the
-    host name and the device's UUID (the index within ``CUDA_VISIBLE_DEVICES`` where torch
-    does not report a UUID)."""
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    if uuid is None:
-        uuid = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}#{device.index}"
-    return socket.gethostname(), str(uuid)
 
 
 def shares_a_device(identities: Sequence[object]) -> bool:
@@ -40,17 +29,19 @@ def device_transport(host: Communicator, device: torch.device) -> Communicator:
     """The communicator for CUDA tensors on ``device`` over the ranks of ``host``: NCCL
     where the members' devices are distinct, host staging where two share one.  Collective
     over ``host``: every member calls it at the same point."""
-    if shares_a_device(host.allgather_object(device_identity(device))):
+    if shares_a_device(host.allgather_object(streams.api().identity(device))):
         return HostStagedCommunicator(host)
     return NcclCommunicator(host, device)
 
 
 class HostStagedCommunicator(Communicator):
     """:class:`Communicator` for CUDA tensors over an MPI communicator: each call copies its
-    CUDA inputs to host memory (waiting for the work queued before it on the current
-    stream), runs the host collective, and copies the result back when its request
-    completes.  The caller must wait for (or test until done) every request it starts,
-    since the copy back happens then; ``host`` stays owned by whoever made it."""
+    CUDA inputs into pinned host memory on the calling thread's current stream (the engine's
+    communication stream, so compute goes on meanwhile), waits for that copy (MPI reads host
+    memory: one of the host waits docs/concepts/gpu-streams.md lists), runs the host
+    collective, and copies the result back on the same stream when its request completes.
+    The caller must wait for (or test until done) every request it starts, since the copy
+    back is enqueued then; ``host`` stays owned by whoever made it."""
 
     def __init__(self, host: Communicator, owns_host: bool = False) -> None:
         self._host = host
@@ -60,18 +51,26 @@ class HostStagedCommunicator(Communicator):
     @staticmethod
     def _staged(tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of a CUDA input (the tensor itself on the host)."""
-        return tensor.detach().to("cpu").contiguous() if tensor.is_cuda else tensor
+        if not tensor.is_cuda:
+            return tensor
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        staged.copy_(tensor.detach(), non_blocking=True)
+        cuda = streams.api()
+        cuda.host_wait(cuda.record(cuda.current(tensor.device)), "host staging: MPI reads the device's "
+                       "tensor from host memory")
+        return staged
 
     @staticmethod
     def _landing(tensor: torch.Tensor) -> torch.Tensor:
-        """Host memory for a CUDA output (the tensor itself on the host)."""
-        return torch.empty(tensor.shape, dtype=tensor.dtype) if tensor.is_cuda else tensor
+        """Pinned host memory for a CUDA output (the tensor itself on the host)."""
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if tensor.is_cuda else tensor
 
     @staticmethod
     def _back(request: Request, device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> Request:
         if host_tensor is device_tensor:
             return request
-        return then(request, lambda: device_tensor.copy_(host_tensor))
+        # Pinned memory used by a non-blocking copy is not reused before the copy has run.
+        return then(request, lambda: device_tensor.copy_(host_tensor, non_blocking=True))
 
     # -- collectives ---------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: ElementwiseOp, scale: float = 1.0) -> None:
@@ -104,7 +103,9 @@ class HostStagedCommunicator(Communicator):
 
     def barrier(self) -> Request:
         if torch.cuda.is_initialized():
-            torch.cuda.current_stream().synchronize()
+            cuda = streams.api()
+            cuda.host_wait_stream(cuda.current(torch.device("cuda")), "a barrier: the host passes it once "
+                                  "the work queued before it has run")
         return self._host.barrier()
 
     # -- point to point -----------------------------------------------------------------

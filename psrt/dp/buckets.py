@@ -20,6 +20,8 @@ from typing import Hashable, Iterable, Sequence
 
 import torch
 
+from psrt.comm import streams
+
 #: DDP's defaults: a small first bucket so communication starts early in backward,
 #: then buckets large enough to amortise each allreduce's latency.
 FIRST_BUCKET_BYTES = 1 << 20
@@ -60,7 +62,7 @@ def overlap_pays(devices: Iterable[torch.device], ranks_on_host: int, host_cores
     ranks already fill every core, running it during backward slows backward by more than
     it saves (benchmarks/RESULTS.md: 2 ranks on 2 cores).
     """
-    if any(device.type == "cuda" for device in devices):
+    if any(streams.api().covers(device) for device in devices):
         return True
     return host_cores >= ranks_on_host * (threads_per_rank + 1)
 

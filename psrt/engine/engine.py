@@ -32,6 +32,7 @@ import threading
 
 import torch
 
+from psrt.comm import streams
 from psrt.comm.waits import Wait
 from psrt.comm.watchdog import Watchdog
 from psrt.config import Config
@@ -80,7 +81,7 @@ class Engine:
     def submit(self, work: Work, wake: bool = True) -> Work:
         """Queue ``work``; ``wake=False`` leaves the engine thread asleep (a caller about to
         wait for it, which runs the cycles itself)."""
-        if work.device.type == "cuda":
+        if streams.api().covers(work.device):
             work.streams = StreamDependencies(work.device)
         self._submissions.put(work, wake)
         return work

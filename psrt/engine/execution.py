@@ -11,13 +11,16 @@ steps.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
+from typing import Iterator
 
 import torch
 
+from psrt.comm import streams
 from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.comm.ranks import rank_ranges
 from psrt.comm.waits import Wait
@@ -129,18 +132,18 @@ class Execution:
         if self.rank not in first.ranks:
             return
         works = [local.pop(r.announcement.key, None) for r in responses]
-        # A member without the work has joined: it contributes zeros.
-        buffers = [b for w, r in zip(works, responses)
-                   for b in (w.buffers if w is not None else r.announcement.reduction.zeros())]
         pieces = [p for r in responses for p in r.announcement.reduction.pieces]
-        for work in works:
-            if work is not None and work.streams is not None:
-                work.streams.await_ready(work.device)
-        comm = self._data_comm(first.reduction.set_id, buffers[0].device)
+        comm = self._data_comm(first.reduction.set_id, _device(first.reduction.device))
         phases: list[tuple[str, float, float]] = []
-        for message in fusion.messages(pieces):
-            piece = pieces[message[0]]
-            self._reduce_message([buffers[i] for i in message], first.reduction.op, piece.scale, comm, phases)
+        devices = [work for work in works if work is not None and work.streams is not None]
+        with _on_communication_stream(devices, "allreduce") if devices else contextlib.nullcontext():
+            # A member without the work has joined: it contributes zeros (made on the stream
+            # that uses them).
+            buffers = [b for w, r in zip(works, responses)
+                       for b in (w.buffers if w is not None else r.announcement.reduction.zeros())]
+            for message in fusion.messages(pieces):
+                piece = pieces[message[0]]
+                self._reduce_message([buffers[i] for i in message], first.reduction.op, piece.scale, comm, phases)
         for work in works:
             if work is not None:
                 self._finish(work, None, None, phases)
@@ -173,13 +176,15 @@ class Execution:
         if response.error is not None:
             self._finish(work, None, CollectiveMismatchError(response.error), ())
             return
-        if work.streams is not None:
-            work.streams.await_ready(work.device)
         set_id = work.announcement.key[0]
         host = self._topology.communicator(self._topology.process_set(set_id))
         data = self._data_comm(set_id, work.device)
         start = time.perf_counter()
-        value = work.execute(host, data)
+        if work.streams is None:
+            value = work.execute(host, data)
+        else:
+            with _on_communication_stream((work,), work.announcement.collective):
+                value = work.execute(host, data)
         self._finish(work, value, None, ((work.announcement.collective.upper(), start, time.perf_counter()),))
 
     def _data_comm(self, set_id: int, device: torch.device) -> Communicator:
@@ -232,6 +237,28 @@ class Execution:
     def close(self) -> None:
         if self._autotune_comm is not None:
             self._autotune_comm.free()
+
+
+@functools.cache
+def _device(name: str) -> torch.device:
+    return torch.device(name)
+
+
+@contextlib.contextmanager
+def _on_communication_stream(ordered, collective: str) -> Iterator[None]:
+    """Run a block of device works (``ordered``: each with its stream dependencies) on their
+    device's communication stream for ``collective``, after that stream has waited for every
+    work's ready event; record the done event their consumers wait for
+    (:mod:`psrt.comm.streams`).  Labelled ``psrt.<collective>`` on a profiler's trace."""
+    cuda = streams.api()
+    stream = streams.device_streams(ordered[0].device).for_collective(collective)
+    with cuda.using(stream), torch.profiler.record_function(f"psrt.{collective}"):
+        for work in ordered:
+            cuda.wait(stream, work.streams.ready)
+        yield
+    done = cuda.record(stream)
+    for work in ordered:
+        work.streams.done = done
 
 
 def _record(timeline: Timeline, work: Work, phases: tuple | list) -> None:

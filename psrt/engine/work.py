@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from psrt.comm import streams
 from psrt.comm.base import Communicator, ElementwiseOp
 
 Descriptor = tuple[tuple[str, object], ...]
@@ -105,20 +106,24 @@ class Route:
 
 
 class StreamDependencies:
-    """The CUDA stream ordering of a work on a GPU.  ``ready`` is an event recorded on the
-    producer's current stream when the work is submitted; the stream the collective runs on
-    waits for it before the collective starts, so a tensor computed on any stream is complete
-    when it is sent, and the submitting thread never waits for the GPU."""
+    """The stream ordering of a work on a GPU (see :mod:`psrt.comm.streams`).  ``ready`` is an
+    event recorded on the producer's current stream when the work is submitted: the
+    communication stream waits for it before the collective, so a tensor computed on any
+    stream is complete when it is sent.  ``done`` is recorded on that stream after the
+    collective: the consumer's current stream waits for it, and the host never does."""
 
-    __slots__ = ("ready",)
+    __slots__ = ("ready", "done")
 
     def __init__(self, device: torch.device) -> None:
-        self.ready = torch.cuda.current_stream(device).record_event()
+        cuda = streams.api()
+        self.ready = cuda.record(cuda.current(device))
+        self.done = None
 
-    def await_ready(self, device: torch.device) -> None:
-        """Make ``device``'s current stream (where the collective is enqueued) wait for the
-        producer."""
-        torch.cuda.current_stream(device).wait_event(self.ready)
+    def consume(self, device: torch.device) -> None:
+        """Make the calling thread's current stream wait for the collective."""
+        if self.done is not None:
+            cuda = streams.api()
+            cuda.wait(cuda.current(device), self.done)
 
 
 class Work:
@@ -129,8 +134,10 @@ class Work:
     ``execute(host, data)`` runs any other collective on the engine thread, given
     the set's host communicator (sizes, metadata) and the one that carries
     tensors on ``device``.  ``streams`` holds a CUDA work's stream dependencies
-    (None for host tensors).  Waiting is the engine's (:meth:`psrt.engine.Engine.wait`,
-    which runs cycles on the waiting thread); the work itself only records completion.
+    (None for host tensors); its tensors stay referenced by the work (``buffers``, or the
+    ``execute`` callable's) until its consumer has waited in :meth:`result`.  Waiting is the
+    engine's (:meth:`psrt.engine.Engine.wait`, which runs cycles on the waiting thread); the
+    work itself only records completion.
     """
 
     __slots__ = ("_pending", "announcement", "buffers", "cache_index", "device", "error", "execute",
@@ -196,4 +203,6 @@ class Work:
         self.wait()
         if self.error is not None:
             raise self.error
+        if self.streams is not None:
+            self.streams.consume(self.device)
         return self.value if self.finish is None else self.finish(self.value)

@@ -72,10 +72,12 @@ def total_norm(channel: Channel, partial: torch.Tensor, norm_type: float, sharde
     return partial if norm_type == float("inf") else partial ** (1.0 / norm_type)
 
 
-def any_rank(channel: Channel, flag: bool, name: str) -> bool:
-    """True if ``flag`` is true on any rank of the set."""
-    if channel.size == 1:
-        return flag
-    value = torch.tensor([int(flag)])
-    channel.run(channel.allreduce([value], name=name, op=ElementwiseOp.MAX))
+def any_rank(channel: Channel, flags: list[torch.Tensor], name: str) -> bool:
+    """True if any of ``flags`` (0-dim bool tensors, on the gradients' device) is true on any
+    rank of the set: one small allreduce on the device, then one read of its result, the host
+    wait a loss scaler needs to decide whether the step is taken (as torch's ``GradScaler``).
+    Over one rank, only that read."""
+    value = torch.stack(flags).any().to(torch.int32).reshape(1) if flags else torch.zeros(1, dtype=torch.int32)
+    if channel.size > 1:
+        channel.run(channel.allreduce([value], name=name, op=ElementwiseOp.MAX))
     return bool(value)

@@ -40,8 +40,7 @@ class LossScaler:
         """Divide ``grads`` by the scale if :meth:`scale` was used for them; False (and a lower
         scale) if a dynamic scaler found an inf or NaN on any rank of ``channel``'s set."""
         if self.dynamic:
-            overflow = any(not torch.isfinite(grad).all() for grad in grads)
-            if comm.any_rank(channel, overflow, "zero.overflow"):
+            if comm.any_rank(channel, [torch.isfinite(grad).all().logical_not() for grad in grads], "zero.overflow"):
                 self.value /= 2.0
                 self._good_steps = 0
                 return False

@@ -1,7 +1,8 @@
 """``make gpu-check``: everything a machine with a GPU can tell about psrt, in one command.
 
-Runs ``pytest tests/gpu`` (JUnit report), then ``benchmarks/gpu.py`` on one rank, each
-under its own time limit (together under 8 minutes), and writes one results file,
+Runs ``pytest tests/gpu`` (JUnit report), then ``benchmarks/gpu.py`` on one rank, then a
+profiler trace of two ranks sharing the GPU (``benchmarks/gpu_shared_trace.py``), each under
+its own time limit (together under 9 minutes), and writes one results file,
 ``benchmarks/results/gpu-check-<date>-<gpu>.json``: when and where (host, GPU, torch, CUDA,
 NCCL, CuPy, mpi4py and MPI versions), each test's outcome, what NCCL did with two ranks on
 one GPU, and the benchmark's figures.  It then prints the Markdown that RESULTS.md takes
@@ -111,6 +112,28 @@ def run_benchmark(workdir: Path, limit_s: float) -> dict:
             "figures": record, "output_tail": "" if record and code == 0 else out[-4000:]}
 
 
+def run_shared_trace(workdir: Path, limit_s: float) -> dict:
+    """benchmarks/gpu_shared_trace.py: two ranks on the GPU, a profiler trace's overlap summary."""
+    summary = workdir / "gpu-shared-trace.json"
+    code, out = run_limited([sys.executable, "-m", "launcher.cli", "-np", "2", sys.executable,
+                             "benchmarks/gpu_shared_trace.py", "--json-out", str(summary),
+                             "--trace-out", str(workdir / "trace.json")], limit_s)
+    record = json.loads(summary.read_text()) if summary.exists() else None
+    return {"exit_code": code, "timed_out": code is None, "summary": record,
+            "output_tail": "" if record and code == 0 else out[-4000:]}
+
+
+def _render_shared_trace(trace: dict | None) -> list[str]:
+    if not trace or not trace.get("summary"):
+        return ["Two ranks sharing the GPU: no trace (" + ("not run" if not trace else
+                f"exit code {trace['exit_code']}") + ")."]
+    s = trace["summary"]
+    return [f"Two ranks sharing the GPU (host staging), {s['steps']} DP steps of a {s['layers']} x {s['width']} "
+            f"MLP: copies on psrt's stream {s['copies_ms']} ms, {s['copies_under_compute_ms']} ms of it under "
+            f"compute kernels; engine collectives {s['exchanges_ms']} ms, {s['exchanges_under_compute_ms']} ms "
+            f"under compute kernels; compute kernels {s['compute_kernels_ms']} ms."]
+
+
 def render(results: dict) -> str:
     """The Markdown section RESULTS.md takes, from a results file's contents."""
     v, gpu = results["versions"], results["gpu"]
@@ -150,7 +173,8 @@ def render(results: dict) -> str:
                      f"{seconds * 1e3:.1f} | |")
     lines += [f"| {impl} | failed: {error} | |" for impl, error in figures.get("errors", {}).items()]
     ratios = ", ".join(f"{k} **{r}**" for k, r in figures["ratios"].items() if r is not None)
-    return "\n".join(lines + ["", f"Ratios: {ratios}."]) + "\n"
+    trace = _render_shared_trace(results.get("shared_trace"))
+    return "\n".join(lines + ["", f"Ratios: {ratios}.", ""] + trace) + "\n"
 
 
 def results_path(date: str, gpu: str) -> Path:
@@ -182,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         limit = max(60.0, min(BENCHMARK_LIMIT_S, 470.0 - (time.monotonic() - started)))
         print(f"gpu-check: benchmarks/gpu.py (at most {limit:g} s)", flush=True)
         benchmark = run_benchmark(Path(workdir), limit)
+        left = 540.0 - (time.monotonic() - started)
+        shared_trace = run_shared_trace(Path(workdir), left) if left > 30 else None
     properties = tests.pop("properties")
     nccl = {"outcome": properties["nccl_two_ranks_one_gpu"],
             "detail": properties.get("nccl_two_ranks_one_gpu_detail", "")} \
@@ -189,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"date": now.strftime("%Y-%m-%d"), "time": now.isoformat(timespec="seconds"),
                "hostname": socket.gethostname(), "gpu": gpu, "gpus": torch.cuda.device_count(),
                "commit": commit(), "versions": versions(), "tests": tests, "nccl_two_ranks_one_gpu": nccl,
-               "benchmark": benchmark, "seconds": round(time.monotonic() - started, 1)}
+               "benchmark": benchmark, "shared_trace": shared_trace, "seconds": round(time.monotonic() - started, 1)}
     path = results_path(results["date"], gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")

@@ -120,42 +120,35 @@ def test_timeline_is_valid_chrome_trace_json(tmp_path):
     assert any(e["name"] == "CYCLE_START" for e in events)
 
 
-class _FakeStream:
-    """A CUDA stream as far as the engine uses one: events recorded, events waited for."""
-
-    def __init__(self) -> None:
-        self.recorded, self.waited = [], []
-
-    def record_event(self):
-        event = object()
-        self.recorded.append(event)
-        return event
-
-    def wait_event(self, event) -> None:
-        self.waited.append(event)
-
-
-def test_a_cuda_work_records_a_ready_event_at_submission_and_its_collective_waits_for_it(monkeypatch):
-    """No GPU needed: the producer's stream records the ready event when the work is submitted,
-    and the stream current where the collective runs waits for that event (the host never
-    does); a host work carries no stream dependencies."""
+def test_a_device_work_waits_for_its_producer_and_its_consumer_waits_for_it():
+    """No GPU needed (the fake device of tests/fake_device.py): the producer's stream records
+    the ready event when the work is submitted, the communication stream waits for it before
+    the collective and records the done event after, and the consumer's stream waits for that
+    when the work's result is taken; the host waits for none of it."""
+    import sys
+    from pathlib import Path
     from types import SimpleNamespace
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fake_device
+    from psrt.comm import streams
     from psrt.engine.engine import Engine
+    from psrt.engine.execution import _on_communication_stream
     from psrt.engine.work import Work
 
-    producer, collective = _FakeStream(), _FakeStream()
-    streams = {"producer": producer}
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams["producer"])
-    queued = []
-    engine = SimpleNamespace(_submissions=SimpleNamespace(put=lambda work, wake: queued.append(work)))
-    announcement = allreduce("g", 4).announcement
-    on_gpu = Work(announcement, device=torch.device("cuda", 0), buffers=[torch.zeros(4)])
-    on_host = Work(announcement, device=torch.device("cpu"), buffers=[torch.zeros(4)])
-    Engine.submit(engine, on_gpu)
-    Engine.submit(engine, on_host)
-    assert queued == [on_gpu, on_host] and on_host.streams is None
-    assert on_gpu.streams.ready is producer.recorded[0] and not producer.waited
-    streams["producer"] = collective  # the engine thread's current stream
-    on_gpu.streams.await_ready(on_gpu.device)
-    assert collective.waited == [on_gpu.streams.ready] and not collective.recorded
+    with fake_device.install() as cuda:
+        queued = []
+        engine = SimpleNamespace(_submissions=SimpleNamespace(put=lambda work, wake: queued.append(work)))
+        work = Work(allreduce("g", 4).announcement, device=torch.device("cpu"), buffers=[torch.zeros(4)])
+        produced = cuda.compute.tick()  # the producer's kernel
+        Engine.submit(engine, work)
+        assert queued == [work] and work.streams.ready.stream is cuda.compute
+        assert work.streams.ready.clock == produced
+        with _on_communication_stream([work], "allreduce"):
+            stream = cuda.current(work.device)
+            assert stream is streams.device_streams(work.device).reduce and stream.after(cuda.compute, produced)
+            reduced = stream.tick()  # the collective
+        work.complete(None)
+        assert not cuda.compute.after(stream, reduced)
+        work.result()
+        assert cuda.compute.after(stream, reduced) and not cuda.host_waits

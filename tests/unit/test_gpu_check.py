@@ -97,3 +97,24 @@ def test_results_file_is_named_by_date_and_gpu():
 ])
 def test_ranks_share_a_device_only_when_two_name_the_same_one(identities, shared):
     assert shares_a_device(identities) is shared
+
+
+def test_the_shared_gpu_trace_summary_measures_overlap_with_compute_kernels():
+    """benchmarks/gpu_shared_trace.py's arithmetic on a hand-made trace: a copy on psrt's stream
+    half under a kernel of the compute stream, an engine range wholly under one."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from gpu_shared_trace import summarise
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100, "args": {"stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 50, "dur": 100, "args": {"stream": 20}},
+        {"ph": "X", "cat": "kernel", "name": "mul", "ts": 160, "dur": 10, "args": {"stream": 20}},
+        {"ph": "X", "cat": "user_annotation", "name": "psrt.allreduce", "ts": 10, "dur": 20},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep", "ts": 0, "dur": 500},
+    ]}
+    summary = summarise(trace)
+    assert summary["copies_ms"] == 0.1 and summary["copies_under_compute_ms"] == 0.05
+    assert summary["exchanges_ms"] == 0.02 and summary["exchanges_under_compute_ms"] == 0.02
+    assert summary["compute_kernels_ms"] == 0.1 and summary["copy_streams"] == [20]
