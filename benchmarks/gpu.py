@@ -3,8 +3,8 @@
 and against torch FSDP2 (``fully_shard`` on a one-rank NCCL group), in the same run.
 
 One rank, so nothing crosses a wire: what psrt adds is its engine (negotiation, fusion, a
-one-rank NCCL allreduce) and, for ZeRO-3, its gathers and reduce-scatters; the ratios
-psrt/plain and psrt-ZeRO-3/FSDP2 are the figures.  Run from the repository root::
+one-rank NCCL allreduce) and, for ZeRO-3, its units' gathers and frees (copies on the GPU
+over one rank, no collective); the ratios psrt/plain and psrt-ZeRO-3/FSDP2 are the figures.  Run from the repository root::
 
     psrun -np 1 python3 benchmarks/gpu.py                      # GPT-2 small, about 1 min on an H100
     python benchmarks/gpu.py --device cpu --tiny --steps 3     # the script itself, on a CPU

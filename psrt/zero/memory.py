@@ -27,13 +27,14 @@ def report(zero) -> dict[str, int]:
     """{"params", "grads", "optimizer"} bytes of ``zero`` (a ZeroOptimizer) on this rank.
 
     Parameters: the compute buffers (whole groups, or stage 3's shards plus whatever is
-    gathered now).  Gradients: the parameters' ``.grad`` and the reduced shards.  Optimizer:
+    gathered now).  Gradients: the parameters' ``.grad`` and the reduced shards (with the buffer
+    stages 2 and 3 keep for them across steps).  Optimizer:
     its state and the master copies where they are not the compute shards.
     """
     seen: set[int] = set()
     params = storage_bytes((t for group in zero.groups for t in (group.shard, group.full)), seen)
-    grads = storage_bytes((t for group in zero.groups
-                           for t in (group.grad, group.master.grad, *(p.grad for p in group.params))), seen)
+    grads = storage_bytes((t for group in zero.groups for t in (group.grad, group.grad_buffer, group.master.grad,
+                                                                *(p.grad for p in group.params))), seen)
     state = [value for per_param in zero.optimizer.state.values() for value in per_param.values()
              if isinstance(value, torch.Tensor)]
     optimizer = storage_bytes([group.master for group in zero.groups] + state, seen)

@@ -5,7 +5,7 @@ Every rank builds the same model, with the same initial values (checked when it
 is wrapped), and trains it on its own batch:
 
     opt = psrt.zero.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3)
-    loss = loss_fn(model(x), y)   # stage 3: parameters are gathered per module as it runs
+    loss = loss_fn(model(x), y)   # stage 3: parameters are gathered per unit (block) as it runs
     loss.backward()               # stages 2, 3: gradients reduce-scattered during backward
     opt.step()                    # the shard's update, then parameters gathered (stages 1, 2)
     opt.zero_grad()
@@ -29,10 +29,11 @@ from psrt.runtime import Runtime, given, global_process_set
 from psrt.topology import ProcessSet
 from psrt.dp import Bucket, BucketStrategy, GradientReducer, overlap_pays_here
 from psrt.zero import comm
-from psrt.zero.flat import ShardedGroup
+from psrt.zero.flat import GatheredBytes, ShardedGroup
 from psrt.zero.precision import LossScaler
 from psrt.zero.setup import plan_layout
 from psrt.zero.stage3 import ParameterGatherer, Unit
+from psrt.zero.units import BLOCKS, UnitsOption
 
 #: Elements per gradient bucket: one reduce-scatter in stages 1-2 (and one all-gather of the
 #: updated shards after the step), one allreduce in stage 0; DeepSpeed counts bucket sizes in
@@ -40,9 +41,9 @@ from psrt.zero.stage3 import ParameterGatherer, Unit
 #: optimizer, and on CPU torch's Adam ran up to 2x slower on 5M-element tensors than on
 #: 1M-element ones (benchmarks/RESULTS.md).
 REDUCE_BUCKET_SIZE = 1_000_000
-#: Stage 3: elements of parameters gathered ahead of the running module, in forward and
-#: backward order: DeepSpeed's prefetch bucket.  Modules are added until the budget is spent,
-#: so at least the next module is prefetched and the last one may overshoot the budget.  One million
+#: Stage 3: elements of parameters gathered ahead of the running unit, in forward and
+#: backward order: DeepSpeed's prefetch bucket.  Units are added until the budget is spent,
+#: so at least the next unit is prefetched and the last one may overshoot the budget.  One million
 #: elements keeps about one layer of a 1024-wide MLP in flight.
 ALLGATHER_BUCKET_SIZE = 1_000_000
 
@@ -53,8 +54,8 @@ class ZeroOptimizer:
 
     Stage 0 is plain data parallelism through the same code (every rank keeps everything);
     stage 1 shards the optimizer state, stage 2 the gradients too, stage 3 the parameters too
-    (gathered per module as forward and backward reach it).  Gradients are averaged over
-    ``process_set``, as in ``hvd.DistributedOptimizer``.
+    (gathered per unit, by default per repeated block, as forward and backward reach it).
+    Gradients are averaged over ``process_set``, as in ``hvd.DistributedOptimizer``.
 
     Collective: every rank of ``process_set`` constructs it with the same model (same
     parameters, shapes and initial values), in the same order relative to other ZeRO optimizers
@@ -77,7 +78,13 @@ class ZeroOptimizer:
     :param reduce_bucket_size: elements per gradient bucket, a positive int (default
         :data:`REDUCE_BUCKET_SIZE`): one reduce-scatter in stages 1-2, one allreduce in stage 0.
     :param allgather_bucket_size: stage 3: elements of parameters gathered ahead of the running
-        module, a positive int (default :data:`ALLGATHER_BUCKET_SIZE`).
+        unit, a positive int (default :data:`ALLGATHER_BUCKET_SIZE`).
+    :param units: stage 3: which modules gather their parameters together (:mod:`psrt.zero.units`):
+        ``"blocks"`` (the default: each repeated block of an ``nn.ModuleList``/``ModuleDict``/
+        ``Sequential``, as FSDP2's ``fully_shard`` is applied per transformer block, and a root
+        unit, the whole model, for the other parameters), ``"modules"`` (each module that
+        registers parameters itself, as DeepSpeed's ZeRO-3 hooks do), or a list of the model's
+        modules (and the root unit for the rest).  Other stages check it and need none.
     :param overlap: start each bucket's reduce-scatter during backward (stages 2 and 3): True,
         False, or None (the default: where it can pay, as for ``DistributedOptimizer``, see
         ``psrt.dp.overlap_pays``).
@@ -99,14 +106,15 @@ class ZeroOptimizer:
                  process_set: ProcessSet = global_process_set, compute_dtype: torch.dtype | None = None,
                  loss_scale: float | str | None = None, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,
                  allgather_bucket_size: int = ALLGATHER_BUCKET_SIZE, overlap: bool | None = None,
-                 param_groups: list[dict] | None = None, runtime: Runtime | None = None,
-                 **optimizer_kwargs) -> None:
+                 param_groups: list[dict] | None = None, units: UnitsOption = BLOCKS,
+                 runtime: Runtime | None = None, **optimizer_kwargs) -> None:
         self.runtime = given(runtime)
         self.loss_scaler = LossScaler.create(loss_scale, compute_dtype)
         layout = plan_layout(model, optimizer_class, optimizer_kwargs, runtime=self.runtime, stage=stage,
                              process_set=process_set,
                              compute_dtype=compute_dtype, reduce_bucket_size=reduce_bucket_size,
-                             allgather_bucket_size=allgather_bucket_size, overlap=overlap, param_groups=param_groups)
+                             allgather_bucket_size=allgather_bucket_size, overlap=overlap, param_groups=param_groups,
+                             units_option=units)
         self.model, self.stage, self.process_set, self.channel = model, stage, process_set, layout.channel
         self.partition, self.param_names, self.shard_index = layout.partition, layout.names, layout.shard
         self.aliases = layout.aliases  # other state_dict names of tied parameters -> their trained name
@@ -114,8 +122,10 @@ class ZeroOptimizer:
         self.overlap = (overlap_pays_here(layout.params, self.runtime.topology.local.size) if overlap is None
                         else overlap)
         name = self.runtime.names.instance("zero", process_set.process_set_id)
+        meter = GatheredBytes()  # stage 3's gathered parameter bytes, kept by the groups
         self.groups = [ShardedGroup(f"{name}.{index}", self.partition, index, [layout.params[i] for i in flat.params],
-                                    layout.shard, self.channel, compute_dtype, gathered_on_demand=stage == 3)
+                                    layout.shard, self.channel, compute_dtype, gathered_on_demand=stage == 3,
+                                    keep_grad_buffer=stage >= 2, meter=meter)
                        for index, flat in enumerate(self.partition.groups)]
         owner = [layout.optimizer_group_of(index) for index in range(len(self.groups))]
         self.optimizer = optimizer_class(
@@ -141,8 +151,10 @@ class ZeroOptimizer:
         if stage == 3:
             self.gatherer = ParameterGatherer(
                 [Unit(module, [self.groups[g] for g in groups]) for module, groups in layout.units],
-                allgather_bucket_size, layout.shared_uses)
-            for module in dict.fromkeys([module for module, _ in layout.units + layout.shared_uses]):
+                allgather_bucket_size, layout.shared_uses, meter)
+            holders = [module for module in model.modules()
+                       if any(id(param) in self._group_of for param in module.parameters(recurse=False))]
+            for module in holders:  # every module registering a sharded parameter, whatever its unit
                 module.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
                 # torch marks the hook with an attribute, which a bound method cannot take
                 module.register_state_dict_post_hook(functools.partial(self._copy_gathered_entries))
@@ -164,11 +176,12 @@ class ZeroOptimizer:
         :param set_to_none: accepted for torch's signature; ZeRO always frees the gradients.
         """
         self._reducer.wait()
-        for group in self.groups:
-            group.grad = None
-            group.master.grad = None
-            for param in group.params:
-                param.grad = None
+        with torch._C.DisableTorchFunctionSubclass():  # a released stage-3 parameter's .grad, unchecked
+            for group in self.groups:
+                group.grad = None
+                group.master.grad = None
+                for param in group.params:
+                    param.grad = None
         self._reduced, self._step_ok = False, None
 
     def step(self, closure=None):
@@ -189,9 +202,9 @@ class ZeroOptimizer:
         if taken:
             self.optimizer.step()
             gathers = [group.publish() for group in self.groups]
-            for work in gathers:
-                if work is not None:
-                    self.channel.wait(work)
+            for started in gathers:
+                if started is not None:
+                    comm.wait(self.channel, started)
         self.loss_scaler.finish_step(taken)
         self.zero_grad()
         return loss if taken else None

@@ -53,9 +53,10 @@ class _Released:
         released = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, _Released)), None)
         raise ParameterReleasedError(
             f"ZeRO stage 3: parameter {getattr(released, _NAME, '?')!r} was read ({_function_name(func)}) while "
-            "released: it is sharded over the data-parallel ranks and holds values only during its module's "
-            "forward and backward. Read it inside `with opt.gathered_parameters():` (collective: on every "
-            "rank), call the module that registers it, or use opt.save() and psrt zero-to-full")
+            "released: it is sharded over the data-parallel ranks and holds values only during the forward and "
+            "backward of its unit (by default its block, or the whole model; see ZeroOptimizer's units=). Read it "
+            "inside `with opt.gathered_parameters():` (collective: on every rank), call the model (or the module "
+            "that registers it) rather than reading it from outside, or use opt.save() and psrt zero-to-full")
 
     def __repr__(self) -> str:
         return (f"ZeRO stage-3 parameter {getattr(self, _NAME, '?')!r} (released; shape {tuple(self.shape)}, "
@@ -74,6 +75,15 @@ def _function_name(func) -> str:
 @functools.cache
 def _released_class(own: type) -> type:
     return type(f"Released{own.__name__}", (_Released, own), {})
+
+
+def classes_of(param: torch.nn.Parameter) -> tuple[type, type]:
+    """``param``'s own class and the class it takes while released, for a caller that switches
+    many parameters at once by assigning ``__class__`` (one pass, no call per parameter);
+    :func:`mark_gathered` knows the own class afterwards too."""
+    own = getattr(param, _OWN_CLASS) if isinstance(param, _Released) else type(param)
+    setattr(param, _OWN_CLASS, own)
+    return own, _released_class(own)
 
 
 def name_parameter(param: torch.nn.Parameter, name: str) -> None:

@@ -18,6 +18,7 @@ from psrt.errors import ArgumentTypeError, InvalidArgumentError
 from psrt.runtime import Runtime
 from psrt.topology import ProcessSet
 from psrt.zero.partition import ParamInfo, Partition
+from psrt.zero.units import BLOCKS, UnitsOption, check_units_option, plan_units
 
 STAGES = (0, 1, 2, 3)
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -53,12 +54,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs: dict, *, runtime: Runtime,
                 stage: int, process_set: ProcessSet, compute_dtype: torch.dtype | None, reduce_bucket_size: int,
-                allgather_bucket_size: int, overlap: bool | None, param_groups: list[dict] | None) -> ZeroLayout:
+                allgather_bucket_size: int, overlap: bool | None, param_groups: list[dict] | None,
+                units_option: UnitsOption = BLOCKS) -> ZeroLayout:
     """Check the arguments, then (one collective, on ``process_set``'s channel of ``runtime``)
     that every rank wraps the same model; nothing is changed yet, so an error leaves the model as
     it was."""
     _check_arguments(model, optimizer_class, optimizer_kwargs, stage, compute_dtype, reduce_bucket_size,
                      allgather_bucket_size, overlap, param_groups)
+    check_units_option(model, units_option)
     named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
     if not named:
         raise InvalidArgumentError("ZeRO: the model has no trainable parameters")
@@ -73,7 +76,7 @@ def plan_layout(model: torch.nn.Module, optimizer_class: type, optimizer_kwargs:
     units: list[tuple[torch.nn.Module, list[list[int]]]] = []
     shared_uses: list[tuple[torch.nn.Module, int]] = []
     if stage == 3:
-        units, shared_uses = _units(model, params, group_of)
+        units, shared_uses = _unit_groups(model, params, group_of, units_option)
         groups = [group for _, module_groups in units for group in module_groups]
     else:
         groups = [bucket for _, members in optimizer_groups
@@ -173,32 +176,19 @@ def _buckets(params: list[torch.nn.Parameter], members: list[int], bucket_elemen
     return buckets
 
 
-def _units(model: torch.nn.Module, params: list[torch.nn.Parameter], group_of: dict[int, int]
-           ) -> tuple[list[tuple[torch.nn.Module, list[list[int]]]], list[tuple[torch.nn.Module, int]]]:
-    """Each module owning trainable parameters directly, with its parameters split by dtype and
-    optimizer group; and where a module also uses a parameter another module registered first
-    (tied weights), that use, with the unit that holds the parameter (gathered for each use,
-    as FSDP does)."""
-    index_of = {id(param): index for index, param in enumerate(params)}
-    unit_of: dict[int, int] = {}
-    units, shared_uses = [], []
-    for module in model.modules():
+def _unit_groups(model: torch.nn.Module, params: list[torch.nn.Parameter], group_of: dict[int, int], option: UnitsOption
+                 ) -> tuple[list[tuple[torch.nn.Module, list[list[int]]]], list[tuple[torch.nn.Module, int]]]:
+    """Stage 3's units (:mod:`psrt.zero.units`), each with its parameters split by dtype and
+    optimizer group into flat groups; and the uses of a unit's (tied) parameter by a module
+    outside it."""
+    plan = plan_units(model, params, option)
+    units = []
+    for module, members in plan.units:
         by_dtype: dict[tuple[torch.dtype, int], list[int]] = {}
-        uses: list[int] = []
-        for param in module.parameters(recurse=False):
-            if id(param) not in index_of:
-                continue
-            if id(param) in unit_of:
-                uses.append(unit_of[id(param)])
-                continue
-            by_dtype.setdefault((param.dtype, group_of[index_of[id(param)]]), []).append(index_of[id(param)])
-        if by_dtype:
-            for members in by_dtype.values():
-                for index in members:
-                    unit_of[id(params[index])] = len(units)
-            units.append((module, list(by_dtype.values())))
-        shared_uses += [(module, unit) for unit in dict.fromkeys(uses)]
-    return units, shared_uses
+        for index in members:
+            by_dtype.setdefault((params[index].dtype, group_of[index]), []).append(index)
+        units.append((module, list(by_dtype.values())))
+    return units, list(plan.shared_uses)
 
 
 def _aliases(model: torch.nn.Module, params: list[torch.nn.Parameter], names: list[str]) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""ZeRO stages 0-3 with a CUDA model (one rank: NCCL carries the reduce-scatters and
-all-gathers), against the same training of a CPU copy with torch alone, then a sharded
+"""ZeRO stages 0-3 with a CUDA model (one rank: the gathers and reductions are copies on the
+GPU, no collective), against the same training of a CPU copy with torch alone, then a sharded
 checkpoint saved and loaded back.  Prints ``zero cuda check ok`` when everything matches."""
 from __future__ import annotations
 

@@ -134,21 +134,26 @@ def check_stage3_gathers_only_what_runs(key: str) -> None:
             assert len(model.state_dict()) == 12, "state_dict inside gathered_parameters()"
 
 
+def _fail_when_backward_reaches_the_output(module, args, output) -> None:
+    output.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("planted failure")))
+
+
 def check_a_backward_that_raised_leaves_no_trace(key: str) -> None:
     """A backward that fails halfway (after the last layer's gradients, before the first's), then
-    zero_grad() and a normal step: the same as the reference's normal step."""
-    for stage in (1, 2, 3):
+    zero_grad() and a normal step: the same as the reference's normal step.  Stage 3 with its
+    default units (ZNet is one root unit) and with one unit per module."""
+    for stage, units in ((1, "blocks"), (2, "blocks"), (3, "blocks"), (3, "modules")):
         model, reference = ZNet(key), ZNet(key)
-        zero = ZeroOptimizer(model, torch.optim.SGD, stage=stage, reduce_bucket_size=BUCKET, lr=0.1)
+        zero = ZeroOptimizer(model, torch.optim.SGD, stage=stage, reduce_bucket_size=BUCKET, units=units, lr=0.1)
         reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
         x, y = batch(key, 0, 0)
-        hidden = torch.tanh(model.middle(torch.tanh(model.first(mine(x)))))
-        hidden.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("planted failure")))
+        planted = model.middle.register_forward_hook(_fail_when_backward_reaches_the_output)
         try:
-            torch.nn.functional.mse_loss(model.last(hidden), mine(y)).backward()
+            loss_of(model, mine(x), mine(y), 1).backward()
             raise AssertionError("the planted failure did not fire")
         except RuntimeError as exc:
             assert "planted failure" in str(exc), exc
+        planted.remove()
         zero.zero_grad()
         loss_of(model, mine(x), mine(y), 1).backward()
         zero.step()
