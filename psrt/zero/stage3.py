@@ -77,10 +77,15 @@ class ParameterGatherer:
     def gathered_bytes(self) -> int:
         return self.meter.now
 
-    def gather(self, index: int) -> None:
+    def gather(self, index: int, prefetching: list[int] = ()) -> None:
+        """Gather unit ``index`` for use, having started ``prefetching``'s gathers first: the wait
+        for this unit then negotiates theirs in the same round, and they are issued before this
+        unit's compute."""
         groups = self.units[index].groups
         for group in groups:
             group.start_gather()
+        if prefetching:
+            self.prefetch(prefetching)
         for group in groups:
             group.finish_gather()
 
@@ -131,9 +136,7 @@ class ParameterGatherer:
                 self._stop_recording()  # a second forward started: the order is known
             elif index not in self.order:
                 self.order.append(index)
-        self.gather(index)
-        if self._ahead[index]:
-            self.prefetch(self._ahead[index])
+        self.gather(index, self._ahead[index])
 
     def _after_forward(self, index: int, module, args, output) -> None:
         if self._recording and index not in self.finish_order:
@@ -162,9 +165,7 @@ class ParameterGatherer:
     def _before_backward(self, index: int, grad: torch.Tensor | None = None) -> None:
         if self._recording:
             self._stop_recording()
-        self.gather(index)
-        if self._behind[index]:
-            self.prefetch(self._behind[index])
+        self.gather(index, self._behind[index])
 
     def _gather_for_use(self, index: int, grad: torch.Tensor | None = None) -> None:
         self.gather(index)

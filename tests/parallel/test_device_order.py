@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.parallel
 
 CHECKS = ["control/a_consumer_that_does_not_wait_is_seen", "control/a_collective_that_ignores_its_producer_is_seen",
-          "dp/step", "zero1/step", "zero2/step", "zero3/step", "pp/1f1b_step",
+          "dp/step", "zero1/step", "zero2/step", "zero3/step", "zero3/prefetches_before_compute", "pp/1f1b_step",
           "c10d/ddp_step", "c10d/a_mismatched_receive_names_both_ranks"]
 
 

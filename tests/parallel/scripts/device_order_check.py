@@ -104,6 +104,39 @@ def check_zero_step(key: str, stage: int) -> None:
         _matches(model, _reference(torch.optim.SGD, lr=0.1))
 
 
+def check_zero3_prefetches_before_compute(key: str) -> None:
+    """Once the order is known, the gathers of the units a unit prefetches start before the
+    wait for its own gather (which then negotiates them in the same round, so they are issued
+    before its compute, not after)."""
+    model = _mlp()
+    optimizer = ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.1, allgather_bucket_size=200)
+    gatherer = optimizer.gatherer
+    log: list[tuple[str, int]] = []
+    for index, unit in enumerate(gatherer.units):
+        for group in unit.groups:
+            start, finish = group.start_gather, group.finish_gather
+            group.start_gather = lambda start=start, index=index: (log.append(("gather", index)), start())[1]
+            group.finish_gather = lambda finish=finish, index=index: (log.append(("wait", index)), finish())[1]
+        unit.module.register_forward_pre_hook(lambda module, args, index=index: log.append(("compute", index)))
+
+    def step(x, y) -> None:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(*_batch(0, hvd.rank()))
+    ahead, _ = gatherer.prefetch_lists()
+    assert any(ahead), f"no unit prefetches anything: {ahead}"
+    log.clear()
+    step(*_batch(1, hvd.rank()))
+    for position, (what, index) in enumerate(log):
+        if what == "compute":
+            waited = max(i for i, event in enumerate(log[:position]) if event == ("wait", index))
+            started = {unit for kind, unit in log[:waited] if kind == "gather"}
+            missing = [unit for unit in ahead[index] if unit not in started]
+            assert not missing, f"unit {index} waited for its gather before those of {missing} started: {log}"
+
+
 def _blocks() -> list[torch.nn.Module]:
     """_mlp's layers as pipeline blocks."""
     layers = list(_mlp())
@@ -232,6 +265,7 @@ def main() -> None:
         checks.add("dp/step", check_dp_step)
         for stage in (1, 2, 3):
             checks.add(f"zero{stage}/step", check_zero_step, stage)
+        checks.add("zero3/prefetches_before_compute", check_zero3_prefetches_before_compute)
         checks.add("pp/1f1b_step", check_pipeline_1f1b_step)
         checks.add("c10d/ddp_step", check_ddp_over_the_psrt_backend)
         checks.add("c10d/a_mismatched_receive_names_both_ranks", check_a_mismatched_device_receive_names_both_ranks)
