@@ -55,9 +55,12 @@ class _Break:
 
 class Breaker:
     """The watchdog's part in ending mismatches of one rank's direct groups; see the module
-    docstring.  Groups register their :class:`KnownCalls` when made."""
+    docstring.  Groups register their :class:`KnownCalls` when made.  ``watched_thread`` is
+    the thread whose blocked calls deadlock detection sees (None: every thread); calls made
+    on any other are checked every time."""
 
-    def __init__(self) -> None:
+    def __init__(self, watched_thread: int | None = threading.main_thread().ident) -> None:
+        self.watched_thread = watched_thread
         self._groups: dict[str, KnownCalls] = {}
         self._current: _Break | None = None
 

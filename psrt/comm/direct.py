@@ -43,7 +43,6 @@ from psrt.comm.waits import Text, Wait
 from psrt.comm.watchdog import Watchdog
 from psrt.errors import CollectiveMismatchError, CommunicationError, InvalidArgumentError
 
-_MAIN = threading.main_thread().ident
 #: What a barrier agrees on: no data
 _NO_DATA = torch.empty(0)
 
@@ -85,6 +84,11 @@ class DirectGroup:
         self._breaker = getattr(watchdog, "breaker", None)
         if self._breaker is not None:
             self._breaker.register(self._known)
+
+    @property
+    def agreements(self) -> int:
+        """How many agreement checks (each one small all-reduce) the group has run."""
+        return self._agreement.exchanges
 
     @property
     def name(self) -> str:
@@ -147,10 +151,12 @@ class DirectGroup:
         """What every collective does first, inside its marked wait ``mark``; returns the
         communicator that carries its data (a channel of its own, for ``check="once"``).
         ``"once"`` checks every call where nothing could end a mismatch: without a breaker,
-        or off the main thread (deadlock detection watches the main thread's calls)."""
+        or off the thread whose calls deadlock detection watches (the main thread)."""
         if not self._agreement.settled:
             self._agreement.settle(label, check)
-        if check == ONCE and mark is not None and self._breaker is not None and threading.get_ident() == _MAIN:
+        breaker = self._breaker
+        if check == ONCE and mark is not None and breaker is not None and \
+                breaker.watched_thread in (None, threading.get_ident()):
             comm = self._known.route(kind, tensor, label, args if op is None else args + op_args(op), mark)
             if comm is not None:
                 return comm

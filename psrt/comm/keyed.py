@@ -173,7 +173,7 @@ class KnownCalls:
         channel, size = self.channels[path], self._host.size
         numel = torch.Size(shape).numel()
         if kind == Kind.ALL_REDUCE:
-            channel.allreduce(torch.zeros(numel, dtype=dtype), _OPS[args[0]])
+            channel.allreduce(torch.zeros(shape, dtype=dtype), _OPS[args[0]])
         elif kind == Kind.ALL_GATHER:
             channel.allgatherv(torch.zeros(numel, dtype=dtype), torch.zeros(numel * size, dtype=dtype),
                                [numel] * size).wait()
