@@ -68,7 +68,7 @@ ONCE = "once"
 CHECK = -1
 #: The path of a call's data after its check, when no channel was left for its key
 CHECKED = -2
-MAX_CHANNELS = 32  # per group: a model makes a few keys per layer kind, not per layer
+MAX_CHANNELS = 16  # per group (two MPI communicators each): a model makes a few keys, not one per layer
 _OPS = tuple(ElementwiseOp)
 assert tuple(op.value for op in _OPS) == OP_NAMES  # a header names an op by its place here
 
