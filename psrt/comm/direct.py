@@ -34,7 +34,7 @@ from psrt.comm.agreement import Agreement
 from psrt.comm.base import Communicator, ElementwiseOp, Request, all_of
 from psrt.comm.deadlock import DIRECT, RECEIVE
 from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind
-from psrt.comm.keyed import ONCE, KnownCalls, op_args
+from psrt.comm.keyed import OP_ARGS, ONCE, KnownCalls
 from psrt.comm.nccl import NcclCommunicator
 from psrt.comm.poll import wait_politely
 from psrt.comm import streams
@@ -157,7 +157,7 @@ class DirectGroup:
         breaker = self._breaker
         if check == ONCE and mark is not None and breaker is not None and \
                 breaker.watched_thread in (None, threading.get_ident()):
-            comm = self._known.route(kind, tensor, label, args if op is None else args + op_args(op), mark)
+            comm = self._known.route(kind, tensor, label, args if op is None else args + OP_ARGS[op], mark)
             if comm is not None:
                 return comm
         elif check:

@@ -71,11 +71,8 @@ CHECKED = -2
 MAX_CHANNELS = 16  # per group (two MPI communicators each): a model makes a few keys, not one per layer
 _OPS = tuple(ElementwiseOp)
 assert tuple(op.value for op in _OPS) == OP_NAMES  # a header names an op by its place here
-
-
-def op_args(op: ElementwiseOp) -> tuple[int]:
-    """The header args naming a reduction's op (a key must say it: MPI pairs only equal ops)."""
-    return (_OPS.index(op),)
+#: The header args naming a reduction's op (a key must say it: MPI pairs only equal ops)
+OP_ARGS = {op: (i,) for i, op in enumerate(_OPS)}
 
 
 class KnownCalls:
@@ -104,7 +101,7 @@ class KnownCalls:
         key = (kind, tensor.dtype, tensor.shape, args)
         n = mark.ident[2]
         path = self._paths.get(key)
-        if path is not None and tensor.numel() and not tensor.is_cuda:
+        if path is not None and not tensor.is_cuda:  # (an empty shape is never given a channel)
             mark.ident = (DIRECT, self.ident, n, path)
             return self.channels[path]
         header = Header(kind, 0, tensor.dtype, tensor.shape, args)
