@@ -154,14 +154,15 @@ class DirectGroup:
         or off the thread whose calls deadlock detection watches (the main thread)."""
         if not self._agreement.settled:
             self._agreement.settle(label, check)
-        breaker = self._breaker
-        if check == ONCE and mark is not None and breaker is not None and \
-                breaker.watched_thread in (None, threading.get_ident()):
-            comm = self._known.route(kind, tensor, label, args if op is None else args + OP_ARGS[op], mark)
-            if comm is not None:
-                return comm
-        elif check:
-            self._agreement.on_call(kind, tensor, label, args)
+        if check:
+            breaker = self._breaker
+            if check != ONCE or mark is None or breaker is None or \
+                    breaker.watched_thread not in (None, threading.get_ident()):
+                self._agreement.on_call(kind, tensor, label, args)
+            else:
+                comm = self._known.route(kind, tensor, label, args if op is None else args + OP_ARGS[op], mark)
+                if comm is not None:
+                    return comm
         return self.transport(tensor.device)
 
     def agree(self, header: Header, label: str) -> None:
@@ -179,8 +180,9 @@ class DirectGroup:
         returns it."""
         mark = self._collective(label, "all_reduce")
         with mark:
-            self._prepare(Kind.ALL_REDUCE, tensor, label, check, mark=mark, op=op).allreduce(tensor, op, scale)
-            self._known.after()
+            self._prepare(Kind.ALL_REDUCE, tensor, label, check, (), mark, op).allreduce(tensor, op, scale)
+            if self._known.broken is not None:
+                self._known.after()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True) -> torch.Tensor:
@@ -195,9 +197,10 @@ class DirectGroup:
         the contiguous ``out`` of ``size`` times its elements."""
         mark = self._collective(label, "all_gather")
         with mark:
-            comm = self._prepare(Kind.ALL_GATHER, tensor, label, check, mark=mark)
+            comm = self._prepare(Kind.ALL_GATHER, tensor, label, check, (), mark)
             self._complete(comm, comm.allgatherv(tensor.view(-1), out.view(-1), [tensor.numel()] * self.size))
-            self._known.after()
+            if self._known.broken is not None:
+                self._known.after()
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True,
                        op: ElementwiseOp = ElementwiseOp.SUM) -> torch.Tensor:
@@ -218,15 +221,15 @@ class DirectGroup:
         names its shape, and that dim must split evenly (checked after the agreement)."""
         mark = self._collective(label, "reduce_scatter")
         with mark:
-            comm = self._prepare(Kind.REDUCE_SCATTER, tensor if given is None else given[0], label, check, mark=mark,
-                                 op=op)
+            comm = self._prepare(Kind.REDUCE_SCATTER, tensor if given is None else given[0], label, check, (), mark, op)
             if given is not None:
                 check_divisible(*given, self.size, label)
             if tensor.numel() != out.numel() * self.size:
                 raise InvalidArgumentError(f"{label} reduce_scatter: the input has {tensor.numel()} elements, "
                                            f"not {self.size} times the output's {out.numel()}")
             self._complete(comm, comm.reduce_scatter(tensor.view(-1), out.view(-1), [out.numel()] * self.size, op))
-            self._known.after()
+            if self._known.broken is not None:
+                self._known.after()
 
     def broadcast_(self, tensor: torch.Tensor, root: int, *, label: str, check: bool = True) -> torch.Tensor:
         """Copy member ``root``'s contiguous ``tensor`` into every member's, in place."""
