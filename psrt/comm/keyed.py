@@ -39,8 +39,9 @@ is made safe where the paths run:
   :class:`~psrt.errors.CollectiveMismatchError`.  The channels are left as consistent as
   before (each ran one whole collective), so the group stays usable.
 
-Calls that take the checked path every time: CUDA tensors (a communicator per key is far
-too costly for NCCL, and a blocked stream cannot be joined from the host), empty tensors
+Calls that take the checked path every time: a device's tensors (whatever
+:func:`psrt.comm.streams.api` covers: a communicator per key is far too costly for NCCL,
+and a blocked stream cannot be joined from the host), empty tensors
 (the transport skips them, so a mismatch would not block) and, decided by the group, calls
 off the main thread (deadlock detection watches main threads).  Past
 :data:`MAX_CHANNELS` keys, a new key is checked on every call and its data runs on the
@@ -54,6 +55,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from psrt.comm import streams
 from psrt.comm.agreement import Agreement
 from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.comm.deadlock import DIRECT
@@ -101,7 +103,9 @@ class KnownCalls:
         key = (kind, tensor.dtype, tensor.shape, args)
         n = mark.ident[2]
         path = self._paths.get(key)
-        if path is not None and not tensor.is_cuda:  # (an empty shape is never given a channel)
+        # (a channel is never given to an empty shape, nor to a device's tensor; that check
+        # keeps a CUDA tensor off a host call's channel)
+        if path is not None and not tensor.is_cuda:
             mark.ident = (DIRECT, self.ident, n, path)
             return self.channels[path]
         header = Header(kind, 0, tensor.dtype, tensor.shape, args)
@@ -111,7 +115,7 @@ class KnownCalls:
         self.after()
         if not agreed:
             self._agreement.disagreement(header, label)
-        if tensor.is_cuda or not tensor.numel():
+        if not tensor.numel() or streams.api().covers(tensor.device):
             return None
         if path is None and len(self.keys) < self._capacity:
             path = self._add(key)
