@@ -27,15 +27,21 @@ descheduled, which inflates the comm share.  Read the 4-rank times as TP's overh
 contention, not as a speed-up; what carries over to a real machine is the comm share's
 trend and the collective counts (4 all-reduces per block without sequence parallelism; 4
 all-gathers, 4 reduce-scatters and 4 small parameter all-reduces with it).
-Baseline: one TP all-reduce of an activation at the largest TP size, psrt's (with its
-shape agreement, and without it as with ``PSRT_TP_CHECK_SHAPES=0``) against raw mpi4py
-``Allreduce`` on a numpy buffer over the same ranks.
+Baseline: one TP all-reduce at the largest TP size, of an activation or, with
+``--allreduce-bytes``, of a float32 tensor of that many bytes: psrt's (with its shape
+check, which runs on a call's first use only, and without it as with
+``PSRT_TP_CHECK_SHAPES=0``) against raw mpi4py ``Allreduce`` on a numpy buffer over the
+same ranks; the three take turns, ``--calls`` calls a round, medians of ``--repeats``
+rounds.  ``--allreduce-only`` measures only that (the per-call cost of a small TP
+collective, where the check mattered most)::
+
+    psrun -np 2 python benchmarks/tp.py --allreduce-only --allreduce-bytes 4096 --calls 2000 --repeats 15
+
 Rank 0 prints a table and one JSON line.  Nothing is asserted.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -43,7 +49,7 @@ import time
 import torch
 
 import psrt.torch as hvd
-from psrt import runtime, tp
+from psrt import tp
 from psrt.grid import ProcessGrid
 
 SIZES = (1, 2, 4)
@@ -103,32 +109,33 @@ def measure(args, sizes: list[int], modes: list[bool], x: torch.Tensor) -> list[
             for sp, t in setups]
 
 
-def allreduce_against_mpi4py(args, x: torch.Tensor, calls: int = 50) -> dict:
-    """One TP all-reduce of an activation at the largest TP size: psrt (agreement header
-    plus the transport) against raw mpi4py ``Allreduce`` on a numpy buffer over the same
-    ranks; medians of per-call times, the two taking turns."""
+def allreduce_against_mpi4py(args, x: torch.Tensor) -> dict:
+    """One TP all-reduce of ``x`` at the largest TP size: psrt (its shape check, then the
+    transport) against raw mpi4py ``Allreduce`` on a numpy buffer over the same ranks;
+    medians of per-call times, the three taking turns.  Unchecked is the topology's
+    setting (``PSRT_TP_CHECK_SHAPES``, which the topology reads at start-up) turned off on
+    every rank between rounds."""
     from mpi4py import MPI
 
     t = hvd.size()
     grid = ProcessGrid(dp=1, tp=t, pp=1)
     comm = MPI.COMM_WORLD.Split(0, key=grid.coords.tp)
     mine, theirs = x.clone(), x.numpy().copy()
-    current = runtime.current()
-    checked = current.config
-    unchecked = dataclasses.replace(checked, tp_check_shapes=False)
+    topology = grid.tp_set.topology
+    checking = topology.tp_check_shapes
     times = {"psrt": [], "psrt_unchecked": [], "mpi4py": []}
     for _ in range(args.repeats):
         for name in times:
-            current.config = unchecked if name == "psrt_unchecked" else checked
+            topology.tp_check_shapes = checking and name != "psrt_unchecked"
             comm.Barrier()
             start = time.perf_counter()
-            for _ in range(calls):
+            for _ in range(args.calls):
                 if name == "mpi4py":
                     comm.Allreduce(MPI.IN_PLACE, theirs)
                 else:
                     tp.comm.all_reduce_(mine, grid.tp_set)
-            times[name].append((time.perf_counter() - start) / calls)
-    current.config = checked
+            times[name].append((time.perf_counter() - start) / args.calls)
+    topology.tp_check_shapes = checking
     comm.Free()
     grid.free()
     medians = {name: statistics.median(values) for name, values in times.items()}
@@ -149,6 +156,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per window")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--allreduce-bytes", type=int, default=0,
+                        help="the baseline all-reduces a float32 tensor of this many bytes (default: an activation)")
+    parser.add_argument("--calls", type=int, default=50, help="baseline all-reduces per round")
+    parser.add_argument("--allreduce-only", action="store_true", help="only the baseline all-reduce")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -160,18 +171,21 @@ def main() -> None:
             parser.error(f"TP size {t} must divide --heads ({args.heads}) and, with sequence parallelism, "
                          f"--seq ({args.seq})")
     x = torch.randn(args.batch, args.seq, args.dim, generator=torch.Generator().manual_seed(1))
-    rows = measure(args, sizes, modes, x)
-    baseline = allreduce_against_mpi4py(args, x) if hvd.size() > 1 else None
+    rows = [] if args.allreduce_only else measure(args, sizes, modes, x)
+    small = torch.randn(args.allreduce_bytes // 4, generator=torch.Generator().manual_seed(1))
+    baseline = allreduce_against_mpi4py(args, small if args.allreduce_bytes else x) if hvd.size() > 1 else None
     if hvd.rank() != 0:
         return
     base = {r["sequence_parallel"]: r["step_s"] for r in rows if r["tp"] == 1}
     for r in rows:
         r["vs_tp1"] = r["step_s"] / base[r["sequence_parallel"]] if r["sequence_parallel"] in base else None
     params = 12 * args.dim * args.dim * args.layers
-    print(f"{world} ranks, {args.layers} blocks dim {args.dim} heads {args.heads} (~{params / 1e6:.2f} M parameters), "
-          f"input [{args.batch}, {args.seq}, {args.dim}]; median of {args.repeats} rounds, {args.steps}-step windows")
-    print("| mode | TP | DP | step ms | vs TP 1 | comm share | collectives per step |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    if rows:
+        print(f"{world} ranks, {args.layers} blocks dim {args.dim} heads {args.heads} (~{params / 1e6:.2f} M "
+              f"parameters), input [{args.batch}, {args.seq}, {args.dim}]; median of {args.repeats} rounds, "
+              f"{args.steps}-step windows")
+        print("| mode | TP | DP | step ms | vs TP 1 | comm share | collectives per step |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         mode = "tp + sp" if r["sequence_parallel"] else "tp"
         ratio = f"{r['vs_tp1']:.2f}" if r["vs_tp1"] is not None else "-"
@@ -179,9 +193,10 @@ def main() -> None:
         print(f"| {mode} | {r['tp']} | {r['dp']} | {r['step_s'] * 1e3:.1f} | {ratio} | "
               f"{r['comm_share'] * 100:.0f}% | {counts} |")
     if baseline:
-        print(f"one TP all-reduce of an activation ({baseline['bytes'] / 1e3:.0f} KB) at TP {baseline['tp']}: "
-              f"psrt {baseline['psrt_s'] * 1e6:.0f} us (PSRT_TP_CHECK_SHAPES=0: "
-              f"{baseline['psrt_unchecked_s'] * 1e6:.0f} us), raw mpi4py {baseline['mpi4py_s'] * 1e6:.0f} us; "
+        print(f"one TP all-reduce of {baseline['bytes']:,} bytes at TP {baseline['tp']}, median of "
+              f"{args.repeats} rounds of {args.calls} calls: psrt {baseline['psrt_s'] * 1e6:.1f} us "
+              f"(PSRT_TP_CHECK_SHAPES=0: {baseline['psrt_unchecked_s'] * 1e6:.1f} us), raw mpi4py "
+              f"{baseline['mpi4py_s'] * 1e6:.1f} us; "
               f"speed ratio psrt / mpi4py {baseline['ratio']:.2f} ({baseline['ratio_unchecked']:.2f} unchecked)")
     print(json.dumps({"benchmark": "tp", "ranks": world, "layers": args.layers, "dim": args.dim,
                       "heads": args.heads, "batch": args.batch, "seq": args.seq, "results": rows,

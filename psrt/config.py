@@ -74,9 +74,13 @@ class Config:
     # each on a 2-core host), hence the floor of 256 bytes: 1-byte chunks made a
     # 64 KiB push take 32 s.
     ps_chunk_bytes: int = 4 * _MiB
-    # Tensor-parallel collectives first exchange a small header (kind, dtype,
-    # shape) so that ranks feeding different shapes raise instead of hanging;
-    # off saves one small host collective per TP call (~0.1 ms on a CPU host).
+    # Tensor-parallel collectives check that every rank makes the same call
+    # (collective, dtype, shape, op), so that ranks feeding different shapes raise
+    # the same error instead of hanging: one small exchange the first time each
+    # call is made; later calls of it run unchecked on a communicator of their own,
+    # and a rank whose call then differs is found blocked apart from the others
+    # and raises a second or two later (CUDA tensors: checked on every call).
+    # Off: no check at all (a mismatch is then a hang or a wrong result).
     tp_check_shapes: bool = True
     # Allreduces of the global process set on host tensors go in three steps when the
     # job spans several hosts and some host runs several ranks: reduce onto one rank

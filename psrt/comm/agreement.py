@@ -24,6 +24,9 @@ from psrt.comm.header import HEADER_WORDS, Header, Kind
 from psrt.errors import CollectiveMismatchError
 
 _KEPT_DIGESTS = 4096  # of calls' (kind, dtype, shape), per group: a model has a few per layer
+#: What a member's ``check`` setting means, in errors (``"once"``: see :mod:`psrt.comm.keyed`)
+_HOW = {True: "checks that every rank makes the same call", False: "does not",
+        "once": "checks each new call once"}
 
 
 class Agreement:
@@ -38,17 +41,18 @@ class Agreement:
         self._reduction: Persistent | None = None
         self._words: memoryview | None = None  # the digest and its negation, as the all-reduce sees them
         self._digests: dict[tuple, int] = {}  # by (kind, dtype, shape, args): see on_call
+        self.exchanges = 0  # digest all-reduces run: what checking costs, for tests
 
     def settle(self, label: str, check: bool) -> None:
         """Compare whether each member checks its calls: an error on every member unless all do
         or none does."""
         theirs = self._host.allgather_object(check)
         if any(value != check for value in theirs):
-            checking = theirs.index(True)
+            checking = next(member for member, value in enumerate(theirs) if value)
+            other = next(member for member, value in enumerate(theirs) if value != theirs[checking])
             raise CollectiveMismatchError(
-                f"{label} collectives over {self._name()}: rank {self._ranks[checking]} checks that every rank "
-                f"makes the same call but rank {self._ranks[theirs.index(False)]} does not (every rank must run "
-                "with the same setting)")
+                f"{label} collectives over {self._name()}: rank {self._ranks[checking]} {_HOW[theirs[checking]]} "
+                f"but rank {self._ranks[other]} {_HOW[theirs[other]]} (every rank must run with the same setting)")
         self.settled = True
 
     def on_call(self, kind: Kind, tensor: torch.Tensor, label: str, args: tuple[int, ...] = ()) -> None:
@@ -61,15 +65,15 @@ class Agreement:
             digest = Header.of(kind, tensor, args=args).digest()
             if len(self._digests) < _KEPT_DIGESTS:
                 self._digests[key] = digest
-        if not self._agreed(digest):
-            self._disagreement(Header.of(kind, tensor, args=args), label)
+        if not self.agreed(digest):
+            self.disagreement(Header.of(kind, tensor, args=args), label)
 
     def check(self, header: Header, label: str) -> None:
         """Raise the same :class:`CollectiveMismatchError` on every member unless all passed
         equal headers: one small all-reduce when they did, and a gather of the headers, to
         name what differs, when they did not."""
-        if not self._agreed(header.digest()):
-            self._disagreement(header, label)
+        if not self.agreed(header.digest()):
+            self.disagreement(header, label)
 
     def rows(self, send: torch.Tensor, send_rows: Sequence[int], label: str) -> list[int]:
         """For an all-to-all: exchange row counts and what one row is (dtype, shape); the rows
@@ -95,8 +99,9 @@ class Agreement:
             self._reduction.free()
             self._reduction = None
 
-    def _agreed(self, digest: int) -> bool:
-        """Whether every member passed ``digest``."""
+    def agreed(self, digest: int) -> bool:
+        """Whether every member passed ``digest`` (one small all-reduce)."""
+        self.exchanges += 1
         if self._reduction is None:  # made on the first check, which every member makes
             extremes = torch.zeros(2, dtype=torch.int64)  # kept alive by the request and the view
             self._reduction = self._host.persistent_allreduce(extremes, ElementwiseOp.MAX)
@@ -106,7 +111,7 @@ class Agreement:
         self._reduction.run()
         return words[0] == -words[1]
 
-    def _disagreement(self, header: Header, label: str) -> None:
+    def disagreement(self, header: Header, label: str) -> None:
         """Name what differs, after an agreement that failed."""
         size, rank = self._host.size, self._host.rank
         mine = header.encode()

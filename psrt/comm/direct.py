@@ -34,6 +34,7 @@ from psrt.comm.agreement import Agreement
 from psrt.comm.base import Communicator, ElementwiseOp, Request, all_of
 from psrt.comm.deadlock import DIRECT, RECEIVE
 from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind
+from psrt.comm.keyed import OP_ARGS, ONCE, KnownCalls
 from psrt.comm.nccl import NcclCommunicator
 from psrt.comm.poll import wait_politely
 from psrt.comm import streams
@@ -61,7 +62,9 @@ class DirectGroup:
     parameter servers are outside psrt's world).  ``name`` says what the group is in
     stall reports and errors (a function is evaluated only when one is written).
     Collectives take a ``label`` saying who runs them ("tensor-parallel"), for the same
-    texts, and ``check``, whether to run the agreement check first.  A CUDA communicator is
+    texts, and ``check``, whether to run the agreement check first: on every call (True), or
+    once per (collective, dtype, shape, op) (``"once"``, :mod:`psrt.comm.keyed`; on every
+    call where the watchdog has no breaker to end a mismatch).  A CUDA communicator is
     made on a device's first collective, collectively over the members.  ``key`` tells the
     group apart from any other of the same members, alike on every member (a process set's
     id): deadlock detection compares the members' calls by it.
@@ -77,6 +80,15 @@ class DirectGroup:
         self._marks: dict[tuple, Wait] = {}  # by (label, call, thread): see _collective
         self._calls = 0  # collectives begun on the group: see _collective
         self._ident = f"{key} of ranks {self.ranks}"  # the group, the same on every member
+        self._known = KnownCalls(host, self._agreement, self._ident, lambda: self.name)
+        self._breaker = getattr(watchdog, "breaker", None)
+        if self._breaker is not None:
+            self._breaker.register(self._known)
+
+    @property
+    def agreements(self) -> int:
+        """How many agreement checks (each one small all-reduce) the group has run."""
+        return self._agreement.exchanges
 
     @property
     def name(self) -> str:
@@ -134,12 +146,24 @@ class DirectGroup:
             request.wait()
 
     # -- agreement --------------------------------------------------------------------------
-    def _prepare(self, kind: Kind, tensor: torch.Tensor, label: str, check: bool, args: tuple[int, ...] = ()) -> None:
-        """What every collective does first, inside its marked wait."""
+    def _prepare(self, kind: Kind, tensor: torch.Tensor, label: str, check: bool | str, args: tuple[int, ...] = (),
+                 mark: Wait | None = None, op: ElementwiseOp | None = None) -> Communicator:
+        """What every collective does first, inside its marked wait ``mark``; returns the
+        communicator that carries its data (a channel of its own, for ``check="once"``).
+        ``"once"`` checks every call where nothing could end a mismatch: without a breaker,
+        or off the thread whose calls deadlock detection watches (the main thread)."""
         if not self._agreement.settled:
             self._agreement.settle(label, check)
         if check:
-            self._agreement.on_call(kind, tensor, label, args)
+            breaker = self._breaker
+            if check != ONCE or mark is None or breaker is None or \
+                    breaker.watched_thread not in (None, threading.get_ident()):
+                self._agreement.on_call(kind, tensor, label, args)
+            else:
+                comm = self._known.route(kind, tensor, label, args if op is None else args + OP_ARGS[op], mark)
+                if comm is not None:
+                    return comm
+        return self.transport(tensor.device)
 
     def agree(self, header: Header, label: str) -> None:
         """Raise the same :class:`CollectiveMismatchError` on every member unless all passed
@@ -154,9 +178,11 @@ class DirectGroup:
         """Reduce a contiguous ``tensor`` in place over the group, then multiply it by
         ``scale`` (an average's 1/size, folded into the reduction where the transport can);
         returns it."""
-        with self._collective(label, "all_reduce"):
-            self._prepare(Kind.ALL_REDUCE, tensor, label, check)
-            self.transport(tensor.device).allreduce(tensor, op, scale)
+        mark = self._collective(label, "all_reduce")
+        with mark:
+            self._prepare(Kind.ALL_REDUCE, tensor, label, check, (), mark, op).allreduce(tensor, op, scale)
+            if self._known.broken is not None:
+                self._known.after()
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True) -> torch.Tensor:
@@ -169,10 +195,12 @@ class DirectGroup:
     def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor, *, label: str, check: bool = True) -> None:
         """Every member's contiguous ``tensor``, one after another in group-rank order, into
         the contiguous ``out`` of ``size`` times its elements."""
-        with self._collective(label, "all_gather"):
-            self._prepare(Kind.ALL_GATHER, tensor, label, check)
-            comm = self.transport(tensor.device)
+        mark = self._collective(label, "all_gather")
+        with mark:
+            comm = self._prepare(Kind.ALL_GATHER, tensor, label, check, (), mark)
             self._complete(comm, comm.allgatherv(tensor.view(-1), out.view(-1), [tensor.numel()] * self.size))
+            if self._known.broken is not None:
+                self._known.after()
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, *, label: str, check: bool = True,
                        op: ElementwiseOp = ElementwiseOp.SUM) -> torch.Tensor:
@@ -191,15 +219,17 @@ class DirectGroup:
         ``size``-th part, in group-rank order) in the contiguous ``out``.  ``given`` is the
         caller's tensor ``tensor`` was laid out from and the dim it splits: the agreement
         names its shape, and that dim must split evenly (checked after the agreement)."""
-        with self._collective(label, "reduce_scatter"):
-            self._prepare(Kind.REDUCE_SCATTER, tensor if given is None else given[0], label, check)
+        mark = self._collective(label, "reduce_scatter")
+        with mark:
+            comm = self._prepare(Kind.REDUCE_SCATTER, tensor if given is None else given[0], label, check, (), mark, op)
             if given is not None:
                 check_divisible(*given, self.size, label)
             if tensor.numel() != out.numel() * self.size:
                 raise InvalidArgumentError(f"{label} reduce_scatter: the input has {tensor.numel()} elements, "
                                            f"not {self.size} times the output's {out.numel()}")
-            comm = self.transport(tensor.device)
             self._complete(comm, comm.reduce_scatter(tensor.view(-1), out.view(-1), [out.numel()] * self.size, op))
+            if self._known.broken is not None:
+                self._known.after()
 
     def broadcast_(self, tensor: torch.Tensor, root: int, *, label: str, check: bool = True) -> torch.Tensor:
         """Copy member ``root``'s contiguous ``tensor`` into every member's, in place."""
@@ -328,6 +358,9 @@ class DirectGroup:
         for comm in self._devices.values():
             comm.free()
         self._devices.clear()
+        if self._breaker is not None:
+            self._breaker.unregister(self._known)
+        self._known.free()
         self._agreement.free()
         self.host.free()
 

@@ -44,6 +44,9 @@ class Kind(enum.IntEnum):
 
 #: Collectives whose header's first arg is the root (as a rank of the group)
 _ROOTED = (Kind.BROADCAST, Kind.GATHER, Kind.SCATTER, Kind.REDUCE)
+#: Reductions whose header's first arg, where given, is the op: its place in OP_NAMES
+_REDUCING = (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER)
+OP_NAMES = ("sum", "min", "max", "product")
 
 
 class Header:
@@ -102,6 +105,8 @@ class Header:
         kind = Kind(self.kind).name.lower() if self.kind in Kind._value2member_map_ else f"kind {self.kind}"
         dims = ", ".join(map(str, self.shape[:MAX_DIMS])) + (", ..." if self.ndim > MAX_DIMS else "")
         root = f" from rank {self.args[0]}" if self.kind in _ROOTED and self.args else ""
+        if self.kind in _REDUCING and self.args and 0 < self.args[0] < len(OP_NAMES):
+            root = f" ({OP_NAMES[self.args[0]]})"  # a sum goes without saying
         return f"{kind}{root} of a {self.dtype_name} tensor of shape ({dims}{',' if self.ndim == 1 else ''})"
 
     def describe_tensor(self) -> str:

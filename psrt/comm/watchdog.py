@@ -27,7 +27,9 @@ in I/O answers probes), but a join's imbalance is the user's data, not a fault.
 
 A deadlock needs no waiting to be sure of: the main thread's blocked *call* (a wait with an
 identity) is compared with the other ranks' calls a second after it began, and a deadlock
-ends the job at once (:mod:`psrt.comm.deadlock`).
+ends the job at once (:mod:`psrt.comm.deadlock`), unless it is a mismatch of a direct
+group's calls agreed on once, which :mod:`psrt.comm.breaker` ends with the same error on
+every member instead.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 from launcher.contract import rank_name
 from psrt.comm import callsite, deadlock, stall_report
+from psrt.comm.breaker import Breaker
 from psrt.comm.prober import Prober
 from psrt.comm.ranks import rank_ranges
 from psrt.comm.waits import Ranks, Text, Wait, WaitStack, describe
@@ -103,6 +106,7 @@ class Watchdog:
         # Who speaks while no probe is possible (start-up); see bootstrap.Arrivals.speaks.
         self.speaks_unprobed: Callable[[], bool] = lambda: self.rank == 0
         self._detector: deadlock.Detector | None = None  # made with the prober
+        self.breaker = Breaker()  # the direct groups made with this watchdog register with it
         self._deadlock_reported = False
         self._ended = False
         self._stopping = threading.Event()
@@ -189,6 +193,9 @@ class Watchdog:
                   "waits": [[w.kind, w.describe()[:_MAX_TEXT], list(w.peer_ranks()[:_MAX_REPORTED_PEERS])]
                             for w in waits[:_MAX_REPORTED_WAITS]],
                   "call": None if call is None else call.to_status()}
+        breaking = self.breaker.status()
+        if breaking is not None:
+            status["breaking"] = breaking
         if call is None:
             status["at"] = callsite.locate(_MAIN_THREAD)[0]
         last = self._stacks.get(_MAIN_THREAD, WaitStack()).last
@@ -236,6 +243,9 @@ class Watchdog:
         """End the job at once if the main thread's call is part of a deadlock (see
         :mod:`psrt.comm.deadlock`), with a line per rank saying what it waits in and where."""
         found = self._detector.look(self.main_call(now, lasting=deadlock.AFTER_S), now, prober)
+        if found is not None and self.breaker.take(self.rank, *found, now):
+            found = None
+        found = self.breaker.step(now, prober) or found  # a mismatch not ended in time is reported
         if found is None or self._deadlock_reported:
             return
         ranks, calls = found

@@ -3,11 +3,17 @@
 They sit on every layer's critical path and are called in the same order on every rank
 of the set by construction (the ranks run the same layers on the same batch), so they run
 on the set's direct group (:mod:`psrt.comm.direct`) instead of through the engine's
-negotiation.  The group checks that every rank made the same call (shape and dtype) before
-each collective, so a disagreement is the same :class:`CollectiveMismatchError` on every
-rank, naming both shapes, never a hang or a reduction of mismatched buffers.
-``PSRT_TP_CHECK_SHAPES=0`` skips that check (one small collective less per call) for jobs
-whose shapes are known good; every rank of a set must run with the same setting.
+negotiation.  The group checks that every rank made the same call (collective, dtype,
+shape, op) once per such call: the first time a call is made, the ranks exchange it (one
+small collective); later calls of it run on a communicator of its own with no check
+(:mod:`psrt.comm.keyed`).  A rank whose call differs, new or known, is still the same
+:class:`CollectiveMismatchError` on every rank, naming the ranks, their calls and call
+sites, never a hang or a reduction of mismatched buffers: at once where every rank's call
+was new, otherwise a second or two later, when the watchdog finds the ranks blocked on
+different calls' communicators (:mod:`psrt.comm.breaker`).  CUDA tensors are checked on
+every call.  ``PSRT_TP_CHECK_SHAPES=0`` skips the check entirely, for jobs whose shapes are
+known good (a mismatch is then the transport's undefined behaviour); every rank of a set
+must run with the same setting.
 
 :func:`stats` counts the collectives by kind and the seconds spent in them, for tests
 (which check the number of collectives per layer) and benchmarks (which report the
@@ -21,6 +27,7 @@ import torch
 
 from psrt.comm.base import ElementwiseOp
 from psrt.comm.direct import DirectGroup, check_divisible
+from psrt.comm.keyed import ONCE
 from psrt.comm.stats import CommStats
 from psrt.runtime import Runtime, given
 from psrt.topology import ProcessSet
@@ -94,9 +101,10 @@ def agree(process_set: ProcessSet | None, value: object) -> list:
     return group.allgather_object(value, label=_LABEL)
 
 
-def _group(process_set: ProcessSet) -> tuple[DirectGroup, bool, CommStats]:
-    """The set's direct group; whether calls on it are checked (a setting every rank of the
-    set must share: the group compares it on its first collective); the counts.  All from the
-    topology the set is registered with: nothing is looked up per call."""
+def _group(process_set: ProcessSet) -> tuple[DirectGroup, bool | str, CommStats]:
+    """The set's direct group; how calls on it are checked (once per call, or not at all: a
+    setting every rank of the set must share, which the group compares on its first
+    collective); the counts.  All from the topology the set is registered with: nothing is
+    looked up per call."""
     topology = process_set.topology
-    return topology.direct(process_set), topology.tp_check_shapes, topology.stats[_LABEL]
+    return topology.direct(process_set), ONCE if topology.tp_check_shapes else False, topology.stats[_LABEL]

@@ -25,7 +25,7 @@ from jobs import take_log
 #: reads ``CHECKS_MATCHING``).  ``PSRT_NUM_SERVERS`` cannot be: parameter servers exit their
 #: process at shutdown.
 SERVER_SETTINGS = {"PSRT_FUSION_THRESHOLD", "PSRT_RING_THRESHOLD", "PSRT_RING_SEGMENT",
-                   "PSRT_HIERARCHICAL_ALLREDUCE", "CHECKS_MATCHING"}
+                   "PSRT_HIERARCHICAL_ALLREDUCE", "PSRT_TP_CHECK_SHAPES", "CHECKS_MATCHING"}
 #: Arguments whose effect would outlive the script: engine_check.py's
 #: ``--without-persistent-collectives`` changes a psrt module flag for the rest of the process.
 #: (Other arguments choose checks, or where a script writes.)

@@ -7,14 +7,12 @@ themselves) and activation recomputation against the same block without it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import _harness
-import psrt.runtime
 import psrt.torch as hvd
 from _training_common import expect_raises, generator, randn
 from psrt import tp
@@ -345,14 +343,17 @@ def check_engine_and_tp_share_a_set(key: str) -> None:
 
 
 def check_block_without_shape_check(key: str) -> None:
-    """PSRT_TP_CHECK_SHAPES=0: the same results without the agreement header."""
-    current = psrt.runtime.current()
-    saved = current.config
-    current.config = dataclasses.replace(saved, tp_check_shapes=False)
+    """PSRT_TP_CHECK_SHAPES=0 (which the topology reads when the runtime starts): the same
+    results without any agreement."""
+    ps = grid().tp_set
+    topology, group = ps.topology, ps.topology.direct(ps)
+    before = group.agreements
+    topology.tp_check_shapes = False
     try:
         check_block(key, "block", False)
     finally:
-        current.config = saved
+        topology.tp_check_shapes = True
+    assert group.agreements == before, f"{group.agreements - before} agreements without the check"
 
 
 SEED = 1234
