@@ -33,7 +33,7 @@ import torch
 from psrt.comm.agreement import Agreement
 from psrt.comm.base import Communicator, ElementwiseOp, Request, all_of
 from psrt.comm.deadlock import DIRECT, RECEIVE
-from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind
+from psrt.comm.header import HEADER_WORDS, MAX_DIMS, Header, Kind, check_divisible
 from psrt.comm.keyed import OP_ARGS, ONCE, KnownCalls
 from psrt.comm.nccl import NcclCommunicator
 from psrt.comm.poll import wait_politely
@@ -45,13 +45,6 @@ from psrt.errors import CollectiveMismatchError, CommunicationError, InvalidArgu
 
 #: What a barrier agrees on: no data
 _NO_DATA = torch.empty(0)
-
-
-def check_divisible(tensor: torch.Tensor, dim: int, size: int, label: str) -> None:
-    """A tensor split into ``size`` blocks along ``dim`` must split evenly."""
-    if tensor.shape[dim] % size:
-        raise InvalidArgumentError(f"dimension {dim} of a tensor of shape {tuple(tensor.shape)} is not "
-                                   f"divisible by the {label} size {size}")
 
 
 class DirectGroup:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from psrt.comm.buffers import dtype_code, dtype_of
+from psrt.errors import InvalidArgumentError
 
 MAX_DIMS = 8
 MAX_ARGS = 4
@@ -127,3 +128,10 @@ def _int64s(values: list[int]) -> torch.Tensor:
     """A new int64 tensor of ``values``: a third of ``torch.tensor``'s cost, which matters
     on paths that run once per message."""
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+def check_divisible(tensor: torch.Tensor, dim: int, size: int, label: str) -> None:
+    """A tensor split into ``size`` blocks along ``dim`` must split evenly."""
+    if tensor.shape[dim] % size:
+        raise InvalidArgumentError(f"dimension {dim} of a tensor of shape {tuple(tensor.shape)} is not "
+                                   f"divisible by the {label} size {size}")

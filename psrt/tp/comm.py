@@ -26,7 +26,8 @@ import time
 import torch
 
 from psrt.comm.base import ElementwiseOp
-from psrt.comm.direct import DirectGroup, check_divisible
+from psrt.comm.direct import DirectGroup
+from psrt.comm.header import check_divisible
 from psrt.comm.keyed import ONCE
 from psrt.comm.stats import CommStats
 from psrt.runtime import Runtime, given
