@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
+from psrt.comm import streams
 from psrt.zero.flat import GatheredBytes, ShardedGroup
 
 
@@ -56,6 +57,8 @@ class ParameterGatherer:
                  shared_uses: list[tuple[torch.nn.Module, int]] = (), meter: GatheredBytes | None = None) -> None:
         self.units, self.prefetch_elements = units, prefetch_elements
         self.meter = meter if meter is not None else GatheredBytes()
+        first = next((group for unit in units for group in unit.groups), None)
+        self._on_device = first is not None and streams.api().covers(first.full.device)  # a GPU's memory
         self.order: list[int] = []          # units by the start of their first forward
         self.finish_order: list[int] = []   # units by the end of their first forward
         self._recording = True
@@ -78,16 +81,21 @@ class ParameterGatherer:
         return self.meter.now
 
     def gather(self, index: int, prefetching: list[int] = ()) -> None:
-        """Gather unit ``index`` for use, having started ``prefetching``'s gathers first: the wait
-        for this unit then negotiates theirs in the same round, and they are issued before this
-        unit's compute."""
+        """Gather unit ``index`` for use and start ``prefetching``'s gathers.  On a GPU they start
+        before the wait for this unit, which then negotiates them in the same round, so they are
+        queued on the all-gather stream before this unit's compute.  On the host they start after
+        it: a thread that waits runs the round's gathers itself, and the prefetches are left to
+        the engine thread while this unit computes."""
         groups = self.units[index].groups
         for group in groups:
             group.start_gather()
-        if prefetching:
+        early = bool(prefetching) and self._on_device
+        if early:
             self.prefetch(prefetching)
         for group in groups:
             group.finish_gather()
+        if prefetching and not early:
+            self.prefetch(prefetching)
 
     def prefetch(self, indices: list[int]) -> None:
         for index in indices:
