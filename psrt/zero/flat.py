@@ -11,13 +11,14 @@ itself unless a compute dtype is set, in which case it keeps the parameters'
 own dtype (fp32 master weights).  Communication goes through ``psrt.zero.comm``, on the
 process set's engine channel (over one rank, local copies).
 
-Stages 2 and 3 keep the reduced gradient shard's buffer across steps: the first reduction of
-a step writes into it (over one rank, the gradients are copied into it once, which is the
-whole reduction), later ones (accumulation) add to it.  Over several ranks the whole group's
-gradients are copied once into a flat buffer made for that reduction, whose padding is
-zeroed in place: keeping that one would hold the unsharded gradients between steps, which
-is what stages 2 and 3 save.  Stages 0 and 1, which hold every gradient until the step,
-make their reduction's buffer per step, not to hold it twice.
+Over one rank, stages 2 and 3 keep the reduced gradient shard's buffer across steps: the
+first reduction of a step copies the gradients into it once (the whole reduction), later ones
+(accumulation) add to it.  Over several ranks each reduction writes a shard of its own: a
+reduce-scatter into the kept buffer (which the optimizer also reads as the master's gradient)
+made stage-2 and stage-3 steps 10-15 % slower on the 2-core VM (benchmarks/RESULTS.md, ZeRO).
+The whole group's gradients are copied once into a flat buffer made for that reduction, whose
+padding is zeroed in place; keeping that one would hold the unsharded gradients between
+steps, which is what stages 2 and 3 save.
 """
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ class ZeroOptimizer:
         meter = GatheredBytes()  # stage 3's gathered parameter bytes, kept by the groups
         self.groups = [ShardedGroup(f"{name}.{index}", self.partition, index, [layout.params[i] for i in flat.params],
                                     layout.shard, self.channel, compute_dtype, gathered_on_demand=stage == 3,
-                                    keep_grad_buffer=stage >= 2, meter=meter)
+                                    keep_grad_buffer=stage >= 2 and self.channel.size == 1, meter=meter)
                        for index, flat in enumerate(self.partition.groups)]
         owner = [layout.optimizer_group_of(index) for index in range(len(self.groups))]
         self.optimizer = optimizer_class(
