@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from psrt import checkpoint_files, timeline_summary, tune_command
+from psrt import timeline_summary, tune_command
+from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import PsrtError
 from psrt.plan import cli as plan_cli
 

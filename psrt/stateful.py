@@ -16,7 +16,7 @@ methods it has, never by its type (so the code that writes commits imports no st
   ranks, and its checkpoint holds the model it trains.
 
 What either returns is tensors and plain data only (numbers, strings, lists, tuples,
-dicts): :mod:`psrt.checkpoint_files` writes it as safetensors and JSON, with no pickle.
+dicts): :mod:`psrt.checkpoint.files` writes it as safetensors and JSON, with no pickle.
 """
 from __future__ import annotations
 

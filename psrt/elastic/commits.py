@@ -7,7 +7,7 @@ outlive the processes that made it: it is written to the directory psrun names i
     commit-000007/       what commit 7 wrote: replicated.pt (rank 0 only: the replicated
                          state, a TP x PP model whole), rank-00003.pt (each rank's own: RNG
                          states), and the sharded optimizers' own checkpoints (zero/, ps/);
-                         the .pt files are safetensors files (psrt.checkpoint_files)
+                         the .pt files are safetensors files (psrt.checkpoint.files)
     latest.json          {"commit": 7, "size": 3, ...}: written by rank 0 once every rank has
                          finished commit 7, after which the commit it replaces is removed
 
@@ -33,7 +33,7 @@ import os
 import shutil
 
 from launcher.contract import ENV_ELASTIC_DIR, HOSTS_FILE, RESET_FILE, RESTORE_FAILED_FILE
-from psrt import checkpoint_files
+from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import ElasticError
 
 FORMAT = "psrt-elastic/2"  # safetensors files; a TP x PP model committed whole

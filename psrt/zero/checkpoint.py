@@ -7,7 +7,7 @@ and frozen parameters, which are not sharded) and ``zero_meta.json``, written by
 after every rank has written its files, naming the layout (stage, parameters, flat groups,
 shard count), every file's size and sha256, and a save id that every other file carries: a
 directory without it, or with a file from another save, is refused.  The ``.pt`` files are
-safetensors files (:mod:`psrt.checkpoint_files`: nothing pickled, so none can run code; those
+safetensors files (:mod:`psrt.checkpoint.files`: nothing pickled, so none can run code; those
 of earlier psrt, ``torch.save`` archives, are read with ``weights_only``).  Each file is
 checked against its record before it is read, and a damaged one is refused naming the file
 and what is wrong.  Stage 0 holds one shard
@@ -25,7 +25,7 @@ import uuid
 
 import torch
 
-from psrt import checkpoint_files
+from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import CheckpointError, InvalidArgumentError
 from psrt.zero.partition import ParamInfo, Partition
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import launch
 
-from psrt import checkpoint_files
+from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import ParameterServerError
 
 pytestmark = pytest.mark.parallel

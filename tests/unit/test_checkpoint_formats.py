@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 import psrt.torch as hvd
 from launcher import contract
-from psrt import checkpoint_files
+from psrt.checkpoint import files as checkpoint_files
 from psrt.elastic import commits
 from psrt.errors import InvalidArgumentError
 from psrt.ps import checkpoint as ps_checkpoint

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import psrt.torch as hvd
-from psrt import checkpoint_files
+from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.ps import checkpoint as ps_checkpoint
 from psrt.ps.protocol import Mode

@@ -19,7 +19,7 @@ import torch
 
 import psrt.ps as ps
 import psrt.torch as hvd
-from psrt import checkpoint_files
+from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import InvalidArgumentError, ParameterServerError
 from psrt.zero import ZeroOptimizer
 

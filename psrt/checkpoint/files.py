@@ -7,7 +7,7 @@ commit record (the PS ``manifest.json``, the ZeRO ``zero_meta.json``, the elasti
 file with its record before reading anything in it: a damaged, truncated or swapped file
 is refused with the file named and what is wrong with it.
 
-The files are safetensors files (:mod:`psrt.checkpoint_document` says how a document's
+The files are safetensors files (:mod:`psrt.checkpoint.document` says how a document's
 structure travels in their metadata, as JSON): nothing in them is pickled, so a crafted
 file can never run code, even when its commit record was rewritten to match.  Files that
 psrt wrote before (``torch.save`` zip archives; the names stay ``*.pt``) are still read,
@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from psrt import checkpoint_document
+from psrt.checkpoint import document as checkpoint_document
 from psrt.errors import PsrtError
 
 _CHUNK_BYTES = 1 << 20
