@@ -28,6 +28,8 @@ CHECKS = [f"collectives/{name}" for name in COLLECTIVES] + [
     "ddp/buckets_and_no_sync_match_single_process", "fsdp2/matches_single_process",
     "fsdp2/mixed_precision_matches_gloo", "dtensor/parallelize_module_matches_single_process_and_gloo",
     "pipelining/1f1b_matches_single_process_and_gloo", "dcp/saves_and_loads_here_and_in_one_process",
+    "dcp/fsdp2_checkpoint_continues_under_zero3_on_half_the_ranks",
+    "dcp/zero3_checkpoint_continues_under_fsdp2_on_half_the_ranks",
     "lightning/ddp_strategy_matches_single_process"]
 
 
