@@ -31,6 +31,9 @@ from psrt.errors import InvalidArgumentError, UnsupportedOperationError
 from psrt.zero import comm
 from psrt.zero.boxes import Box, boxes_of_range
 
+__all__ = ["FlatRangeShard", "ModelState", "OptimizerState", "get_model_state_dict", "get_optimizer_state_dict",
+           "set_model_state_dict", "set_optimizer_state_dict"]
+
 
 class FlatRangeShard(torch.Tensor):
     """A tensor of a parameter's shape of which this rank holds one flat range, as boxes that
