@@ -24,70 +24,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from psrt.errors import InvalidArgumentError, UnsupportedOperationError
+from psrt.errors import InvalidArgumentError
 from psrt.zero import comm
-from psrt.zero.boxes import Box, boxes_of_range
+from psrt.zero.boxes import boxes_of_range
+from psrt.zero.flat_range import FlatRangeShard
 
 __all__ = ["FlatRangeShard", "ModelState", "OptimizerState", "get_model_state_dict", "get_optimizer_state_dict",
            "set_model_state_dict", "set_optimizer_state_dict"]
-
-
-class FlatRangeShard(torch.Tensor):
-    """A tensor of a parameter's shape of which this rank holds one flat range, as boxes that
-    view a ZeRO shard (the master weights or an optimizer state).  It has no other values and
-    supports no tensor operation: it exists to be saved and loaded by DCP (it implements
-    DCP's ``_Checkpointable`` protocol, as DTensor does)."""
-
-    @staticmethod
-    def __new__(cls, shape: tuple[int, ...], flat: torch.Tensor, boxes: list[tuple[Box, int]]) -> FlatRangeShard:
-        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=flat.dtype, device=flat.device)
-        tensor._flat = flat
-        tensor._views = {box.offsets: (box, flat[at:at + box.numel].view(box.sizes)) for box, at in boxes}
-        return tensor
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise UnsupportedOperationError(
-            f"{func} on a psrt FlatRangeShard: this rank holds only some boxes of the tensor (see .boxes); "
-            "it is for saving and loading through torch.distributed.checkpoint")
-
-    def __repr__(self) -> str:
-        return f"FlatRangeShard(shape={tuple(self.shape)}, dtype={self.dtype}, boxes={self.boxes})"
-
-    @property
-    def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """``(offsets, sizes)`` of the boxes this rank holds."""
-        return [(box.offsets, box.sizes) for box, _ in self._views.values()]
-
-    def local_views(self) -> list[torch.Tensor]:
-        """The boxes' values: views of the shard, in flat order."""
-        return [view for _, view in self._views.values()]
-
-    # -- DCP's _Checkpointable protocol ------------------------------------------------------
-    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(box.offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=_chunk(box), size=self.shape,
-                                                      properties=TensorProperties.create_from_tensor(view)))
-                for box, view in self._views.values()]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [_chunk(box) for box, _ in self._views.values()]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        found = self._views.get(tuple(index.offset or ()))
-        if found is None:
-            raise InvalidArgumentError(f"{index.fqn}: this rank holds no box at offsets {tuple(index.offset or ())}, "
-                                       f"only at {list(self._views)}")
-        return found[1]
-
-
-def _chunk(box: Box) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
 
 
 # -- the state dicts -------------------------------------------------------------------------------
@@ -144,15 +88,20 @@ def set_model_state_dict(zero, state_dict: Mapping[str, Any]) -> None:
     """
     sharded = _shards(zero, lambda group: group.master)
     unsharded = zero.unsharded_state_dict()
-    names = {*sharded, *unsharded, *zero.aliases}
-    _check_names(set(state_dict), names, "model state")
+    _check_names(set(state_dict), {*sharded, *unsharded, *zero.aliases}, "model state")
+    copies = [(sharded[zero.aliases.get(name, name)], value, name) for name, value in state_dict.items()
+              if zero.aliases.get(name, name) in sharded]
+    copies = [copy for copy in copies if _needs_copy(*copy)]  # every entry checked before any is copied
+    for name, tensor in unsharded.items():
+        value = state_dict[name]
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+            raise InvalidArgumentError(f"{name}: expected a tensor of shape {tuple(tensor.shape)}, got "
+                                       f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
     with torch.no_grad():
-        for name, value in state_dict.items():
-            trained = zero.aliases.get(name, name)
-            if trained in sharded:
-                _take(sharded[trained], value, name)
-            elif value is not unsharded[name]:
-                unsharded[name].copy_(value)
+        for mine, value, _ in copies:
+            _copy_boxes(mine, value)
+        for name, tensor in unsharded.items():
+            tensor.copy_(state_dict[name])
     started = [group.publish() for group in zero.groups]
     for gather in started:
         if gather is not None:
@@ -178,17 +127,22 @@ def set_optimizer_state_dict(zero, state_dict: Mapping[str, Any]) -> None:
         raise InvalidArgumentError(f"the optimizer state has parameter groups {[list(g['params']) for g in saved_groups]}, "
                                    f"this ZeRO optimizer {mine}: build it with the same param_groups")
     _check_names(set(state), set(names), "optimizer state")
+    copies, values = [], []  # every entry checked before any is taken
+    for g, group in enumerate(zero.groups):
+        own = zero.optimizer.state[group.master]
+        members = [names[param] for param in partition.groups[g].params]
+        for key, value in own.items():
+            if _is_per_element(value, group):
+                shards = _shards(zero, lambda _, value=value: value, only=g)
+                copies += [(shards[name], _entry(state, name, key), f"{name}.{key}") for name in members]
+            else:
+                values.append((own, key, _one_value(value, [(name, _entry(state, name, key)) for name in members], key)))
+    copies = [copy for copy in copies if _needs_copy(*copy)]
     with torch.no_grad():
-        for g, group in enumerate(zero.groups):
-            own = zero.optimizer.state[group.master]
-            members = [names[param] for param in partition.groups[g].params]
-            for key, value in own.items():
-                if _is_per_element(value, group):
-                    shards = _shards(zero, lambda _, value=value: value, only=g)
-                    for name in members:
-                        _take(shards[name], _entry(state, name, key), f"{name}.{key}")
-                else:
-                    own[key] = _one_value(value, [(name, _entry(state, name, key)) for name in members], key)
+        for mine, value, _ in copies:
+            _copy_boxes(mine, value)
+    for own, key, value in values:
+        own[key] = value
     for saved, group in zip(saved_groups, zero.optimizer.param_groups):
         group.update(_options(saved))
 
@@ -258,12 +212,12 @@ def _shards(zero, flat_of, only: int | None = None) -> dict[str, FlatRangeShard]
     return found
 
 
-def _take(mine: FlatRangeShard, value: Any, name: str) -> None:
-    """Copy ``value``'s elements of this rank's boxes into them, unless it is ``mine`` (which a
-    load has already written)."""
+def _needs_copy(mine: FlatRangeShard, value: Any, name: str) -> bool:
+    """Whether ``value``'s elements must be copied into this rank's boxes: not when it is
+    ``mine`` (which a load has already written); raises if it cannot be."""
     if isinstance(value, FlatRangeShard):
-        if value._flat is mine._flat and value.boxes == mine.boxes:
-            return
+        if value.is_view_of(mine):
+            return False
         raise InvalidArgumentError(f"{name}: a FlatRangeShard of another ZeRO optimizer or layout; pass the "
                                    "state dict this optimizer's get_*_state_dict returned")
     if type(value) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor, or not a tensor at all
@@ -271,8 +225,12 @@ def _take(mine: FlatRangeShard, value: Any, name: str) -> None:
                                    f"{type(value).__name__} (load a sharded state through torch.distributed.checkpoint)")
     if tuple(value.shape) != tuple(mine.shape):
         raise InvalidArgumentError(f"{name}: shape {tuple(value.shape)} given, the parameter's is {tuple(mine.shape)}")
-    for (box, view) in mine._views.values():
-        view.copy_(value[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])
+    return True
+
+
+def _copy_boxes(mine: FlatRangeShard, whole: torch.Tensor) -> None:
+    for (offsets, sizes), view in zip(mine.boxes, mine.local_views()):
+        view.copy_(whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))])
 
 
 def _is_per_element(value: Any, group) -> bool:

@@ -165,8 +165,12 @@ def test_different_steps_within_one_flat_group_are_refused_naming_both():
     state = get_optimizer_state_dict(model, optimizer)
     state["state"]["out.bias"]["step"] = torch.tensor(1.0)
     zero = ZeroOptimizer(Net(seed=1), torch.optim.AdamW, stage=3, **ADAMW)
+    zero_dcp.get_optimizer_state_dict(zero)  # the state exists from here on
+    own = zero.state[zero.groups[0].master]
+    before = {key: value.clone() for key, value in own.items()}
     with pytest.raises(InvalidArgumentError, match=r"one 'step' per flat group, but 'mix' has 2\.0 and 'out\.bias' 1\.0"):
         zero_dcp.set_optimizer_state_dict(zero, state)
+    assert all(torch.equal(own[key], value) for key, value in before.items()), "a refused load changed the state"
 
 
 def test_other_parameter_groups_and_other_models_are_refused():
@@ -180,8 +184,12 @@ def test_other_parameter_groups_and_other_models_are_refused():
     with pytest.raises(InvalidArgumentError, match=r"missing \['mix'\], unexpected \['extra'\]"):
         zero_dcp.set_model_state_dict(zero, {**{k: v for k, v in model.state_dict().items() if k != "mix"},
                                              "extra": torch.zeros(1)})
+    before = zero.groups[0].master.clone()
     with pytest.raises(InvalidArgumentError, match=r"mix: shape \(7, 3\) given, the parameter's is \(3, 7, 3\)"):
         zero_dcp.set_model_state_dict(zero, {**model.state_dict(), "mix": torch.zeros(7, 3)})
+    with pytest.raises(InvalidArgumentError, match=r"shift: expected a tensor of shape \(3,\), got \(4,\)"):
+        zero_dcp.set_model_state_dict(zero, {**model.state_dict(), "shift": torch.zeros(4)})
+    assert torch.equal(zero.groups[0].master, before), "a refused load changed the weights"
 
 
 def test_a_flat_range_shard_refuses_tensor_operations():
