@@ -95,8 +95,8 @@ def set_model_state_dict(zero, state_dict: Mapping[str, Any]) -> None:
     for name, tensor in unsharded.items():
         value = state_dict[name]
         if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
-            raise InvalidArgumentError(f"{name}: expected a tensor of shape {tuple(tensor.shape)}, got "
-                                       f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise InvalidArgumentError(f"{name}: expected a tensor of shape {tuple(tensor.shape)}, got {got}")
     with torch.no_grad():
         for mine, value, _ in copies:
             _copy_boxes(mine, value)
@@ -123,9 +123,10 @@ def set_optimizer_state_dict(zero, state_dict: Mapping[str, Any]) -> None:
     names = [info.name for info in partition.params]
     saved_groups, state = state_dict["param_groups"], state_dict["state"]
     mine = [[names[i] for i in members] for members in zero.optimizer_groups]
-    if [list(group["params"]) for group in saved_groups] != mine:
-        raise InvalidArgumentError(f"the optimizer state has parameter groups {[list(g['params']) for g in saved_groups]}, "
-                                   f"this ZeRO optimizer {mine}: build it with the same param_groups")
+    theirs = [list(group["params"]) for group in saved_groups]
+    if theirs != mine:
+        raise InvalidArgumentError(f"the optimizer state has parameter groups {theirs}, this ZeRO optimizer {mine}: "
+                                   "build it with the same param_groups")
     _check_names(set(state), set(names), "optimizer state")
     copies, values = [], []  # every entry checked before any is taken
     for g, group in enumerate(zero.groups):
@@ -136,7 +137,8 @@ def set_optimizer_state_dict(zero, state_dict: Mapping[str, Any]) -> None:
                 shards = _shards(zero, lambda _, value=value: value, only=g)
                 copies += [(shards[name], _entry(state, name, key), f"{name}.{key}") for name in members]
             else:
-                values.append((own, key, _one_value(value, [(name, _entry(state, name, key)) for name in members], key)))
+                given = [(name, _entry(state, name, key)) for name in members]
+                values.append((own, key, _one_value(value, given, key)))
     copies = [copy for copy in copies if _needs_copy(*copy)]
     with torch.no_grad():
         for mine, value, _ in copies:
@@ -222,7 +224,8 @@ def _needs_copy(mine: FlatRangeShard, value: Any, name: str) -> bool:
                                    "state dict this optimizer's get_*_state_dict returned")
     if type(value) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor, or not a tensor at all
         raise InvalidArgumentError(f"{name}: expected a whole tensor of shape {tuple(mine.shape)}, got "
-                                   f"{type(value).__name__} (load a sharded state through torch.distributed.checkpoint)")
+                                   f"{type(value).__name__} (load a sharded state through "
+                                   "torch.distributed.checkpoint)")
     if tuple(value.shape) != tuple(mine.shape):
         raise InvalidArgumentError(f"{name}: shape {tuple(value.shape)} given, the parameter's is {tuple(mine.shape)}")
     return True

@@ -63,7 +63,7 @@ def reference(steps: int = 4) -> dict[str, torch.Tensor]:
 def assert_matches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = 1e-6) -> None:
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
     for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=tol, msg=lambda m, n=name: f"{name}: {m}")
+        torch.testing.assert_close(got[name], value, rtol=0, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def zero_parameters(zero: ZeroOptimizer) -> dict[str, torch.Tensor]:
@@ -168,7 +168,8 @@ def test_different_steps_within_one_flat_group_are_refused_naming_both():
     zero_dcp.get_optimizer_state_dict(zero)  # the state exists from here on
     own = zero.state[zero.groups[0].master]
     before = {key: value.clone() for key, value in own.items()}
-    with pytest.raises(InvalidArgumentError, match=r"one 'step' per flat group, but 'mix' has 2\.0 and 'out\.bias' 1\.0"):
+    refusal = r"one 'step' per flat group, but 'mix' has 2\.0 and 'out\.bias' 1\.0"
+    with pytest.raises(InvalidArgumentError, match=refusal):
         zero_dcp.set_optimizer_state_dict(zero, state)
     assert all(torch.equal(own[key], value) for key, value in before.items()), "a refused load changed the state"
 
