@@ -99,14 +99,17 @@ def test_zero3_state_has_the_keys_nesting_and_shapes_torch_gives_the_same_model(
     assert isinstance(ours["model"]["mix"], FlatRangeShard) and ours["model"]["mix"].boxes == [((0, 0, 0), (3, 7, 3))]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_torch_checkpoint_loads_into_zero_and_trains_on_equal_to_torch(tmp_path, stage):
+@pytest.mark.parametrize("stage, layout", [(0, {}), (1, {}), (2, {}), (2, {"reduce_bucket_size": 20}), (3, {}),
+                                           (3, {"units": "modules"})], ids=str)
+def test_a_torch_checkpoint_loads_into_zero_and_trains_on_equal_to_torch(tmp_path, stage, layout):
+    """Every stage, with one flat group or several (small buckets, a unit per module)."""
     model = Net(seed=1)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     train(model, optimizer, batches()[:2])
     dcp.save(torch_state(model, optimizer), checkpoint_id=tmp_path, no_dist=True)
     zmodel = Net(seed=2)
-    zero = ZeroOptimizer(zmodel, torch.optim.AdamW, stage=stage, lr=0.5, weight_decay=0.0)
+    zero = ZeroOptimizer(zmodel, torch.optim.AdamW, stage=stage, lr=0.5, weight_decay=0.0, **layout)
+    assert len(zero.groups) > 1 or not layout, f"{layout} made one flat group"
     dcp.load({"model": ModelState(zero), "optim": OptimizerState(zero)}, checkpoint_id=tmp_path, no_dist=True)
     assert (zero.param_groups[0]["lr"], zero.param_groups[0]["weight_decay"]) == (ADAMW["lr"], ADAMW["weight_decay"])
     train(zmodel, zero, batches()[2:])
