@@ -6,3 +6,16 @@ reads a file only once it matches its record; :mod:`psrt.checkpoint.document` sa
 document of tensors and plain data travels in such a file.  ZeRO, the parameter servers,
 elastic commits, ``save_pretrained`` and ``psrt zero-to-full`` all write through them.
 """
+from __future__ import annotations
+
+from psrt.checkpoint import files
+from psrt.errors import CheckpointError
+
+__all__ = ["load_document"]
+
+
+def load_document(path: str) -> object:
+    """The document (tensors and plain data) in a checkpoint file psrt wrote, such as the
+    output of ``psrt zero-to-full``: its header validated, nothing in it run; raises
+    :class:`~psrt.errors.CheckpointError` naming the file and what is wrong."""
+    return files.load_tensors(path, None, CheckpointError)
