@@ -93,10 +93,23 @@ def test_checksums_are_plain_data_in_the_metadata_that_torch_reads_alone(saved):
     assert_equal(plain, state(1))
 
 
-def test_a_flipped_byte_is_refused_naming_the_file(saved):
-    flip_middle_byte(saved / "__0_0.distcp")
+def test_a_flipped_byte_of_a_weight_is_refused_naming_the_file(saved):
+    """torch's own reader loads this file silently, with one weight 4 times off."""
+    data = bytearray((saved / "__0_0.distcp").read_bytes())
+    at = data.find(state(1)["weight"].numpy().tobytes())
+    assert at >= 0
+    data[at + 3] ^= 0x01  # an exponent bit of weight[0, 0]
+    (saved / "__0_0.distcp").write_bytes(bytes(data))
+    plain = zeros()
+    dcp.load(plain, checkpoint_id=saved, no_dist=True)  # torch's own FileSystemReader
+    assert not torch.equal(plain["weight"], state(1)["weight"]) and torch.equal(plain["bias"], state(1)["bias"])
     message = refusal(saved)
     assert f"{saved / '__0_0.distcp'} was changed after it was saved" in message
+
+
+def test_a_flipped_byte_anywhere_else_is_refused_naming_the_file(saved):
+    flip_middle_byte(saved / "__0_0.distcp")
+    assert f"{saved / '__0_0.distcp'} was changed after it was saved" in refusal(saved)
 
 
 def test_a_truncated_file_is_refused_naming_the_file(saved):
