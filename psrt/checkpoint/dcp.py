@@ -61,7 +61,7 @@ class ChecksummedWriter(FileSystemWriter):
     Each rank hashes the files it wrote (reading them back once) and, with ``sync_files``
     (the default), fsyncs their directory; the coordinator then writes ``.metadata`` as
     torch does, fsynced, and fsyncs the directory again, so the record of a file is on disk
-    only after the file is.  Pass it to every rank's ``dcp.save`` (or ``dcp.async_save``)."""
+    only after the file is.  Pass it to every rank's ``dcp.save``."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         return super().write_data(plan, planner).then(self._with_checksums)
