@@ -20,7 +20,6 @@ torch's own reader loads it anywhere.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from typing import Any
 
@@ -30,12 +29,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from psrt.checkpoint import files
 from psrt.errors import CheckpointError
 
 __all__ = ["CHECKSUMS", "ChecksummedReader", "ChecksummedWriter"]
 
 CHECKSUMS = "psrt_file_checksums"  # the attribute of torch's Metadata that holds the records
-_CHUNK_BYTES = 1 << 20
 _FIX = "restore the checkpoint from a backup or save it again"
 
 
@@ -70,8 +69,8 @@ class ChecksummedWriter(FileSystemWriter):
         results = written.value()
         names = sorted({result.storage_data.relative_path for result in results})
         if self.sync_files:
-            _fsync_directory(self.path)
-        checksums = [_FileChecksum(name, *_fingerprint(self.fs.concat_path(self.path, name))) for name in names]
+            files.fsync(self.path)
+        checksums = [_FileChecksum(name, *_size_and_sha256(self.fs.concat_path(self.path, name))) for name in names]
         return results + [WriteResult(index=MetadataIndex(f"psrt checksum of {c.name}"), size_in_bytes=0,
                                       storage_data=c) for c in checksums]
 
@@ -84,7 +83,7 @@ class ChecksummedWriter(FileSystemWriter):
         setattr(metadata, CHECKSUMS, records)
         super().finish(metadata, kept)
         if self.sync_files:
-            _fsync_directory(self.path)
+            files.fsync(self.path)
 
 
 class ChecksummedReader(FileSystemReader):
@@ -146,7 +145,7 @@ class ChecksummedReader(FileSystemReader):
                                   f"load reads: the .metadata was rewritten or belongs to another save; "
                                   f"{_FIX}") from None
         try:
-            actual_size, actual_sha256 = _fingerprint(path)
+            actual_size, actual_sha256 = _size_and_sha256(path)
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing ({size} bytes were saved): {_FIX}") from None
         except OSError as e:
@@ -159,20 +158,6 @@ class ChecksummedReader(FileSystemReader):
                                   f"{actual_sha256[:16]}… instead of {sha256[:16]}…): {_FIX}")
 
 
-def _fingerprint(path: str | os.PathLike) -> tuple[int, str]:
-    """The size and sha256 of the file at ``path`` as it is now."""
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def _fsync_directory(path: str | os.PathLike) -> None:
-    """Make the names of the files just written in ``path`` (or the rename of one) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _size_and_sha256(path: str | os.PathLike) -> tuple[int, str]:
+    record = files.fingerprint(str(path))
+    return record.size, record.sha256

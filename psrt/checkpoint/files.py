@@ -79,14 +79,15 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dic
     file with ``metadata``: whole or not at all, on disk with its directory entry before this
     returns; returns the file's size and sha256 for the commit record."""
     save_file(tensors, path + ".tmp", metadata=metadata)
-    _fsync(path + ".tmp")  # on disk before the rename makes it the file
+    fsync(path + ".tmp")  # on disk before the rename makes it the file
     record = fingerprint(path + ".tmp")
     os.replace(path + ".tmp", path)
-    _fsync(os.path.dirname(path) or ".")  # the rename itself on disk
+    fsync(os.path.dirname(path) or ".")  # the rename itself on disk
     return record
 
 
-def _fsync(path: str) -> None:
+def fsync(path: str) -> None:
+    """Make the file at ``path``, or a directory's entries (a rename in it), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -101,7 +102,7 @@ def write_json(document: object, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    _fsync(os.path.dirname(path) or ".")
+    fsync(os.path.dirname(path) or ".")
 
 
 def read_json(path: str, error: type[PsrtError]) -> dict:
