@@ -1,6 +1,6 @@
 """``psrt``: utilities that run in one process, outside any job.
 
-    psrt zero-to-full CKPT_DIR OUT.pt   # a sharded ZeRO checkpoint as one ordinary file
+    psrt zero-to-full CKPT_DIR OUT      # a sharded ZeRO checkpoint as one safetensors file
     psrt plan --params 7e9 ...          # which layouts fit a model, fastest first (psrt.plan)
     psrt timeline-summary TRACE.json    # where each step's time went, from hvd.start_timeline's file
     psrt tune [--np N] [--file PATH]    # which allreduce algorithm to use at each size here (psrt.tune_command)
@@ -8,10 +8,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-import torch
 
 from psrt import timeline_summary, tune_command
 from psrt.checkpoint import files as checkpoint_files
@@ -21,33 +18,27 @@ from psrt.plan import cli as plan_cli
 
 def _zero_to_full(args: argparse.Namespace) -> None:
     """Every shard is checked against the checkpoint's records before it is read.  The output
-    is for PyTorch, not psrt: an ordinary ``torch.save`` file of tensors and plain data only,
-    so ``torch.load(OUT, weights_only=True)`` reads it; it is written whole or not at all."""
+    is one safetensors file written as every psrt checkpoint file is (whole or not at all);
+    its tensors are named by their place in the document (``model.<name>``,
+    ``optimizer.state.<index>.<key>``), and :func:`psrt.checkpoint.load_document` gives back
+    ``{"model": state_dict, "optimizer": ..., ...}``."""
     from psrt.zero.checkpoint import consolidate
     full = consolidate(args.checkpoint)
-    record = _write_torch_file(full, args.output)
+    record = checkpoint_files.save_tensors(full, args.output)
     print(f"psrt: wrote {len(full['model'])} model entries and the optimizer state of "
           f"{len(full['optimizer']['state'])} parameters ({full['world_size']} shards, stage "
           f"{full['stage']}) to {args.output} (sha256 {record.sha256})")
-
-
-def _write_torch_file(document: dict, path: str) -> checkpoint_files.FileRecord:
-    with open(path + ".tmp", "wb") as f:
-        torch.save(document, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    return checkpoint_files.fingerprint(path)
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The command line of ``psrt``; the documentation's reference page is generated from it."""
     parser = argparse.ArgumentParser(prog="psrt", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    zero = commands.add_parser("zero-to-full", help="consolidate a sharded ZeRO checkpoint into one file "
-                               "holding {'model': state_dict, 'optimizer': optimizer state_dict, ...}")
+    zero = commands.add_parser("zero-to-full", help="consolidate a sharded ZeRO checkpoint into one safetensors "
+                               "file holding {'model': state_dict, 'optimizer': optimizer state_dict, ...} "
+                               "(read it with psrt.checkpoint.load_document)")
     zero.add_argument("checkpoint", metavar="CKPT_DIR", help="the directory opt.save() / psrt.zero.save wrote")
-    zero.add_argument("output", metavar="OUT.pt", help="the file to write (replaced whole, or left untouched)")
+    zero.add_argument("output", metavar="OUT", help="the file to write (replaced whole, or left untouched)")
     zero.set_defaults(run=_zero_to_full)
     plan_cli.add_parser(commands)
     timeline_summary.add_command(commands)

@@ -14,23 +14,23 @@ them).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import time
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from psrt import runtime, tp
+from psrt.checkpoint import files as checkpoint_files
+from psrt.checkpoint.safetensors_reader import SafetensorsReader
 from psrt.errors import InvalidArgumentError
 from psrt.grid import ProcessGrid
-from psrt.safetensors_slices import SafetensorsFile
 from psrt.tp.sharding import Sharding, sharding_of
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+RECORDS = "psrt_files"  # in the index's metadata: each weight file's size and sha256, as psrt wrote it
 __all__ = ["LoadReport", "load_pretrained", "save_pretrained"]
 
 
@@ -45,19 +45,24 @@ class LoadReport:
     seconds: float
 
 
-def _weight_files(directory: str) -> dict[str, str]:
-    """Each tensor name of the checkpoint in ``directory`` and the file holding it."""
+def _weight_files(directory: str) -> tuple[dict[str, str], dict]:
+    """Each tensor name of the checkpoint in ``directory`` and the file holding it, and the
+    size and sha256 psrt recorded for each file in the index (none for a checkpoint written
+    by anything else)."""
     index = os.path.join(directory, INDEX)
     if os.path.exists(index):
-        with open(index) as handle:
-            weight_map = json.load(handle)["weight_map"]
-        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        document = checkpoint_files.read_json(index, InvalidArgumentError)
+        weight_map, metadata = document.get("weight_map"), document.get("metadata")
+        if not isinstance(weight_map, dict):
+            raise InvalidArgumentError(f"{index} has no weight_map naming each tensor's file: it is damaged")
+        records = metadata.get(RECORDS, {}) if isinstance(metadata, dict) else {}
+        return {name: os.path.join(directory, file) for name, file in weight_map.items()}, records
     single = os.path.join(directory, WEIGHTS)
     if not os.path.exists(single):
         raise InvalidArgumentError(f"{directory} holds neither {WEIGHTS} nor {INDEX}: not a safetensors checkpoint "
                                    "directory (save it with save_pretrained(..., safe_serialization=True))")
-    with SafetensorsFile(single) as reader:
-        return {name: single for name in reader.entries}
+    with SafetensorsReader(single) as reader:
+        return {name: single for name in reader.names()}, {}
 
 
 def _by_model_name(files: dict[str, str], names: list[str]) -> dict[str, tuple[str, str]]:
@@ -88,44 +93,66 @@ def load_pretrained(module: nn.Module, directory: str, *, device: torch.device |
     copies = {name: tie.tensor for tie in getattr(module, "ties", ()) for name in tie.names}
     aliases = getattr(module, "tied_aliases", {})
     wanted = {**entries, **copies}
-    files = _by_model_name(_weight_files(directory), list(wanted))
+    weight_files, records = _weight_files(directory)
+    files = _by_model_name(weight_files, list(wanted))
     first_name = {}
     for name, tensor in wanted.items():
         first_name.setdefault(id(tensor), name)
-    loaded: dict[int, torch.Tensor] = {}
-    missing, read = [], 0
     with contextlib.ExitStack() as stack:
-        readers: dict[str, object] = {}
+        readers: dict[str, SafetensorsReader] = {}
 
-        def reader(path):
-            if path not in readers:
-                readers[path] = stack.enter_context(SafetensorsFile(path))
+        def reader(path: str) -> SafetensorsReader:
+            if path not in readers:  # every file this rank reads is checked here, before any tensor changes
+                _check_against_record(path, records, directory)
+                readers[path] = stack.enter_context(SafetensorsReader(path))
             return readers[path]
+        plans, missing, seen = [], [], set()
         for name, target in wanted.items():
-            if id(target) in loaded:
+            if id(target) in seen:
                 continue
+            seen.add(id(target))
             source = next((n for n in (name, aliases.get(name), first_name[id(target)]) if n in files), None)
             if source is None:
                 missing.append(name)
                 continue
             path, stored = files[source]
-            value = _read(reader(path), stored, sharding_of(target), target)
+            plans.append((target, reader(path), stored, _block(reader(path), stored, sharding_of(target), target)))
+        if missing:
+            raise InvalidArgumentError(f"the checkpoint in {directory} lacks {len(missing)} of this rank's entries: "
+                                       f"{missing[:5]}")
+        total, largest = _sizes({stored: path for path, stored in files.values()}, reader)
+        loaded: dict[int, torch.Tensor] = {}
+        read = 0
+        for target, file, stored, block in plans:  # every header and shape agreed: now tensors change
+            value = _read(file, stored, block)
             read += value.numel() * value.element_size()
             loaded[id(target)] = _place(target, value, device)
-        total, largest = _sizes({stored: path for path, stored in files.values()}, reader)
-    if missing:
-        raise InvalidArgumentError(f"the checkpoint in {directory} lacks {len(missing)} of this rank's entries: "
-                                   f"{missing[:5]}")
     _materialise(module, loaded, device)
     return LoadReport(read, total, largest, time.perf_counter() - start)
 
 
-def _read(reader: SafetensorsFile, name: str, sharding: Sharding | None, target: torch.Tensor) -> torch.Tensor:
-    """``name``'s full tensor, or only this rank's block of it: read straight into ``target``
-    where it is a real tensor of the file's dtype and the block is one run of rows."""
+def _check_against_record(path: str, records: dict, directory: str) -> None:
+    """A file of a checkpoint psrt saved is compared with the size and sha256 its index records."""
+    if records:
+        record = checkpoint_files.record_of(records, path, os.path.join(directory, INDEX), InvalidArgumentError)
+        checkpoint_files.check_file(path, record, InvalidArgumentError)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Where this rank's block of a tensor lies along ``dim``: ``(begin, end, length)`` per
+    stride part (rows past ``end - begin`` are padding), and the block's shape."""
+
+    dim: int
+    parts: list[tuple[int, int, int]]
+    shape: tuple[int, ...]
+
+
+def _block(reader: SafetensorsReader, name: str, sharding: Sharding | None, target: torch.Tensor) -> _Block:
+    """This rank's block of ``name``, after checking that the checkpoint's shape fits it."""
     full, shape = reader.shape(name), tuple(target.shape)
     if not full:  # a scalar
-        return reader.read(name)
+        return _Block(0, [], ())
     whole = sharding is None or sharding.parts == 1
     parts = [(0, full[0], full[0])] if whole else sharding.source_ranges()
     dim = 0 if whole else sharding.dim
@@ -135,13 +162,19 @@ def _read(reader: SafetensorsFile, name: str, sharding: Sharding | None, target:
     block = (*full[:dim], sum(length for _, _, length in parts), *full[dim + 1:])
     if block != shape:
         raise InvalidArgumentError(f"{name}: this rank holds shape {shape}, the checkpoint gives {block}")
-    if len(parts) == 1 and parts[0][1] - parts[0][0] == parts[0][2]:  # one run of rows, no padding
-        into = (target.device.type == "cpu" and target.dtype == reader.dtype(name) and target.is_contiguous())
-        return reader.read(name, dim, parts[0][0], parts[0][1], out=target.data if into else None)
-    value = torch.zeros(block, dtype=reader.dtype(name))
+    return _Block(dim, parts, block)
+
+
+def _read(reader: SafetensorsReader, name: str, block: _Block) -> torch.Tensor:
+    """This rank's block of ``name``: one read when it is one run of rows without padding."""
+    if not block.parts:
+        return reader.read(name)
+    if len(block.parts) == 1 and block.parts[0][1] - block.parts[0][0] == block.parts[0][2]:
+        return reader.read(name, block.dim, block.parts[0][0], block.parts[0][1])
+    value = torch.zeros(block.shape, dtype=reader.dtype(name))
     position = 0
-    for begin, end, length in parts:  # rows past the end of an odd vocabulary stay zero
-        value.narrow(dim, position, end - begin).copy_(reader.read(name, dim, begin, end))
+    for begin, end, length in block.parts:  # rows past the end of an odd vocabulary stay zero
+        value.narrow(block.dim, position, end - begin).copy_(reader.read(name, block.dim, begin, end))
         position += length
     return value
 
@@ -149,9 +182,8 @@ def _read(reader: SafetensorsFile, name: str, sharding: Sharding | None, target:
 def _place(target: torch.Tensor, value: torch.Tensor, device) -> torch.Tensor:
     """The loaded tensor: ``target`` itself, overwritten, or a new one where it was on meta."""
     if not target.is_meta:
-        if value.data_ptr() != target.data_ptr():
-            with torch.no_grad():
-                target.copy_(value)
+        with torch.no_grad():
+            target.copy_(value)
         return target
     value = value.to(device=device or "cpu", dtype=target.dtype)
     if isinstance(target, nn.Parameter):
@@ -212,7 +244,9 @@ def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
     ``transformers`` config, written with its own ``save_pretrained``).  A parameter tied to
     another (GPT-2's output head) is written once, under its first name, as ``transformers``
     does.  Weight files a previous save left in ``directory`` are removed first (a save at
-    another layout names its files otherwise).  Returns once the directory is complete.
+    another layout names its files otherwise).  Each file is written and fsynced before the
+    index, which records its size and sha256, so a crash leaves no index naming a half-written
+    file.  Returns once the directory is complete.
 
     Collective: every rank of the world calls it, in the same order.
     """
@@ -230,18 +264,27 @@ def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
     stage = 0 if grid is None else grid.coords.pp
     writes = channel.rank == 0 if grid is None else (grid.coords.dp, grid.coords.tp, grid.coords.cp) == (0, 0, 0)
     file = WEIGHTS if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    written = {}
     if writes:
         os.makedirs(directory, exist_ok=True)
-        save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
-    written = channel.allgather_object({name: (file, t.numel() * t.element_size()) for name, t in tensors.items()}
-                                       if writes else {}, name="psrt.save_pretrained")
-    if channel.rank == 0:
-        if stages > 1:
-            weight_map = {name: where for part in written for name, (where, _) in part.items()}
-            total = sum(size for part in written for _, size in part.values())
-            with open(os.path.join(directory, INDEX), "w") as handle:
-                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-                          handle, indent=2)
+        record = checkpoint_files.write_safetensors(tensors, os.path.join(directory, file), {"format": "pt"})
+        written = {"file": file, "record": record.to_json(),
+                   "sizes": {name: t.numel() * t.element_size() for name, t in tensors.items()}}
+    parts = [part for part in channel.allgather_object(written, name="psrt.save_pretrained") if part]
+    if channel.rank == 0:  # every weight file is on disk: the index, which records them, comes last
         if config is not None:
             config.save_pretrained(directory)
+        write_index(directory, parts)
     channel.allgather_object(None, name="psrt.save_pretrained.done")
+
+
+def write_index(directory: str, parts: list[dict]) -> None:
+    """The index of a directory of weight files: each tensor's file (``weight_map``) and, in
+    its metadata, the total size and each file's size and sha256 (``psrt_files``), which
+    :func:`load_pretrained` checks.  ``parts``: per file written, ``{"file", "record",
+    "sizes": {tensor: bytes}}``.  Written even for one file (``transformers`` then reads the
+    file and ignores the index) so that every save has its record."""
+    weight_map = {name: part["file"] for part in parts for name in part["sizes"]}
+    total = sum(size for part in parts for size in part["sizes"].values())
+    checkpoint_files.write_json({"metadata": {"total_size": total, RECORDS: {p["file"]: p["record"] for p in parts}},
+                                 "weight_map": dict(sorted(weight_map.items()))}, os.path.join(directory, INDEX))

@@ -4,8 +4,11 @@ safetensors tensors plus a JSON skeleton, and back.
 psrt's checkpoint files hold documents such as a ZeRO shard's ``{"masters": [tensor],
 "optimizer_state": [{"step": tensor, ...}], "param_groups": [...]}``.  safetensors stores
 named tensors and a string-to-string metadata table, and nothing that can run code when
-read; so each tensor is stored under its position (``"0"``, ``"1"``, ...) and the rest of
-the document as JSON in the metadata, tensors replaced by ``{"$tensor": "0"}``.  JSON lacks
+read; so each tensor is stored under its path in the document (``"model.body.weight"`` for
+``document["model"]["body.weight"]``, ``"optimizer_state.0.exp_avg"``; a repeated path gets a
+``#n`` suffix), which any safetensors reader shows, and the rest of the document as JSON in
+the metadata, tensors replaced by ``{"$tensor": name}``.  Files of earlier psrt name tensors
+by position (``"0"``, ``"1"``, ...): the skeleton says which, so both decode alike.  JSON lacks
 a few things documents hold, which are tagged: tuples (``{"$tuple": [...]}``), dicts
 whose keys are not all strings (torch's optimizer state, keyed by parameter index), bytes,
 ``torch.dtype`` and ``torch.Size``.  Anything else is refused, naming where it is: a
@@ -27,7 +30,7 @@ def encode(document: object) -> tuple[dict[str, torch.Tensor], str]:
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
 
-    def walk(value: object, where: str) -> object:
+    def walk(value: object, where: str, path: str) -> object:
         if isinstance(value, torch.Tensor):
             tensor = value.detach().cpu()
             pointer = tensor.untyped_storage().data_ptr()
@@ -35,7 +38,9 @@ def encode(document: object) -> tuple[dict[str, torch.Tensor], str]:
                 tensor = tensor.contiguous().clone()
                 pointer = tensor.untyped_storage().data_ptr()
             seen.add(pointer)
-            key = str(len(tensors))
+            key = path or "tensor"
+            if key in tensors:
+                key = f"{key}#{len(tensors)}"
             tensors[key] = tensor
             return {"$tensor": key}
         if isinstance(value, (bool, int, float, str)) or value is None:
@@ -43,13 +48,14 @@ def encode(document: object) -> tuple[dict[str, torch.Tensor], str]:
         if isinstance(value, torch.Size):
             return {"$size": list(value)}
         if isinstance(value, tuple):
-            return {"$tuple": [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]}
+            return {"$tuple": [walk(item, f"{where}[{i}]", _join(path, i)) for i, item in enumerate(value)]}
         if isinstance(value, list):
-            return [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]
+            return [walk(item, f"{where}[{i}]", _join(path, i)) for i, item in enumerate(value)]
         if isinstance(value, dict):
             if all(isinstance(key, str) for key in value) and not set(value) & set(_TAGS):
-                return {key: walk(item, f"{where}[{key!r}]") for key, item in value.items()}
-            return {"$dict": [[walk(key, where), walk(item, f"{where}[{key!r}]")] for key, item in value.items()]}
+                return {key: walk(item, f"{where}[{key!r}]", _join(path, key)) for key, item in value.items()}
+            return {"$dict": [[walk(key, where, _join(path, key)), walk(item, f"{where}[{key!r}]", _join(path, key))]
+                              for key, item in value.items()]}
         if isinstance(value, bytes):
             return {"$bytes": base64.b64encode(value).decode("ascii")}
         if isinstance(value, torch.dtype):
@@ -57,8 +63,12 @@ def encode(document: object) -> tuple[dict[str, torch.Tensor], str]:
         raise TypeError(f"{where} is a {type(value).__name__}: a checkpoint holds tensors and plain data "
                         "(numbers, strings, lists, tuples, dicts) only")
 
-    skeleton = walk(document, "the document")
+    skeleton = walk(document, "the document", "")
     return tensors, json.dumps(skeleton)
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
 
 
 def decode(tensors: dict[str, torch.Tensor], skeleton: str) -> object:

@@ -1,11 +1,20 @@
-"""Checkpoint files that are written whole and read back only if they are what was saved.
+"""Checkpoint files that are written whole and read back only if they are what was saved:
+psrt's one checkpoint writer and reader.
 
-Shared by the parameter-server, ZeRO and elastic checkpoints.  Each writes its tensor files
-with :func:`save_tensors`, which returns the file's size and sha256, and records them in its
-commit record (the PS ``manifest.json``, the ZeRO ``zero_meta.json``, the elastic
-``latest.json``), written once every file is in place.  :func:`load_tensors` compares a
-file with its record before reading anything in it: a damaged, truncated or swapped file
-is refused with the file named and what is wrong with it.
+Every checkpoint psrt writes (the parameter servers', ZeRO's, elastic commits,
+``save_pretrained`` and ``psrt zero-to-full``) follows one rule.  Its tensor files are
+written with :func:`save_tensors` (a document of tensors and plain data) or
+:func:`write_safetensors` (named tensors, as Hugging Face's files hold): under a temporary
+name, fsynced, renamed, and the directory fsynced, so that a crash leaves the old file or the
+new one, never half of one.  Each returns the file's size and sha256, which go into the
+checkpoint's commit record (the PS ``manifest.json``, the ZeRO ``zero_meta.json``, the
+elastic ``latest.json``, the Hugging Face index), written last with :func:`write_json`, the
+same way.  :func:`load_tensors` and :func:`open_tensors` compare a file with its record
+before reading anything in it: a damaged, truncated or swapped file is refused with the file
+named and what is wrong with it.  Tensors are read with
+:class:`~psrt.checkpoint.safetensors_reader.SafetensorsReader`, which validates the header
+and reads only the bytes asked for, so a rank can take slices of a file (its own shard of
+another layout's) without holding the rest.
 
 The files are safetensors files (:mod:`psrt.checkpoint.document` says how a document's
 structure travels in their metadata, as JSON): nothing in them is pickled, so a crafted
@@ -15,17 +24,19 @@ with ``torch.load(weights_only=True)``, which unpickles tensors and plain data o
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import zipfile
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from psrt.checkpoint import document as checkpoint_document
+from psrt.checkpoint.safetensors_reader import SafetensorsReader
 from psrt.errors import PsrtError
 
 _CHUNK_BYTES = 1 << 20
@@ -59,15 +70,29 @@ def save_tensors(document: object, path: str) -> FileRecord:
     naming where it is) to ``path`` as a safetensors file, so that a crash never leaves half
     a file under that name; returns the record to keep in the commit record."""
     tensors, skeleton = checkpoint_document.encode(document)
-    save_file(tensors, path + ".tmp", metadata={"format": FORMAT, "document": skeleton})
-    fd = os.open(path + ".tmp", os.O_RDONLY)
-    try:
-        os.fsync(fd)  # on disk before the rename makes it the file
-    finally:
-        os.close(fd)
+    return write_safetensors(tensors, path, {"format": FORMAT, "document": skeleton})
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None
+                      ) -> FileRecord:
+    """Write ``tensors`` (host, contiguous, sharing no memory) to ``path`` as a safetensors
+    file with ``metadata``: whole or not at all, on disk with its directory entry before this
+    returns; returns the file's size and sha256 for the commit record."""
+    save_file(tensors, path + ".tmp", metadata=metadata)
+    fsync(path + ".tmp")  # on disk before the rename makes it the file
     record = fingerprint(path + ".tmp")
     os.replace(path + ".tmp", path)
+    fsync(os.path.dirname(path) or ".")  # the rename itself on disk
     return record
+
+
+def fsync(path: str) -> None:
+    """Make the file at ``path``, or a directory's entries (a rename in it), durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json(document: object, path: str) -> None:
@@ -77,6 +102,7 @@ def write_json(document: object, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+    fsync(os.path.dirname(path) or ".")
 
 
 def read_json(path: str, error: type[PsrtError]) -> dict:
@@ -112,29 +138,76 @@ def load_tensors(path: str, record: FileRecord | None, error: type[PsrtError]) -
     after checking the file against ``record`` (``None``: a checkpoint from before records
     were kept, loaded unchecked); raises ``error`` naming the file and what is wrong.  Never
     runs code stored in the file."""
-    _check_file(path, record, error)
+    check_file(path, record, error)
     if zipfile.is_zipfile(path):  # what psrt wrote before safetensors
         return _load_legacy(path, error)
-    if not _looks_like_safetensors(path):
-        raise error(f"{path} is not a psrt checkpoint file (no safetensors header and no zip archive: damaged, "
-                    f"cut short, or not written by psrt); nothing in it was read; {_FIX}")
+    with _open_document(path, error) as (reader, skeleton):
+        tensors = {name: reader.read(name) for name in reader.names()}
+        return _decode(tensors, skeleton, path, error)
+
+
+def open_tensors(path: str, record: FileRecord | None, error: type[PsrtError]) -> StoredDocument:
+    """What :func:`save_tensors` wrote to ``path``, checked against ``record`` as
+    :func:`load_tensors` does, with every tensor left in the file as a :class:`StoredTensor`
+    to read whole or a block of rows at a time: a rank takes only the slices it needs.
+    Close it (or use it as a context manager) when done."""
+    check_file(path, record, error)
+    stack = contextlib.ExitStack()
+    with stack:
+        reader, skeleton = stack.enter_context(_open_document(path, error))
+        stored = {name: StoredTensor(reader, name) for name in reader.names()}
+        document = _decode(stored, skeleton, path, error)
+        return StoredDocument(document, stack.pop_all())
+
+
+class StoredTensor:
+    """A tensor of an open checkpoint file, read when asked for."""
+
+    def __init__(self, reader: SafetensorsReader, name: str) -> None:
+        self._reader, self._name = reader, name
+        self.shape, self.dtype = reader.shape(name), reader.dtype(name)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def read(self, dim: int = 0, begin: int = 0, end: int | None = None) -> torch.Tensor:
+        """The whole tensor, or rows ``[begin, end)`` of dimension ``dim``."""
+        return self._reader.read(self._name, dim, begin, end)
+
+
+class StoredDocument:
+    """A checkpoint file's document whose tensors are :class:`StoredTensor` s, while open."""
+
+    def __init__(self, document: object, closing: contextlib.ExitStack) -> None:
+        self.document, self._closing = document, closing
+
+    def close(self) -> None:
+        self._closing.close()
+
+    def __enter__(self) -> StoredDocument:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _open_document(path: str, error: type[PsrtError]):
+    """The file's validated reader and its document's JSON skeleton."""
+    with SafetensorsReader(path, error) as reader:
+        metadata = reader.metadata()
+        if metadata.get("format") != FORMAT or "document" not in metadata:
+            raise error(f"{path} cannot be loaded as a psrt checkpoint file: its metadata names format "
+                        f"{metadata.get('format')!r}, not {FORMAT!r}; {_FIX}")
+        yield reader, metadata["document"]
+
+
+def _decode(tensors: dict, skeleton: str, path: str, error: type[PsrtError]) -> object:
     try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("format") != FORMAT:
-                raise ValueError(f"its metadata names format {metadata.get('format')!r}, not {FORMAT!r}")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        return checkpoint_document.decode(tensors, metadata["document"])
-    except (SafetensorError, ValueError, KeyError, OSError) as e:
+        return checkpoint_document.decode(tensors, skeleton)
+    except (ValueError, KeyError, TypeError) as e:
         raise error(f"{path} cannot be loaded as a psrt checkpoint file ({type(e).__name__}: {e}); nothing in it "
                     f"was run. The file is damaged or was not written by psrt: {_FIX}") from None
-
-
-def _looks_like_safetensors(path: str) -> bool:
-    """An 8-byte header length that fits the file, then a JSON object."""
-    with open(path, "rb") as f:
-        start = f.read(9)
-    return len(start) == 9 and 0 < int.from_bytes(start[:8], "little") < os.path.getsize(path) and start[8:] == b"{"
 
 
 def _load_legacy(path: str, error: type[PsrtError]) -> object:
@@ -147,7 +220,9 @@ def _load_legacy(path: str, error: type[PsrtError]) -> object:
                     f"file is damaged or was not written by psrt: {_FIX}") from None
 
 
-def _check_file(path: str, record: FileRecord | None, error: type[PsrtError]) -> None:
+def check_file(path: str, record: FileRecord | None, error: type[PsrtError]) -> None:
+    """Refuse (raising ``error`` naming the file) a file that is missing, empty, or, against
+    ``record``, of another size or sha256."""
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:

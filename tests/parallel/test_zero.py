@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import psrt.checkpoint
 from conftest import REPO, SCRIPTS, launch
 
 pytestmark = pytest.mark.parallel
@@ -65,12 +66,12 @@ def test_checkpoint_loaded_at_2_ranks_continues_like_the_uninterrupted_reference
 
 def test_zero_to_full_writes_an_ordinary_state_dict(checkpoints, tmp_path):
     root, _ = checkpoints
-    out = tmp_path / "full.pt"
+    out = tmp_path / "full.safetensors"
     done = subprocess.run([sys.executable, "-m", "psrt.cli", "zero-to-full", str(root / "stage3"), str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "4 shards, stage 3" in done.stdout, done.stdout
-    full = torch.load(out, weights_only=False)
+    full = psrt.checkpoint.load_document(str(out))
     sys.path.insert(0, str(SCRIPTS))
     from _zero_common import ZNet
     model = ZNet("any")

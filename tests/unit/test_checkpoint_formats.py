@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import psrt.torch as hvd
 from launcher import contract
@@ -57,6 +58,22 @@ def test_a_checkpoint_file_is_safetensors_with_its_structure_as_json(tmp_path):
     loaded = checkpoint_files.load_tensors(str(path), record, InvalidArgumentError)
     assert loaded.keys() == document.keys() and loaded["betas"] == (0.9, 0.99) and loaded["dtype"] is torch.bfloat16
     assert torch.equal(loaded["state"][0]["step"], torch.tensor(2.0)) and torch.equal(loaded["w"], document["w"])
+
+
+def test_tensors_are_named_by_their_place_and_files_naming_them_by_position_still_load(tmp_path):
+    path = tmp_path / "part.pt"
+    checkpoint_files.save_tensors({"model": {"body.weight": torch.ones(2)}, "state": [{"m": torch.zeros(3)}]},
+                                  str(path))
+    with safe_open(str(path), framework="pt") as f:
+        assert sorted(f.keys()) == ["model.body.weight", "state.0.m"]
+    earlier = tmp_path / "earlier.pt"  # as psrt wrote psrt-tensors/1 files until now: tensors "0", "1", ...
+    save_file({"0": torch.ones(2), "1": torch.zeros(3)}, str(earlier), metadata={
+        "format": checkpoint_files.FORMAT,
+        "document": json.dumps({"model": {"body.weight": {"$tensor": "0"}}, "state": [{"m": {"$tensor": "1"}}]})})
+    loaded = checkpoint_files.load_tensors(str(earlier), checkpoint_files.fingerprint(str(earlier)),
+                                           InvalidArgumentError)
+    assert torch.equal(loaded["model"]["body.weight"], torch.ones(2)) and torch.equal(loaded["state"][0]["m"],
+                                                                                      torch.zeros(3))
 
 
 def test_a_document_with_an_object_is_refused_naming_where(tmp_path):

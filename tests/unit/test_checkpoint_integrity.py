@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
+import psrt.checkpoint
 import psrt.torch as hvd
 from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import InvalidArgumentError, ParameterServerError
@@ -93,7 +95,7 @@ def test_a_damaged_file_is_refused_naming_it_and_the_problem(saved, damage, prob
 def test_without_a_record_garbage_is_refused_before_unpickling(tmp_path):
     path = tmp_path / "part.pt"
     path.write_bytes(b"\x80\x04garbage" * 50)
-    with pytest.raises(ParameterServerError, match="no zip archive"):
+    with pytest.raises(ParameterServerError, match="is not a valid safetensors file"):
         checkpoint_files.load_tensors(str(path), None, ParameterServerError)
 
 
@@ -107,7 +109,7 @@ def test_a_file_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
     message = str(refused.value)
     assert str(zipped) in message and "refused without running anything" in message, message
     assert "os.makedirs" in message and "weights_only" not in message, "torch's advice to load unsafely"
-    with pytest.raises(InvalidArgumentError, match="no zip archive"):
+    with pytest.raises(InvalidArgumentError, match="is not a valid safetensors file"):
         load(raw, None)
     assert not marker.exists(), "the payload ran"
 
@@ -261,14 +263,16 @@ def zero_to_full(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_zero_to_full_refuses_a_damaged_shard_and_writes_a_file_torch_loads_safely(zero_checkpoint, tmp_path):
+def test_zero_to_full_refuses_a_damaged_shard_and_writes_one_safetensors_file(zero_checkpoint, tmp_path):
     _, good = zero_checkpoint
     damaged = fresh_copy(good, tmp_path / "damaged")
     flip_middle_byte(damaged / "shard_00000.pt")
-    done = zero_to_full(str(damaged), str(tmp_path / "bad.pt"))
+    done = zero_to_full(str(damaged), str(tmp_path / "bad.safetensors"))
     assert done.returncode == 2 and "shard_00000.pt was modified after it was saved" in done.stderr, done.stderr
-    assert not (tmp_path / "bad.pt").exists()
-    done = zero_to_full(str(good), str(tmp_path / "full.pt"))
+    assert not (tmp_path / "bad.safetensors").exists()
+    done = zero_to_full(str(good), str(tmp_path / "full.safetensors"))
     assert done.returncode == 0 and "sha256" in done.stdout, done.stderr
-    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    with safe_open(str(tmp_path / "full.safetensors"), framework="pt") as f:  # any safetensors reader
+        assert {"model.0.weight", "model.1.bias"} <= set(f.keys())
+    full = psrt.checkpoint.load_document(str(tmp_path / "full.safetensors"))
     assert set(full["model"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}

@@ -24,7 +24,7 @@ import psrt
 # ones below, never one above.  Each line says why it sits where it does.
 LAYERS: list[tuple[str, ...]] = [
     # leaves every layer uses: errors, the typed configuration, small tensor and file helpers
-    ("psrt.errors", "psrt.config", "psrt.autograd", "psrt.checkpoint", "psrt.safetensors_slices",
+    ("psrt.errors", "psrt.config", "psrt.autograd", "psrt.checkpoint",
      "psrt.probe_job", "psrt.stateful"),
     # transport and the direct layer beside it: the only place that touches mpi4py or cupy
     ("psrt.comm",),

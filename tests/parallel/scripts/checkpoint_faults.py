@@ -99,6 +99,14 @@ def copied_from(source: str, name: str) -> Damage:
     return lambda d: shutil.copy(os.path.join(source, name), os.path.join(d, name))
 
 
+def swapped(first: str, second: str) -> Damage:
+    def damage(d: str) -> None:
+        os.replace(os.path.join(d, first), os.path.join(d, "swap"))
+        os.replace(os.path.join(d, second), os.path.join(d, first))
+        os.replace(os.path.join(d, "swap"), os.path.join(d, second))
+    return damage
+
+
 def damaged_copy(good: str, root: str, case: str, damage: Damage) -> str:
     """A copy of ``good`` under ``root``, damaged by rank 0, ready on every rank."""
     directory = os.path.join(root, case)
@@ -166,7 +174,7 @@ def check_ps_good_and_unchecked_saves_load(name: str, job: PsJob) -> None:
             json.dump(manifest, f)
     for directory in (job.good, damaged_copy(job.good, job.root, "unchecked", unchecked)):
         job.step(2)
-        assert job.optimizer.load(directory) == 1
+        assert job.optimizer.load(directory) is None and job.optimizer.steps_restored == 1
         for key, value in job.state().items():
             assert torch.equal(value, job.saved[key]), f"{key} not restored from {directory}"
     job.step(3)  # training goes on
@@ -205,6 +213,9 @@ class ZeroJob:
         self.good = os.path.join(root, "good")
         self.zero.save(self.good, extra={"step": 1})
         self.saved = self.state()
+        self.step()
+        self.other = os.path.join(root, "other")  # a later save, for files and records of another save
+        self.zero.save(self.other, extra={"step": 2})
 
     def step(self) -> None:
         self.zero.zero_grad()
@@ -243,6 +254,10 @@ def zero_checks(root: str) -> _harness.Checks:
         "garbage_meta": (garbage("zero_meta.json"), "zero_meta.json: it is damaged or was cut short"),
         "malicious_pickle_in_a_shard": (malicious(SHARD, "zero_meta.json", root),
                                         f"{SHARD} cannot be loaded as a psrt checkpoint file"),
+        "meta_rewritten_without_the_files": (copied_from(job.other, "zero_meta.json"),
+                                             "was modified after it was saved, or belongs to another save"),
+        "shard_of_another_save": (copied_from(job.other, SHARD), f"{SHARD} was modified after it was saved"),
+        "shard_files_swapped": (swapped("shard_00000.pt", "shard_00001.pt"), "belongs to another save"),
     }
     for case, (damage, problem) in cases.items():
         checks.add(f"zero/{case}", check_zero_refusal, job, damage, problem)

@@ -9,13 +9,15 @@ the size; gloo has no average).  DDP (several buckets, ``no_sync``), FSDP2 (full
 and bf16 parameters with fp32 reductions), DTensor tensor parallelism (on 4 ranks a 2-D
 mesh of FSDP × TP, whose sub-groups psrt makes for their members only),
 ``torch.distributed.pipelining`` with ``Schedule1F1B``, distributed checkpoints (saved at
-this size, loaded here and in one process) and a Lightning ``Trainer`` with
+this size, loaded here and in one process; with psrt's checksums, a flipped byte refused on
+every rank) and a Lightning ``Trainer`` with
 ``DDPStrategy(process_group_backend="psrt")`` each train a few steps and must match the same
 computation in one process.
 """
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import tempfile
 import warnings
@@ -475,16 +477,20 @@ def check_pipelining_1f1b(name: str, gloo: dist.ProcessGroup) -> None:
     assert_close(results[0], results[1], 0.0, "pipelining 1F1B over psrt against gloo")
 
 
+def shared_directory() -> str:
+    """A new temporary directory, made by rank 0, named to every rank."""
+    holder = [tempfile.mkdtemp(prefix="psrt-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def check_dcp(name: str) -> None:
     """An FSDP2 model saved by every rank loads into another FSDP2 model and, in one
     process (no_dist), into a plain one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    path = tempfile.mkdtemp(prefix="psrt-dcp-") if dist.get_rank() == 0 else None
-    holder = [path]
-    dist.broadcast_object_list(holder, src=0)
-    path = holder[0]
+    path = shared_directory()
     trained = mlp(seed=3)
     want = copy.deepcopy(trained).state_dict()
     fully_shard(trained)
@@ -502,6 +508,57 @@ def check_dcp(name: str) -> None:
         assert_close(alone, want, 0.0, "dcp load in one process")
         shutil.rmtree(path)
     dist.barrier()
+
+
+def check_dcp_checksums(name: str) -> None:
+    """An FSDP2 model saved with psrt's checksummed writer loads equal through its reader;
+    once a byte of the last rank's file is flipped, every rank's load is refused naming that
+    file (the last rank's error, gathered by DCP's planning) and no rank's shards changed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.fsdp import fully_shard
+
+    from psrt.checkpoint.dcp import ChecksummedReader, ChecksummedWriter
+    from psrt.errors import CheckpointError
+
+    path, last = shared_directory(), dist.get_world_size() - 1
+    trained = mlp(seed=3)
+    want = copy.deepcopy(trained).state_dict()
+    fully_shard(trained)
+    fresh = mlp(seed=4)
+    fully_shard(fresh)
+    state = fresh.state_dict()
+    try:
+        dcp.save(trained.state_dict(), storage_writer=ChecksummedWriter(path))
+        dcp.load(state, storage_reader=ChecksummedReader(path))
+    except CheckpointException as exc:  # a BaseException, which the harness would not report
+        raise AssertionError(f"the round trip with checksums failed: {exc}") from None
+    fresh.load_state_dict(state)
+    assert_close(fresh.state_dict(), want, 0.0, "dcp load with checksums")
+    damaged = os.path.join(path, f"__{last}_0.distcp")
+    dist.barrier()
+    if dist.get_rank() == last:  # a byte of a weight, which torch's own reader would load silently
+        with open(damaged, "r+b") as f:
+            data = bytearray(f.read())
+            at = data.find(trained.state_dict()["0.weight"].to_local().numpy().tobytes()) + 3
+            assert at >= 3, f"{damaged} does not hold the last rank's shard of 0.weight"
+            data[at] ^= 0x01  # an exponent bit: the weight is 4 times larger or smaller
+            f.seek(0)
+            f.write(data)
+    dist.barrier()
+    before = {key: value.to_local().clone() for key, value in state.items()}
+    try:
+        dcp.load(state, storage_reader=ChecksummedReader(path))
+    except CheckpointException as exc:
+        assert f"{damaged} was changed after it was saved" in str(exc), str(exc)
+        assert list(exc.failures) == [last] and isinstance(exc.failures[last][0], CheckpointError), exc.failures
+    else:
+        raise AssertionError(f"rank {dist.get_rank()}: a load from a checkpoint with a flipped byte in {damaged} "
+                             "was not refused")
+    assert_close({key: value.to_local() for key, value in state.items()}, before, 0.0, "state after the refusal")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path)
 
 
 # -- checkpoints moving between FSDP2 and psrt's ZeRO-3 through DCP -----------------------------------
@@ -552,12 +609,6 @@ def fsdp2_odd(seed: int, mesh=None) -> nn.Module:
     fully_shard(model.inner, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def shared_directory() -> str:
-    holder = [tempfile.mkdtemp(prefix="psrt-fsdp-zero-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
 
 
 def check_fsdp2_checkpoint_continues_under_zero3(name: str) -> None:
@@ -700,6 +751,7 @@ def main() -> None:
     checks.add("dtensor/parallelize_module_matches_single_process_and_gloo", check_dtensor_tp, gloo)
     checks.add("pipelining/1f1b_matches_single_process_and_gloo", check_pipelining_1f1b, gloo)
     checks.add("dcp/saves_and_loads_here_and_in_one_process", check_dcp)
+    checks.add("dcp/checksums_round_trip_and_refuse_a_flipped_byte", check_dcp_checksums)
     checks.add("dcp/fsdp2_checkpoint_continues_under_zero3_on_half_the_ranks",
                check_fsdp2_checkpoint_continues_under_zero3)
     checks.add("dcp/zero3_checkpoint_continues_under_fsdp2_on_half_the_ranks",
