@@ -50,6 +50,7 @@ COLLECTIVE = {
     "psrt.ps.serve", "psrt.ps.DistributedOptimizer", "psrt.ps.KVStore", "psrt.ps.KVStore.init",
     "psrt.ps.KVStore.push", "psrt.ps.KVStore.pull", "psrt.ps.KVStore.push_pull", "psrt.ps.KVStore.push_async",
     "psrt.ps.KVStore.pull_async", "psrt.ps.KVStore.push_pull_async", "psrt.ps.KVStore.save", "psrt.ps.KVStore.load",
+    "psrt.ps.KVStore.restore",
     # psrt.zero
     "psrt.zero.ZeroOptimizer", "psrt.zero.ZeroOptimizer.step", "psrt.zero.ZeroOptimizer.synchronize",
     "psrt.zero.ZeroOptimizer.clip_grad_norm_", "psrt.zero.ZeroOptimizer.save", "psrt.zero.ZeroOptimizer.load",
