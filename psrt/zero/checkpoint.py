@@ -243,10 +243,6 @@ def _check_compatible(zero, meta: dict, directory: str) -> None:
     if meta["optimizer_class"] != _class_name(type(zero.optimizer)):
         raise InvalidArgumentError(f"ZeRO checkpoint {directory!r} holds {meta['optimizer_class']} state, this "
                                    f"optimizer is {_class_name(type(zero.optimizer))}")
-    if _optimizer_groups(meta) != zero.optimizer_groups:
-        raise InvalidArgumentError(
-            f"ZeRO checkpoint {directory!r} has parameter groups {_optimizer_groups(meta)} (parameter indices), this "
-            f"optimizer {zero.optimizer_groups}: wrap the model with the param_groups it was saved with")
     saved = [ParamInfo(name, tuple(shape), dtype) for name, shape, dtype in meta["params"]]
     mine = list(zero.partition.params)
     for index in range(max(len(saved), len(mine))):
@@ -256,6 +252,10 @@ def _check_compatible(zero, meta: dict, directory: str) -> None:
             raise InvalidArgumentError(
                 f"ZeRO checkpoint {directory!r} is of a different model: trainable parameter {index} is "
                 f"{_describe(theirs)} in the checkpoint and {_describe(ours)} here")
+    if _optimizer_groups(meta) != zero.optimizer_groups:
+        raise InvalidArgumentError(
+            f"ZeRO checkpoint {directory!r} has parameter groups {_optimizer_groups(meta)} (parameter indices), this "
+            f"optimizer {zero.optimizer_groups}: wrap the model with the param_groups it was saved with")
 
 
 def _describe(info: ParamInfo | None) -> str:

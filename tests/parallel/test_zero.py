@@ -45,6 +45,11 @@ def test_zero_job_reports_every_check(parallel_jobs, np):
     parallel_jobs.get("zero_check.py", np).assert_complete(_expected(np))
 
 
+SAVE_CHECKS = ["save/stage1", "save/stage2", "save/stage3", "load/refuses_mismatched_checkpoints",
+               "load/two_ranks_save_four_load", "load/fp16_loss_scale_survives_a_resume"]
+LOAD_CHECKS = ["load/stage1", "load/stage2", "load/stage3"]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, parallel_jobs):
     """Sharded checkpoints of stages 1-3 saved by a 4-rank job, and that job's report."""
@@ -52,16 +57,29 @@ def checkpoints(tmp_path_factory, parallel_jobs):
     return root, parallel_jobs.get("zero_resume.py", 4, args=("save", str(root)))
 
 
-def test_checkpoint_saved_at_4_ranks_consolidates_to_the_live_model_and_the_reference(checkpoints):
-    root, report = checkpoints
-    report.assert_complete(["save/stage1", "save/stage2", "save/stage3", "load/refuses_mismatched_checkpoints",
-                            "load/two_ranks_save_four_load", "load/fp16_loss_scale_survives_a_resume"])
-
-
-def test_checkpoint_loaded_at_2_ranks_continues_like_the_uninterrupted_reference(checkpoints):
+@pytest.fixture(scope="module")
+def resumed(checkpoints):
+    """The 2-rank job that loads them and trains on."""
     root, _ = checkpoints
-    launch("zero_resume.py", 2, args=("load", str(root))).assert_complete(["load/stage1", "load/stage2",
-                                                                           "load/stage3"])
+    return launch("zero_resume.py", 2, args=("load", str(root)))
+
+
+@pytest.mark.parametrize("check", SAVE_CHECKS)
+def test_checkpoint_saved_at_4_ranks_consolidates_to_the_live_model_and_the_reference(checkpoints, check):
+    checkpoints[1].assert_ok(check)
+
+
+def test_the_save_job_reports_every_check(checkpoints):
+    checkpoints[1].assert_complete(SAVE_CHECKS)
+
+
+@pytest.mark.parametrize("check", LOAD_CHECKS)
+def test_checkpoint_loaded_at_2_ranks_continues_like_the_uninterrupted_reference(resumed, check):
+    resumed.assert_ok(check)
+
+
+def test_the_load_job_reports_every_check(resumed):
+    resumed.assert_complete(LOAD_CHECKS)
 
 
 def test_zero_to_full_writes_an_ordinary_state_dict(checkpoints, tmp_path):
