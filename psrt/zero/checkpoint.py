@@ -329,11 +329,11 @@ def _install(zero, restored: _Restored) -> None:
                 zero.optimizer.state[group.master] = state
             else:
                 zero.optimizer.state.pop(group.master, None)
-    restored.masters.clear()  # freed before the gathers take memory of their own
-    started = [group.publish() for group in zero.groups]
+    started = [group.publish(master) for group, master in zip(zero.groups, restored.masters)]
     for gather in started:
         if gather is not None:
             comm.wait(zero.channel, gather)
+    restored.masters.clear()
     for saved, group in zip(restored.param_groups, zero.optimizer.param_groups):
         group.update((key, value) for key, value in saved.items() if key != "params")
     zero.loss_scaler.load_state_dict(restored.loss_scaler)

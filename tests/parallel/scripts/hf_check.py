@@ -13,7 +13,6 @@ written from the shards at one layout loads at another and in one process with
 from __future__ import annotations
 
 import functools
-import re
 import shutil
 import tempfile
 
@@ -31,6 +30,7 @@ from psrt.zero import ZeroOptimizer
 
 import _harness
 from _hf_layouts import CHECKPOINT_MODELS, LAYOUTS_2, LAYOUTS_4, name_of
+from _memory import peak_growth
 from _training_common import expect_raises
 
 VOCAB, ROWS, LENGTH, STEPS, LR = 61, 4, 8, 3, 1e-2
@@ -212,10 +212,6 @@ def check_checkpoint_moves_between_layouts(key: str, model_name: str) -> None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _resident_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", open("/proc/self/status").read()).group(1))
-
-
 def check_load_reads_only_own_slices(key: str) -> None:
     """Loading a 34 MB checkpoint into a meta model at (1,2,2) raises this rank's peak resident
     memory (reset before the load) by no more than its shards plus the largest tensor of the
@@ -230,11 +226,7 @@ def check_load_reads_only_own_slices(key: str) -> None:
             empty = llama(**shapes)
         grid = ProcessGrid(dp=1, tp=2, pp=2)
         stage = pp.split(tp.parallelize(empty, grid.tp_set), grid.pp_set)
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")  # the peak (VmHWM) starts again from what is resident now
-        before = _resident_kib("VmRSS") * 1024
-        report = load_pretrained(stage, directory)
-        grown = _resident_kib("VmHWM") * 1024 - before
+        report, grown = peak_growth(lambda: load_pretrained(stage, directory))
         own = sum(t.numel() * t.element_size() for t in stage.state_dict().values())
         bound = own + report.largest_tensor_bytes + (2 << 20)  # 2 MiB for the reader's own allocations
         assert bound < report.checkpoint_bytes * 0.6, "the checkpoint is too small for the bound to say anything"

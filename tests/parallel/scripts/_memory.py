@@ -1,0 +1,22 @@
+"""How much a call raised this process's peak resident memory (Linux: ``/proc/self``)."""
+from __future__ import annotations
+
+import re
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def _resident_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"{field}:\s+(\d+) kB", status.read()).group(1)) * 1024
+
+
+def peak_growth(call: Callable[[], T]) -> tuple[T, int]:
+    """``call()``'s result and the bytes by which resident memory peaked above what it was
+    before the call (the peak, VmHWM, is reset to the resident memory first)."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # the peak (VmHWM) starts again from what is resident now
+    before = _resident_bytes("VmRSS")
+    result = call()
+    return result, _resident_bytes("VmHWM") - before
