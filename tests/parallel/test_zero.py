@@ -107,13 +107,15 @@ def test_zero_to_full_names_a_directory_that_is_not_a_checkpoint(tmp_path):
     assert done.returncode == 2 and "zero_meta.json is missing" in done.stderr, done.stderr
 
 
-GPT2_CHECKS = ["gpt2/stage3/save_consolidate_matches_one_process", "gpt2/stage3/released_parameters_refuse_reads"]
+GPT2_CHECKS = ["gpt2/stage3/save_consolidate_matches_one_process", "gpt2/stage3/released_parameters_refuse_reads",
+               "gpt2/stage3/save_pretrained_writes_each_rank_s_own_parameters"]
 
 
 @pytest.mark.parametrize("check", GPT2_CHECKS)
 def test_zero3_on_hugging_face_gpt2_with_tied_embeddings(parallel_jobs, check):
-    """Stage 3 saves the tied GPT-2 and consolidates it like one process; a released parameter
-    refuses reads by name instead of reading freed memory (a segfault before)."""
+    """Stage 3 saves the tied GPT-2 and consolidates it like one process, and writes it with
+    save_pretrained from the shards for from_pretrained; a released parameter refuses reads by
+    name instead of reading freed memory (a segfault before)."""
     report = parallel_jobs.get("zero_gpt2_check.py", 2)
     report.assert_ok(check)
     report.assert_complete(GPT2_CHECKS)
