@@ -113,7 +113,7 @@ def check_two_ranks_save_and_four_load(name: str, root: str) -> None:
 
 
 WIDTH, LAYERS = 1024, 8  # 8.4M float32 elements: a 100 MB checkpoint with AdamW's two moments
-SLACK = 2 << 20  # the reader's block (1 MiB in float32) and its own allocations
+SLACK = 4 << 20  # the reader's block (1 MiB in float32), buffers, and library code paged in on first use
 
 
 def wide(seed: int) -> torch.nn.Sequential:
@@ -138,7 +138,7 @@ def shard_bytes(zero) -> int:
 def check_restore_reads_only_own_slices(name: str, root: str) -> None:
     """A 100 MB stage-2 checkpoint saved by ranks 0-1 and restored by all four: saving raises a
     rank's peak resident memory by no more than its shard, restoring by no more than its new
-    shard plus the largest tensor (and 2 MiB), well under the whole checkpoint; the restored
+    shard plus the largest tensor (and 4 MiB), well under the whole checkpoint; the restored
     model is the one saved."""
     pair = hvd.add_process_set([0, 1])
     directory = os.path.join(root, "wide")
