@@ -173,9 +173,11 @@ class StoredTensor:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def read(self, dim: int = 0, begin: int = 0, end: int | None = None) -> torch.Tensor:
-        """The whole tensor, or rows ``[begin, end)`` of dimension ``dim``."""
-        return self._reader.read(self._name, dim, begin, end)
+    def read(self, dim: int = 0, begin: int = 0, end: int | None = None, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """The whole tensor, or rows ``[begin, end)`` of dimension ``dim``; into ``out`` (a
+        contiguous host tensor of that shape and dtype) when given."""
+        return self._reader.read(self._name, dim, begin, end, out)
 
 
 class StoredDocument:

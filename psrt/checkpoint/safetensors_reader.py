@@ -85,25 +85,34 @@ class SafetensorsReader:
     def nbytes(self, name: str) -> int:
         return math.prod(self.shape(name)) * self.dtype(name).itemsize
 
-    def read(self, name: str, dim: int = 0, begin: int = 0, end: int | None = None) -> torch.Tensor:
+    def read(self, name: str, dim: int = 0, begin: int = 0, end: int | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``[begin, end)`` of dimension ``dim`` of tensor ``name`` (all of it by default);
-        a block is read alone, nothing else of the tensor held."""
+        a block is read alone, nothing else of the tensor held.  ``out``: a contiguous host
+        tensor of the block's shape and the file's dtype to read into, which is returned."""
         shape = self.shape(name)
-        if not shape or (begin == 0 and end in (None, shape[dim])):
-            return self._file.get_tensor(name)
+        if not shape:  # a scalar: its one element
+            return self._file.get_tensor(name) if out is None else self._block(name, shape, 0, 0, 1, out)
         end = shape[dim] if end is None else end
         if not 0 <= begin <= end <= shape[dim]:
             raise self._error(f"{self.path}: rows [{begin}, {end}) of dim {dim} are outside tensor {name!r} of "
                               f"shape {list(shape)}")
-        return self._block(name, shape, dim, begin, end)
+        if out is None and (begin, end) == (0, shape[dim]):
+            return self._file.get_tensor(name)
+        return self._block(name, shape, dim, begin, end, out)
 
-    def _block(self, name: str, shape: tuple[int, ...], dim: int, begin: int, end: int) -> torch.Tensor:
+    def _block(self, name: str, shape: tuple[int, ...], dim: int, begin: int, end: int,
+               out: torch.Tensor | None) -> torch.Tensor:
         """Rows ``[begin, end)`` of dimension ``dim``: one run of bytes for each index of the
-        dimensions before it, each read into its place in the tensor returned."""
-        dtype = self.dtype(name)
+        dimensions before it, each read into its place in ``out`` (or a new tensor)."""
+        dtype, block = self.dtype(name), (*shape[:dim], end - begin, *shape[dim + 1:]) if shape else ()
+        if out is None:
+            out = torch.empty(block, dtype=dtype)
+        elif tuple(out.shape) != block or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise self._error(f"{self.path}: cannot read rows of {name!r} ({list(block)}, {dtype}) into a tensor of "
+                              f"shape {list(out.shape)}, {out.dtype}, on {out.device} (contiguous: {out.is_contiguous()})")
         inner = math.prod(shape[dim + 1:]) * dtype.itemsize  # bytes of one row of ``dim``
-        run, stride = (end - begin) * inner, shape[dim] * inner
-        out = torch.empty((*shape[:dim], end - begin, *shape[dim + 1:]), dtype=dtype)
+        run, stride = (end - begin) * inner, (shape[dim] if shape else 1) * inner
         if out.numel() == 0:
             return out
         target = memoryview(out.view(-1).view(torch.uint8).numpy())

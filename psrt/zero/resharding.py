@@ -1,7 +1,8 @@
 """A rank's shard of every flat group, taken from the shards a ZeRO checkpoint was saved as
 (by another number of ranks, with other flat groups): only the runs of elements that
-overlap it are read (:func:`psrt.zero.partition.reshard_reads`), a block at a time, so a
-rank holds its own shard and one block of a file, never the whole state.
+overlap it are read (:func:`psrt.zero.partition.reshard_reads`), straight into the new shard
+(on a GPU, or into another dtype, through a block at a time), so a rank holds its own shard,
+never the whole state.
 
 The saved shards come as their documents (``{"masters": [...], "optimizer_state": [...]}``)
 opened with :func:`psrt.checkpoint.files.open_tensors`, whose tensors stay in the file until
@@ -15,8 +16,8 @@ from psrt.checkpoint.files import StoredTensor
 from psrt.errors import InvalidArgumentError
 from psrt.zero.partition import Partition, Read, reshard_reads
 
-#: Elements read from a file at once (1 MiB in float32): beyond its own shard, what a rank
-#: holds while restoring.
+#: Elements read from a file at once where they cannot be read into place (1 MiB in float32):
+#: beyond its own shard, what a rank then holds while restoring.
 READ_ELEMENTS = 1 << 18
 
 
@@ -92,8 +93,13 @@ def _flat(value: object, numel: int, path: str, what: str) -> object:
 
 
 def _copy(source: object, read: Read, target: torch.Tensor) -> None:
-    """Elements ``[read.begin, read.end)`` of ``source`` into ``target`` at ``read.offset``,
-    a block of :data:`READ_ELEMENTS` at a time."""
+    """Elements ``[read.begin, read.end)`` of ``source`` into ``target`` at ``read.offset``:
+    read straight into place where ``target`` is a host tensor of the file's dtype, else a
+    block of :data:`READ_ELEMENTS` at a time."""
+    place = target[read.offset:read.offset + read.end - read.begin]
+    if isinstance(source, StoredTensor) and place.dtype == source.dtype and place.device.type == "cpu":
+        source.read(0, read.begin, read.end, out=place)
+        return
     for begin in range(read.begin, read.end, READ_ELEMENTS):
         end = min(read.end, begin + READ_ELEMENTS)
         rows = source.read(0, begin, end) if isinstance(source, StoredTensor) else source[begin:end]

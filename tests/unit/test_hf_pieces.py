@@ -190,6 +190,11 @@ def test_blocks_read_from_a_safetensors_file_equal_its_slices(tmp_path):
         assert torch.equal(reader.read("scalar"), tensors["scalar"])
         assert torch.equal(reader.read("flags"), tensors["flags"])
         assert torch.equal(reader.read("flags", 0, 1, 3), tensors["flags"][1:3])
+        into = torch.empty(2, 7, dtype=torch.float64)
+        assert reader.read("matrix", 0, 1, 3, out=into) is into and torch.equal(into, tensors["matrix"][1:3])
+        assert torch.equal(reader.read("scalar", out=torch.empty((), dtype=torch.int64)), tensors["scalar"])
+        with pytest.raises(InvalidArgumentError, match=r"cannot read rows of 'matrix' \(\[2, 7\], torch.float64\)"):
+            reader.read("matrix", 0, 1, 3, out=torch.empty(2, 7))
         for name in ("matrix", "cube"):
             full = tensors[name]
             for dim in range(full.dim()):
