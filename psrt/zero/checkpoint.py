@@ -16,9 +16,9 @@ and what is wrong.  Stage 0 holds one shard
 Loading undoes the sharding of the checkpoint's layout and applies the current one, so a
 checkpoint written by N ranks loads on M: each rank opens only the shard files that overlap
 its own shard (and shard 0, for the step counts and hyperparameters), checks each against
-its record, and reads from them only the runs of elements it keeps
-(:mod:`psrt.zero.resharding`), so it holds its own shard and one block of a file beyond what
-it had, never the whole model.  Stages 1 and 2 then gather the parameters from the restored
+its record, and reads from them only the runs of elements it keeps, into its new shard
+(:mod:`psrt.zero.resharding`), so it holds its own shard beyond what it had, never the whole
+model.  Stages 1 and 2 then gather the parameters from the restored
 shards, as after a step.  Only :func:`consolidate` (``psrt zero-to-full``, one process)
 reads every shard.
 """
