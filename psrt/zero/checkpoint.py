@@ -15,12 +15,11 @@ and what is wrong.  Stage 0 holds one shard
 
 Loading undoes the sharding of the checkpoint's layout and applies the current one, so a
 checkpoint written by N ranks loads on M: each rank opens only the shard files that overlap
-its own shard (and shard 0, for the step counts and hyperparameters), checks each against
-its record, and reads from them only the runs of elements it keeps, into its new shard
-(:mod:`psrt.zero.resharding`), so it holds its own shard beyond what it had, never the whole
-model.  Stages 1 and 2 then gather the parameters from the restored
-shards, as after a step.  Only :func:`consolidate` (``psrt zero-to-full``, one process)
-reads every shard.
+its own shard (every shard file holds the step counts and hyperparameters), checks each
+against its record, and reads from them only the runs of elements it keeps, into its new
+shard (:mod:`psrt.zero.resharding`), so it holds its own shard beyond what it had, never the
+whole model.  Stages 1 and 2 then gather the parameters from the restored shards, as after a
+step.  Only :func:`consolidate` (``psrt zero-to-full``, one process) reads every shard.
 """
 from __future__ import annotations
 
@@ -149,13 +148,13 @@ def _read_own_shard(zero, directory: str, files: contextlib.ExitStack) -> _Resto
     meta = read_meta(directory)
     _check_compatible(zero, meta, directory)
     saved = _partition(meta)
-    needed = {0} | {read.shard for read in reshard_reads(saved, zero.partition, zero.shard_index)}
+    needed = {read.shard for read in reshard_reads(saved, zero.partition, zero.shard_index)} or {0}
     shards = {shard: (shard_file(directory, shard), _open(shard_file(directory, shard), meta, files))
               for shard in sorted(needed)}
     entries = _open(os.path.join(directory, EXTRAS), meta, files)["entries"]
     masters, states = own_shards(saved, zero.partition, zero.shard_index, shards,
                                  [group.master for group in zero.groups])
-    first = shards[0][1]
+    first = shards[min(shards)][1]  # every shard holds the same hyperparameters and loss scale
     return _Restored(masters, states, whole(first["param_groups"]), whole(first["loss_scaler"]), whole(entries),
                      meta["extra"])
 

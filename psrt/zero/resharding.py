@@ -51,17 +51,17 @@ def own_shards(saved: Partition, current: Partition, shard: int, files: dict[int
     """Shard ``shard`` of every flat group of ``current``: its master values and optimizer
     state, new tensors shaped, typed and placed as ``masters`` (this rank's), padding zero.
     The per-element state follows the elements; the rest of a group's state (its step) is
-    that of the saved group holding its first parameter, in saved shard 0.
+    that of the saved group holding its first parameter, which every saved shard holds alike.
 
-    :param files: the saved shards this rank reads (shard 0 and every shard
-        :func:`reshard_reads` names), each as (path, document).
+    :param files: the saved shards this rank reads (every shard :func:`reshard_reads` names,
+        at least one), each as (path, document).
     """
     group_of = {param: group for group, flat in enumerate(saved.groups) for param in flat.params}
     reads = reshard_reads(saved, current, shard)
     values, states = [], []
     for into, like in enumerate(masters):
         template_group = group_of[current.groups[into].params[0]]
-        template = files[0][1]["optimizer_state"][template_group]
+        template = files[min(files)][1]["optimizer_state"][template_group]
         keys = per_element_keys(template, saved.groups[template_group].shard_numel)
         value = torch.zeros_like(like)
         state = {key: torch.zeros(like.shape, dtype=item.dtype, device=like.device) if key in keys else whole(item)

@@ -28,7 +28,7 @@ from _training_common import Mlp, expect_raises, global_batch, loss_of, my_rows
 from _zero_common import ZNet
 
 SERVER_FILE = "server-0-of-1.pt"
-SHARD = "shard_00001.pt"  # rank 1's: every rank reads shard 0, rank 1 shard 1 too
+SHARD = "shard_00001.pt"  # rank 1's: only rank 1 reads it at load
 # A ZeRO rank refuses a damaged file it reads with InvalidArgumentError naming it; a rank that
 # does not read it raises CheckpointError, naming the rank that refused it and why.
 ZERO_REFUSALS = (InvalidArgumentError, CheckpointError)
