@@ -34,7 +34,7 @@ import torch
 
 from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import CheckpointError, InvalidArgumentError
-from psrt.zero import comm
+from psrt.zero.flat import publish_all
 from psrt.zero.partition import ParamInfo, Partition, reshard_reads
 from psrt.zero.resharding import own_shards, per_element_keys, whole
 
@@ -328,10 +328,7 @@ def _install(zero, restored: _Restored) -> None:
                 zero.optimizer.state[group.master] = state
             else:
                 zero.optimizer.state.pop(group.master, None)
-    started = [group.publish(master) for group, master in zip(zero.groups, restored.masters)]
-    for gather in started:
-        if gather is not None:
-            comm.wait(zero.channel, gather)
+    publish_all(zero.groups, zero.channel, restored.masters)
     restored.masters.clear()
     for saved, group in zip(restored.param_groups, zero.optimizer.param_groups):
         group.update((key, value) for key, value in saved.items() if key != "params")

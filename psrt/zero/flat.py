@@ -196,3 +196,12 @@ class ShardedGroup:
 
     def gathered_bytes(self) -> int:
         return self.full.untyped_storage().nbytes()
+
+
+def publish_all(groups: list[ShardedGroup], channel: Channel, values: list[torch.Tensor] | None = None) -> None:
+    """:meth:`ShardedGroup.publish` every group (with its ``values``, if given) and wait for the
+    gathers: the compute parameters then follow the masters, as after a step."""
+    started = [group.publish(value) for group, value in zip(groups, values or [None] * len(groups))]
+    for gather in started:
+        if gather is not None:
+            comm.wait(channel, gather)
