@@ -26,8 +26,8 @@ from typing import Any, Mapping
 import torch
 
 from psrt.errors import InvalidArgumentError
-from psrt.zero import comm
 from psrt.zero.boxes import boxes_of_range
+from psrt.zero.flat import publish_all
 from psrt.zero.flat_range import FlatRangeShard
 
 __all__ = ["FlatRangeShard", "ModelState", "OptimizerState", "get_model_state_dict", "get_optimizer_state_dict",
@@ -102,10 +102,7 @@ def set_model_state_dict(zero, state_dict: Mapping[str, Any]) -> None:
             _copy_boxes(mine, value)
         for name, tensor in unsharded.items():
             tensor.copy_(state_dict[name])
-    started = [group.publish() for group in zero.groups]
-    for gather in started:
-        if gather is not None:
-            comm.wait(zero.channel, gather)
+    publish_all(zero.groups, zero.channel)
 
 
 def set_optimizer_state_dict(zero, state_dict: Mapping[str, Any]) -> None:
