@@ -33,7 +33,9 @@ from psrt.elastic import commits
 from psrt.elastic.batch import plan_batch
 from psrt.elastic.commits import CommitStore
 from psrt.elastic.sampler import ElasticSampler
+from psrt.elastic.shard_layout import Layout, fill, pieces
 from psrt.errors import ElasticError, InvalidArgumentError
+from psrt.tp.sharding import Sharding
 
 # ElasticSampler
 
@@ -211,6 +213,65 @@ def test_keeping_the_rank_batch_scales_the_learning_rate_with_the_size():
 def test_a_bad_policy_or_base_size_is_refused(kwargs):
     with pytest.raises(InvalidArgumentError):
         plan_batch(32, 2, **kwargs)
+
+
+# The read plan of a sharded TP x PP commit
+
+def saved_blocks(full: torch.Tensor, split: tuple | None) -> list[tuple[torch.Tensor, Layout]]:
+    """``full`` as the blocks of ``split`` (parts, dim, stride; None: one whole copy), each with its layout."""
+    if split is None:
+        return [(full.clone(), Layout(tuple(full.shape), None, "float32"))]
+    parts, dim, stride = split
+    shardings = [Sharding(dim=dim, parts=parts, index=i, full_size=full.shape[dim], stride=stride)
+                 for i in range(parts)]
+    return [(s.shard(full), Layout(tuple(full.shape), s, "float32")) for s in shardings]
+
+
+def planned_reads(saved: list, wanted: Layout) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The wanted block filled by the plan's reads, and (saved block, rows read) per read."""
+    block, rows = torch.zeros(wanted.block_shape), []
+    for k, piece in pieces(wanted, [layout for _, layout in saved], "w"):
+        dim, begin, end = piece.rows
+        source = saved[k][0]
+        part = source if dim is None else source.narrow(dim, begin, end - begin)
+        rows.append((k, part.numel()))
+        fill(block, part, piece)
+    return block, rows
+
+
+SPLITS = [None, (1, 0, 1), (2, 0, 1), (3, 1, 1), (4, 0, 1), (2, 0, 3), (4, 1, 3), (2, 1, 1)]
+
+
+@pytest.mark.parametrize("saved_split", SPLITS)
+@pytest.mark.parametrize("wanted_split", SPLITS)
+def test_each_wanted_block_is_read_from_the_saved_blocks_it_overlaps(saved_split, wanted_split):
+    """TP sizes changed either way, fused q/k/v (stride 3), an odd size padded to the TP size,
+    blocks cut along another dimension, whole tensors: the block each rank wants, exactly."""
+    full = torch.randn(9, 7)
+    saved = saved_blocks(full, saved_split)
+    for block, layout in saved_blocks(full, wanted_split):
+        got, _ = planned_reads(saved, layout)
+        assert torch.equal(got, block)
+
+
+def test_a_rank_reads_only_the_rows_of_its_own_block():
+    """TP 2 to TP 4: each wanted block is half of one saved block, and only that half is read."""
+    full = torch.randn(8, 3)
+    saved = saved_blocks(full, (2, 0, 1))
+    for index, (block, layout) in enumerate(saved_blocks(full, (4, 0, 1))):
+        got, rows = planned_reads(saved, layout)
+        assert torch.equal(got, block) and rows == [(index // 2, block.numel())]
+
+
+def test_a_plan_refuses_missing_blocks_and_another_models_shape_naming_the_tensor():
+    full = torch.randn(8, 3)
+    blocks = [layout for _, layout in saved_blocks(full, (4, 0, 1))]
+    wanted = Layout((8, 3), None, "float32")
+    with pytest.raises(ElasticError, match=re.escape("w: the commit holds blocks [0, 1, 3] of 4")):
+        pieces(wanted, blocks[:2] + blocks[3:], "w")
+    with pytest.raises(ElasticError, match=re.escape("w: the commit holds it with full shape [8, 3], this rank's "
+                                                     "model has [8, 4]")):
+        pieces(Layout((8, 4), None, "float32"), blocks, "w")
 
 
 # CommitStore
