@@ -4,10 +4,11 @@ number generators, committed and restored as an elastic state (:mod:`psrt.elasti
 What a commit holds is told by the state protocol (:mod:`psrt.stateful`), never by an
 optimizer's type: a :class:`~psrt.stateful.Stateful` optimizer is committed with the model,
 a :class:`~psrt.stateful.ShardedStateful` one (ZeRO, parameter servers) writes its own
-checkpoint, which a job of another size loads.  A TP x PP model is committed whole
-(:class:`psrt.full_state.FullState`, gathered over the grid), so that a commit restores on
-another grid, or without one.  Kept apart from the state base, which says how any state is
-committed and resumed, because this is what a torch training loop's state is.
+checkpoint, which a job of another size loads.  A TP x PP model is committed as the blocks
+its ranks hold (:mod:`psrt.elastic.sharded_model`), never gathered, and restores on another
+grid, or without one, each rank reading only the rows it needs.  Kept apart from the state
+base, which says how any state is committed and resumed, because this is what a torch
+training loop's state is.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from psrt import runtime
+from psrt.elastic import sharded_model
 from psrt.elastic.sampler import ElasticSampler
 from psrt.elastic.state import ObjectState
 from psrt.errors import ArgumentTypeError
@@ -71,10 +73,11 @@ class TorchState(ObjectState):
     (the servers' checkpoint; the model is pulled back from the servers): any
     :class:`~psrt.stateful.Stateful` or :class:`~psrt.stateful.ShardedStateful` optimizer.
     ``grid`` (psrt's addition) says the model is a TP/PP stage: model and optimizer agree
-    over ``grid.dp_set``, and a commit gathers them whole over the grid
-    (:class:`psrt.full_state.FullState`), so it restores on any grid, or as a plain data-
-    parallel model (the same single-process model's names); a sharded optimizer's commit
-    restores on the same grid only.
+    over ``grid.dp_set``, and a commit writes each (TP, PP) coordinate's blocks of both once
+    (:mod:`psrt.elastic.sharded_model`; no rank ever holds more than its own part), so it
+    restores on any grid, or as a plain data-parallel model (the same single-process
+    model's names), each rank reading only the rows of its own blocks; a sharded
+    optimizer's commit restores on the same grid only.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, grid=None, **kwargs) -> None:
@@ -87,7 +90,7 @@ class TorchState(ObjectState):
             setattr(self, name, sampler)
         self.model, self.optimizer, self.grid = model, optimizer, grid
         self._sharded = _is_sharded(optimizer)
-        self._full: dict | None = None  # the model and optimizer, whole, gathered at the last commit
+        self._shards: dict | None = None  # the index of the model's blocks written at the last commit
         self._process_set: ProcessSet = grid.dp_set if grid is not None else global_process_set
         self._copies: dict = {}
         self.save()
@@ -147,15 +150,15 @@ class TorchState(ObjectState):
     def _write_collective(self, directory: str) -> None:
         if self._sharded:
             self.optimizer.save(os.path.join(directory, self.optimizer.checkpoint_name))
-        elif self.grid is not None and self._owns_model():  # commit() saved just now: the live model is the copy
-            self._full = FullState(self.model, self.optimizer, self.grid).state_dict()
+        elif self.grid is not None and self._owns_model():
+            self._shards = sharded_model.write_shards(self.model, self.optimizer, self._copies, self.grid, directory)
 
     def _replicated_document(self) -> dict:
         document = dict(super()._replicated_document(), samplers=self._copies["samplers"])
         if self.grid is None:
             document.update({key: self._copies[key] for key in ("model", "optimizer") if key in self._copies})
-        elif self._full is not None:
-            document["full"] = self._full
+        elif self._shards is not None:
+            document["shards"] = self._shards
         return document
 
     def _rank_document(self) -> dict:
@@ -176,7 +179,12 @@ class TorchState(ObjectState):
         rng = mine["rng"] if mine is not None else _Rng.capture()
         if not same_layout:
             rng.pop("tp", None)
-        if "full" in replicated and self._owns_model():  # a TP x PP commit, made on any grid
+        ties = []
+        if "shards" in replicated and self._owns_model():  # a TP x PP commit, made on any grid
+            restored = sharded_model.restore_shards(self.model, self.optimizer, replicated["shards"],
+                                                    self._store.directory(self._commit_number))
+            held, ties = {"model": restored.model, "optimizer": restored.optimizer}, restored.ties
+        elif "full" in replicated and self._owns_model():  # one of psrt before, gathered whole
             FullState(self.model, self.optimizer, self.grid).load_state_dict(replicated["full"])
             held = {"model": {key: value.detach().clone() for key, value in self.model.state_dict().items()}}
             if self.optimizer is not None:
@@ -184,8 +192,11 @@ class TorchState(ObjectState):
         else:  # grid-less commits, and per-rank TP x PP ones of an earlier psrt (same grid)
             held = replicated if self.grid is None else (mine or {})
         self._copies = {"rng": rng, "samplers": replicated["samplers"],
-                        **{key: held[key] for key in ("model", "optimizer") if key in held}}
+                        **{key: held[key] for key in ("model", "optimizer") if held.get(key) is not None}}
         self.restore()  # sharded optimizers load the commit's own checkpoint here
+        with torch.no_grad():
+            for copy_of_tied, value in ties:  # a pipeline's copies of parameters another stage owns
+                copy_of_tied.copy_(value)
 
 
 def _is_sharded(optimizer: object) -> bool:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from jobs import REPO, job_env, psrun_argv, start_job
+from psrt.elastic.commits import REPLICATED, CommitStore
 
 pytestmark = pytest.mark.parallel
 
@@ -235,32 +236,39 @@ def test_a_directory_that_lost_latest_json_is_refused_and_its_commit_kept(tmp_pa
 
 
 def test_tp_pp_commit_restores_on_another_grid_and_matches_one_process(tmp_path):
-    """A TP 2 x PP 2 job on 4 ranks commits the tiny GPT whole; relaunches on 2 ranks as TP 2
-    x PP 1 and as plain data parallelism (TP 1 x PP 1) continue from that commit, and both
-    match one process training all the steps (in double precision, as tests/parallel/
-    scripts/gpt_check.py compares layouts: in single precision AdamW turns the rounding of
-    nearly-zero gradients, such as the key bias's, into whole steps)."""
-    first, again = tmp_path / "tppp", tmp_path / "copy"
+    """A TP 2 x PP 2 job on 4 ranks commits the tiny GPT as each (TP, PP) coordinate's own
+    blocks (never gathered); relaunches on 2 ranks as TP 2 x PP 1, as TP 1 x PP 2 and as a
+    plain data-parallel model without a grid each read the slices they need, continue from
+    that commit, and match one process training all the steps (in double precision, as
+    tests/parallel/scripts/gpt_check.py compares layouts: in single precision AdamW turns the
+    rounding of nearly-zero gradients, such as the key bias's, into whole steps)."""
+    first = tmp_path / "tppp"
     train(tmp_path, "tp2pp2", ["-np", "4", "--elastic-dir", str(first)], ["--mode", "tppp", "--float64"])
-    shutil.copytree(first, again)
+    (commit,) = first.glob("commit-*")
+    assert sorted(path.name for path in commit.glob("model-*.pt")) == [
+        f"model-pp{pp:03d}-tp{tp:03d}-ep000.pt" for pp in range(2) for tp in range(2)]
+    store = CommitStore(str(first))
+    replicated = store.load(store.latest(), REPLICATED)
+    assert "shards" in replicated and "full" not in replicated  # nothing gathered whole
     steps = ["--steps", str(GPT_STEPS + COMMIT_EVERY), "--float64"]
     reference = tmp_path / "one-process.pt"
     subprocess.run([sys.executable, SCRIPT, "--mode", "tppp", "--tp", "1", "--pp", "1", *steps, "--out",
                     str(reference)], cwd=REPO, env=job_env(), capture_output=True, timeout=JOB_TIMEOUT_S, check=True)
     want = torch.load(reference)
-    for name, directory, grid in (("tp2pp1", first, ["--tp", "2", "--pp", "1"]),
-                                  ("dp2", again, ["--tp", "1", "--pp", "1"])):
+    for name, layout in (("tp2pp1", ["--tp", "2", "--pp", "1"]), ("tp1pp2", ["--tp", "1", "--pp", "2"]),
+                         ("no-grid", ["--no-grid"])):
+        directory = shutil.copytree(first, tmp_path / name)
         run, output = train(tmp_path, name, ["-np", "2", "--elastic-dir", str(directory)],
-                            ["--mode", "tppp", *grid, *steps])
+                            ["--mode", "tppp", *layout, *steps])
         assert f"2 ranks from step {GPT_STEPS} (resumed from commit {GPT_STEPS // COMMIT_EVERY})" in output, \
             output[-3000:]
         what = f"committed on TP 2 x PP 2, resumed as {name}, vs one process"
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(want["losses"]), rtol=1e-9, atol=1e-12,
-                                   msg=lambda m: f"{what}: losses\n{m}")
+                                   msg=lambda m, w=what: f"{w}: losses\n{m}")
         assert sorted(run["model"]) == sorted(want["model"])
         for key, value in want["model"].items():
             torch.testing.assert_close(run["model"][key], value, rtol=1e-9, atol=1e-10,
-                                       msg=lambda m, k=key: f"{what}: {k}\n{m}")
+                                       msg=lambda m, k=key, w=what: f"{w}: {k}\n{m}")
 
 
 def test_tp_dropout_resumes_exactly_after_a_killed_rank(tmp_path):

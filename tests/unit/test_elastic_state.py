@@ -265,14 +265,19 @@ def test_the_tp_rng_tracker_is_committed_so_tp_dropout_resumes_exactly(world_of_
         assert torch.equal(torch.rand(3), after_commit)
 
 
-def test_a_grid_commit_holds_the_model_whole_and_restores_without_a_grid(world_of_one, elastic_dir):
-    """A TP x PP stage's commit is the single-process model and optimizer (gathered over the
-    grid), so another layout, here none, restores it; the multi-rank case is in test_elastic."""
+def test_a_grid_commit_holds_each_block_once_and_restores_without_a_grid(world_of_one, elastic_dir):
+    """A TP x PP stage's commit is its (TP, PP) coordinate's blocks of the model and optimizer
+    in a file of their own, named by the single-process model's keys, so another layout, here
+    none, restores it; the multi-rank case is in test_elastic."""
     from psrt.grid import ProcessGrid
     model, optimizer, _ = trained()
     hvd.elastic.TorchState(model, optimizer, grid=ProcessGrid(dp=1, tp=1, pp=1)).commit()
     record = CommitStore(str(elastic_dir)).latest()
     assert record["any_layout"] and record["layout"]["grid"]["tp"] == 1
+    shards = CommitStore(str(elastic_dir)).load(record, commits.REPLICATED)["shards"]
+    assert list(shards["files"]) == ["model-pp000-tp000-ep000.pt"]
+    assert shards["files"]["model-pp000-tp000-ep000.pt"]["optimizer"]["weight"]["exp_avg"] == {
+        "layout": {"shape": [3, 4], "dtype": "float32"}}
     fresh_model, fresh_optimizer, _ = trained(seed=1)
     fresh_optimizer.state.clear()
     assert hvd.elastic.TorchState(fresh_model, fresh_optimizer)._resume()
@@ -281,6 +286,63 @@ def test_a_grid_commit_holds_the_model_whole_and_restores_without_a_grid(world_o
     torch.manual_seed(2)
     step(fresh_model, fresh_optimizer)
     assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_parameter_under_two_names_is_committed_once_and_restored_under_both(world_of_one, elastic_dir):
+    """Tied input and output embeddings in one module: one block in the commit, an alias for
+    the second name, and the restored model still shares the one parameter."""
+    from psrt.grid import ProcessGrid
+
+    def tied(seed: int) -> torch.nn.Sequential:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+        model[1].weight = model[0].weight
+        return model
+    model = tied(0)
+    hvd.elastic.TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), grid=ProcessGrid()).commit()
+    store = CommitStore(str(elastic_dir))
+    shards = store.load(store.latest(), commits.REPLICATED)["shards"]
+    assert list(shards["files"]["model-pp000-tp000-ep000.pt"]["model"]) == ["0.weight"]
+    assert shards["aliases"] == {"1.weight": "0.weight"}
+    fresh = tied(1)
+    assert hvd.elastic.TorchState(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))._resume()
+    assert fresh[1].weight is fresh[0].weight and torch.equal(fresh[0].weight, model[0].weight)
+
+
+def test_a_damaged_shard_is_refused_by_name_before_anything_changes(world_of_one, elastic_dir):
+    from psrt.grid import ProcessGrid
+    model, optimizer, _ = trained()
+    hvd.elastic.TorchState(model, optimizer, grid=ProcessGrid()).commit()
+    (shard,) = elastic_dir.glob("commit-*/model-*.pt")
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fresh_model, fresh_optimizer, _ = trained(seed=1)
+    before = {key: value.clone() for key, value in fresh_model.state_dict().items()}
+    with pytest.raises(ElasticError, match=f"rank 0: {shard} was modified after it was saved"):
+        hvd.elastic.TorchState(fresh_model, fresh_optimizer, grid=ProcessGrid())._resume()
+    assert all(torch.equal(fresh_model.state_dict()[key], value) for key, value in before.items())
+
+
+def test_a_grid_commit_of_psrt_before_shards_restores(world_of_one, elastic_dir):
+    """psrt before sharded commits gathered a TP x PP model whole into replicated.pt ("full"):
+    such a commit still restores, on any grid."""
+    from psrt.elastic.torch_state import _Rng
+    from psrt.full_state import FullState
+    from psrt.grid import ProcessGrid
+    model, optimizer, _ = trained()
+    store = CommitStore(str(elastic_dir))
+    store.begin(1)
+    files = store.save({"objects": {"epoch": 4}, "samplers": {}, "full": FullState(model, optimizer).state_dict()},
+                       1, commits.REPLICATED)
+    files.update(store.save({"rng": _Rng.capture()}, 1, commits.rank_file(0)))
+    layout = {"size": 1, "grid": {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}}
+    store.publish({"commit": 1, "size": 1, "layout": layout, "any_layout": True, "files": files}, replaces=0)
+    fresh_model, fresh_optimizer, _ = trained(seed=1)
+    state = hvd.elastic.TorchState(fresh_model, fresh_optimizer, grid=ProcessGrid(), epoch=0)
+    assert state._resume() and state.epoch == 4
+    assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
 
 
 def test_optimizers_are_told_apart_by_the_state_protocol_not_their_type(world_of_one, elastic_dir):

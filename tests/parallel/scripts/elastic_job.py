@@ -4,7 +4,8 @@
 a global batch kept at every size (plain DistributedOptimizer with SGD + momentum, ZeRO-2
 with Adam, or a synchronous parameter server with SGD + momentum); ``--mode tppp`` trains
 the tiny GPT on a TP 2 x PP 2 grid (``--tp``, ``--pp``: another grid, the rest of the ranks
-data-parallel; ``--dropout``: its dropout, drawn per TP rank in the attention; ``--float64``:
+data-parallel; ``--no-grid``: as a plain data-parallel model with no grid at all;
+``--dropout``: its dropout, drawn per TP rank in the attention; ``--float64``:
 in double precision, where AdamW's steps of nearly-zero gradient entries no longer depend on
 the summation order, so that layouts can be compared closely).  The losses are kept in the committed state, so the
 last launch ends holding the whole run's losses; rank 0 saves them and the full model to
@@ -40,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("sgd", "adam"), default=None)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--no-grid", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--float64", action="store_true")
     p.add_argument("--steps", type=int, default=28)
@@ -122,10 +124,12 @@ def gpt_job(args: argparse.Namespace):
 
     if args.float64:
         torch.set_default_dtype(torch.float64)
-    grid = ProcessGrid(dp=hvd.size() // (args.tp * args.pp), tp=args.tp, pp=args.pp)
     data, alphabet = corpus()
     config = GPTConfig(vocab_size=len(alphabet), sequence_length=16, dim=32, heads=4, layers=4,
                        dropout=args.dropout)
+    if args.no_grid:
+        return plain_gpt_job(config, data)
+    grid = ProcessGrid(dp=hvd.size() // (args.tp * args.pp), tp=args.tp, pp=args.pp)
     trainer = build_trainer(config, grid, microbatches=2)
     generator = torch.Generator().manual_seed(5)
     state = hvd.elastic.TorchState(trainer.stage, trainer.optimizers[0], grid=grid, step=0, losses=[],
@@ -145,6 +149,32 @@ def gpt_job(args: argparse.Namespace):
         return loss.detach().double() * share if grid.is_last_stage else torch.zeros((), dtype=torch.float64)
 
     return state, step, lambda: full_state_dict(trainer.stage, grid)
+
+
+def plain_gpt_job(config, data: torch.Tensor):
+    """The tiny GPT as one model on every rank, data-parallel over the world, without a grid:
+    what a TP x PP commit restores into as the single-process model."""
+    from tiny_gpt import batch, build_blocks, loss_function
+
+    model = torch.nn.Sequential(*build_blocks(config))
+    optimizer = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                         named_parameters=model.named_parameters())
+    loss_fn = loss_function(config, None)
+    generator = torch.Generator().manual_seed(5)
+    state = hvd.elastic.TorchState(model, optimizer, step=0, losses=[], data=generator.get_state())
+
+    def step() -> torch.Tensor:
+        generator.set_state(state.data)
+        inputs, targets = batch(data, 4, config.sequence_length, generator)
+        state.data = generator.get_state()
+        rows = slice(hvd.rank() * 4 // hvd.size(), (hvd.rank() + 1) * 4 // hvd.size())
+        loss = loss_fn(model(inputs[rows]), targets[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach().double()
+
+    return state, step, lambda: {key: value.clone() for key, value in model.state_dict().items()}
 
 
 def main() -> None:
