@@ -150,17 +150,25 @@ def load_full_optimizer_state_dict(module: nn.Module, optimizer: Any, state: Map
         if saved is not None:
             entries[index] = {key: _block_of_state(param, value, names[id(param)], key)
                               for key, value in saved.items()}
+    groups = groups_by_position(optimizer, state["param_groups"], lambda param: names[id(param)])
+    optimizer.load_state_dict({"state": entries, "param_groups": groups})
+
+
+def groups_by_position(optimizer: Any, saved: list[dict], name_of) -> list[dict]:
+    """``optimizer``'s parameter groups as its ``state_dict`` holds them (parameters by
+    position), each with the options of the ``saved`` group (parameters by name, as
+    ``name_of(param)`` gives them) holding its first parameter."""
     groups, start = [], 0
     for group in optimizer.param_groups:
-        first = names[id(group["params"][0])]
-        options = next((g for g in state["param_groups"] if first in g["params"]), None)
+        first = name_of(group["params"][0])
+        options = next((g for g in saved if first in g["params"]), None)
         if options is None:
-            raise InvalidArgumentError(f"load_full_optimizer_state_dict: parameter {first!r} is in no parameter "
-                                       "group of the state: it was saved for another model")
+            raise InvalidArgumentError(f"parameter {first!r} is in no parameter group of the saved optimizer state: "
+                                       "it was saved for another model")
         groups.append(dict({key: value for key, value in options.items() if key != "params"},
                            params=list(range(start, start + len(group["params"])))))
         start += len(group["params"])
-    optimizer.load_state_dict({"state": entries, "param_groups": groups})
+    return groups
 
 
 def _parameter_names(module: nn.Module, optimizer: Any) -> dict[int, str]:

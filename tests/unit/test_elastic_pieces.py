@@ -1,7 +1,7 @@
 """Elastic training's pieces in one process, without MPI: the ElasticSampler's sharding and
 resumption (ranks simulated by patching psrt.runtime), plan_batch, the read plan of a sharded
-TP x PP commit, the CommitStore's commit directory, and psrun's side (slot groups, host discovery, and the Supervisor driving a fake
-launch and fake jobs).  The same behaviour end to end under psrun is in
+TP x PP commit, the CommitStore's commit directory, and psrun's side (slot groups, host
+discovery, and the Supervisor driving a fake launch and fake jobs).  The same behaviour end to end under psrun is in
 tests/parallel/test_elastic.py.
 """
 from __future__ import annotations

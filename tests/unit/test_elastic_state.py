@@ -342,7 +342,8 @@ def test_a_grid_commit_of_psrt_before_shards_restores(world_of_one, elastic_dir)
     state = hvd.elastic.TorchState(fresh_model, fresh_optimizer, grid=ProcessGrid(), epoch=0)
     assert state._resume() and state.epoch == 4
     assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
-    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    exp_avg = optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], exp_avg)
 
 
 def test_optimizers_are_told_apart_by_the_state_protocol_not_their_type(world_of_one, elastic_dir):
