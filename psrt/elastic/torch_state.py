@@ -179,12 +179,10 @@ class TorchState(ObjectState):
         rng = mine["rng"] if mine is not None else _Rng.capture()
         if not same_layout:
             rng.pop("tp", None)
-        ties = []
         if "shards" in replicated and self._owns_model():  # a TP x PP commit, made on any grid
-            restored = sharded_model.restore_shards(self.model, self.optimizer, replicated["shards"],
-                                                    self._store.directory(self._commit_number))
-            held, ties = {"model": restored.model, "optimizer": restored.optimizer}, restored.ties
-        elif "full" in replicated and self._owns_model():  # one of psrt before, gathered whole
+            self._take_shards(replicated, rng)
+            return
+        if "full" in replicated and self._owns_model():  # one of psrt before, gathered whole
             FullState(self.model, self.optimizer, self.grid).load_state_dict(replicated["full"])
             held = {"model": {key: value.detach().clone() for key, value in self.model.state_dict().items()}}
             if self.optimizer is not None:
@@ -192,11 +190,42 @@ class TorchState(ObjectState):
         else:  # grid-less commits, and per-rank TP x PP ones of an earlier psrt (same grid)
             held = replicated if self.grid is None else (mine or {})
         self._copies = {"rng": rng, "samplers": replicated["samplers"],
-                        **{key: held[key] for key in ("model", "optimizer") if held.get(key) is not None}}
+                        **{key: held[key] for key in ("model", "optimizer") if key in held}}
         self.restore()  # sharded optimizers load the commit's own checkpoint here
+
+    def _take_shards(self, replicated: dict, rng: dict) -> None:
+        """Restore this rank's blocks of a sharded commit (collective, see
+        :func:`~psrt.elastic.sharded_model.restore_shards`).  The tensors read become the kept
+        copy of the model and the optimizer's own state, and the optimizer's kept copy is
+        written into the previous one's tensors, so a rank never holds more than one extra
+        copy of its part of the model and optimizer."""
+        restored = sharded_model.restore_shards(self.model, self.optimizer, replicated["shards"],
+                                                self._store.directory(self._commit_number))
+        previous = self._copies.get("optimizer")
+        self._copies = {"rng": rng, "samplers": replicated["samplers"], "model": restored.model}
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(restored.optimizer)  # takes the tensors as they are
+        self.restore()
+        if self.optimizer is not None:
+            self._copies["optimizer"] = _copy_into(self.optimizer.state_dict(), previous)
         with torch.no_grad():
-            for copy_of_tied, value in ties:  # a pipeline's copies of parameters another stage owns
+            for copy_of_tied, value in restored.ties:  # a pipeline's copies of parameters another stage owns
                 copy_of_tied.copy_(value)
+
+
+def _copy_into(state: dict, previous: dict | None) -> dict:
+    """A copy of an optimizer's ``state_dict``, made in the tensors of ``previous`` (an earlier
+    copy, to be dropped) where they match in shape and dtype, new where they do not."""
+    old = (previous or {}).get("state", {})
+    copied = {}
+    for index, entry in state["state"].items():
+        copied[index] = {}
+        for key, value in entry.items():
+            buffer = old.get(index, {}).get(key)
+            fits = isinstance(value, torch.Tensor) and isinstance(buffer, torch.Tensor) and \
+                (buffer.shape, buffer.dtype) == (value.shape, value.dtype)
+            copied[index][key] = buffer.copy_(value) if fits else copy.deepcopy(value)
+    return {"state": copied, "param_groups": copy.deepcopy(state["param_groups"])}
 
 
 def _is_sharded(optimizer: object) -> bool:
