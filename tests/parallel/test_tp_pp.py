@@ -1,5 +1,6 @@
 """Tensor and pipeline parallelism: each TP layer and each pipeline schedule against one
-process at 2 and 4 ranks, and the tiny GPT on four DP × TP × PP layouts against one process."""
+process at 2 and 4 ranks, the tiny GPT on DP × TP × PP layouts against one process, and its
+elastic commit restored on another layout."""
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,8 @@ GPT_CHECKS = ["gpt/dp1_tp2_pp2/1f1b", "gpt/dp2_tp1_pp2/gpipe", "gpt/dp2_tp2_pp1/
               "gpt/dp2_tp1_pp2_ep2/1f1b", "gpt/dp2_tp2_pp1_ep2/1f1b", "gpt/dp4_tp1_pp1_ep2/1f1b",
               "gpt/dp1_tp2_pp2/1f1b/tied_embeddings", "gpt/dp2_tp1_pp2/zb-h1/tied_embeddings/overlapped_allreduce",
               "gpt/dp1_tp1_pp4/gpipe/tied_embeddings", "gpt/dp2_tp1_pp2/interleaved_v2/tied_embeddings/zero1"]
+COMMIT_CHECKS = ["checkpoint/sharded_commit/dp2_tp1_pp2_ep2_to_dp2_tp2_pp1/experts/tied_embeddings",
+                 "checkpoint/sharded_commit/dp1_tp2_pp2_to_dp1_tp4_pp1/memory"]
 
 
 @pytest.mark.parametrize("check", TP_CHECKS)
@@ -69,9 +72,14 @@ def test_tiny_gpt_follows_single_process_on_every_layout(parallel_jobs, check):
     parallel_jobs.get("gpt_check.py", 4).assert_ok(check)
 
 
+@pytest.mark.parametrize("check", COMMIT_CHECKS)
+def test_an_elastic_commit_of_the_gpt_restores_on_another_layout_holding_only_its_part(parallel_jobs, check):
+    parallel_jobs.get("gpt_check.py", 4).assert_ok(check)
+
+
 @pytest.mark.parametrize("script,np,expected", [
     ("tp_check.py", 2, TP_CHECKS), ("tp_check.py", 4, TP_CHECKS), ("pp_check.py", 2, pp_checks(2)),
-    ("pp_check.py", 4, pp_checks(4)), ("gpt_check.py", 4, GPT_CHECKS)])
+    ("pp_check.py", 4, pp_checks(4)), ("gpt_check.py", 4, GPT_CHECKS + COMMIT_CHECKS)])
 def test_jobs_report_every_check_and_end_cleanly(parallel_jobs, script, np, expected):
     parallel_jobs.get(script, np).assert_complete(expected)
 
