@@ -15,7 +15,9 @@ another), and :class:`FullState` puts the two behind the state protocol
 
 :func:`full_state_dict` is collective over the grid.  The merge sends each rank's entries
 to the others of its EP and PP sets, so every rank holds the whole model in host memory for
-a moment.
+a moment.  That is why elastic commits no longer use it: they write each rank's own blocks
+(:mod:`psrt.elastic.sharded_model`); :class:`FullState` still reads the commits of psrt that
+did.
 """
 from __future__ import annotations
 
