@@ -2,7 +2,7 @@
 blocks make up a block a rank wants: the read plan of a sharded commit, as data.
 
 A TP x PP commit (:mod:`psrt.elastic.sharded_model`) keeps each tensor as the blocks the
-ranks held, each with its :class:`Layout` (the full shape and the TP
+ranks held, each with its :class:`BlockLayout` (the full shape and the TP
 :class:`~psrt.tp.sharding.Sharding`, or none for a whole tensor).  A rank of another grid
 wants its own block, which may straddle several saved ones (TP 2 to TP 4 takes half of
 one, TP 4 to TP 2 two of them), cut along another dimension, or hold padding rows past an
@@ -36,7 +36,7 @@ class Span:
 
 
 @dataclass(frozen=True)
-class Piece:
+class BlockRead:
     """One read: rows ``[begin, end)`` of dimension ``rows[0]`` of a saved block (``rows[0]``
     None: all of it), narrowed to ``narrow`` (dim, start, length) when the blocks are cut
     along different dimensions, copied into the wanted block from row ``place`` (per dim)."""
@@ -47,7 +47,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Layout:
+class BlockLayout:
     """A block of a tensor: ``shape`` is the full (single-process) tensor's, ``sharding`` the
     TP block held (None: the whole tensor), ``dtype`` the saved one."""
 
@@ -56,7 +56,7 @@ class Layout:
     dtype: str = "float32"
 
     @classmethod
-    def of(cls, tensor: torch.Tensor, like: torch.Tensor | None) -> Layout:
+    def of(cls, tensor: torch.Tensor, like: torch.Tensor | None) -> BlockLayout:
         """The layout of ``tensor``, a block laid out as the TP parameter ``like`` is (None:
         the whole tensor)."""
         sharding = None if like is None else sharding_of(like)
@@ -88,7 +88,7 @@ class Layout:
         return value
 
     @classmethod
-    def from_json(cls, value: object, where: str) -> Layout:
+    def from_json(cls, value: object, where: str) -> BlockLayout:
         try:
             sharding = Sharding(**{key: int(value[key]) for key in _SHARDING_FIELDS}) if "dim" in value else None
             return cls(tuple(int(n) for n in value["shape"]), sharding, str(value["dtype"]))
@@ -96,7 +96,7 @@ class Layout:
             raise ElasticError(f"the commit's layout of {where} is damaged ({value!r})") from None
 
 
-def pieces(wanted: Layout, saved: Sequence[Layout], name: str) -> list[tuple[int, Piece]]:
+def pieces(wanted: BlockLayout, saved: Sequence[BlockLayout], name: str) -> list[tuple[int, BlockRead]]:
     """The reads that fill the ``wanted`` block from the ``saved`` blocks of tensor ``name``
     (every file's, in file order), as (index into ``saved``, piece).  One whole saved copy is
     enough; otherwise the saved blocks must cover the tensor.  Raises :class:`ElasticError`
@@ -110,7 +110,7 @@ def pieces(wanted: Layout, saved: Sequence[Layout], name: str) -> list[tuple[int
             if (piece := _overlap(t, s)) is not None]
 
 
-def _covering(saved: Sequence[Layout], name: str) -> list[int]:
+def _covering(saved: Sequence[BlockLayout], name: str) -> list[int]:
     """The saved blocks to read from: the first whole copy, or one block per TP index."""
     whole = [k for k, layout in enumerate(saved) if layout.sharding is None]
     if whole:
@@ -126,24 +126,24 @@ def _covering(saved: Sequence[Layout], name: str) -> list[int]:
     return sorted(first.values())
 
 
-def _overlap(t: Span, s: Span) -> Piece | None:
+def _overlap(t: Span, s: Span) -> BlockRead | None:
     """The part of saved span ``s`` that wanted span ``t`` holds, or None."""
     if s.dim is None:
         if t.dim is None:
-            return Piece((None, 0, 0), None, ())
-        return Piece((t.dim, t.begin, t.end), None, ((t.dim, t.at),))
+            return BlockRead((None, 0, 0), None, ())
+        return BlockRead((t.dim, t.begin, t.end), None, ((t.dim, t.at),))
     rows = (s.dim, s.at, s.at + s.end - s.begin)
     if t.dim is None:
-        return Piece(rows, None, ((s.dim, s.begin),))
+        return BlockRead(rows, None, ((s.dim, s.begin),))
     if s.dim != t.dim:  # cut along other dimensions: the saved rows, narrowed to the wanted ones
-        return Piece(rows, (t.dim, t.begin, t.end - t.begin), ((t.dim, t.at), (s.dim, s.begin)))
+        return BlockRead(rows, (t.dim, t.begin, t.end - t.begin), ((t.dim, t.at), (s.dim, s.begin)))
     begin, end = max(t.begin, s.begin), min(t.end, s.end)
     if begin >= end:
         return None
-    return Piece((s.dim, s.at + begin - s.begin, s.at + end - s.begin), None, ((t.dim, t.at + begin - t.begin),))
+    return BlockRead((s.dim, s.at + begin - s.begin, s.at + end - s.begin), None, ((t.dim, t.at + begin - t.begin),))
 
 
-def fill(block: torch.Tensor, part: torch.Tensor, piece: Piece) -> None:
+def fill(block: torch.Tensor, part: torch.Tensor, piece: BlockRead) -> None:
     """Copy ``part`` (what ``piece.rows`` read) into its place in ``block``."""
     if piece.narrow is not None:
         part = part.narrow(*piece.narrow)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from psrt.checkpoint.files import StoredDocument, StoredTensor
-from psrt.elastic.shard_layout import Layout, Piece, fill, pieces
+from psrt.elastic.shard_layout import BlockLayout, BlockRead, fill, pieces
 from psrt.errors import ElasticError
 from psrt.full_state import groups_by_position
 
@@ -57,8 +57,8 @@ class _Read:
 
     file: str
     path: tuple[str, ...]
-    layout: Layout
-    piece: Piece
+    layout: BlockLayout
+    piece: BlockRead
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class ReadPlan:
         if missing:
             raise ElasticError(f"the commit lacks {len(missing)} of this rank's entries, {missing[:5]}: it is of "
                                "another model")
-        self.model = {slot: self._target(("model", sources[slot]), Layout.of(tensor, like=tensor), tensor.dtype)
+        self.model = {slot: self._target(("model", sources[slot]), BlockLayout.of(tensor, like=tensor), tensor.dtype)
                       for slot, tensor in tensors.items()}
         self.optimizer = None if optimizer is None else self._optimizer_targets(optimizer, names, index)
 
@@ -110,9 +110,9 @@ class ReadPlan:
         found = [(file, _lookup(entry, path)) for file, entry in self.files_index.items()]
         return [(file, value) for file, value in found if value is not None]
 
-    def _target(self, path: tuple[str, ...], wanted: Layout, dtype: torch.dtype) -> _Target:
+    def _target(self, path: tuple[str, ...], wanted: BlockLayout, dtype: torch.dtype) -> _Target:
         where = "/".join(path)
-        saved = [(file, Layout.from_json(value.get("layout", value), f"{where} in {file}"))
+        saved = [(file, BlockLayout.from_json(value.get("layout", value), f"{where} in {file}"))
                  for file, value in self._saved(path)]
         found = pieces(wanted, [layout for _, layout in saved], where)
         return _Target(wanted.block_shape, dtype, [_Read(saved[k][0], path, saved[k][1], piece) for k, piece in found])
@@ -133,10 +133,10 @@ class ReadPlan:
                 if "value" in value:
                     entry[key] = value["value"]
                     continue
-                first = Layout.from_json(value["layout"], f"optimizer/{source}/{key}")
-                own = Layout.of(param, like=param)
-                wanted = Layout(own.shape, own.sharding, first.dtype) if first.shape == own.shape else \
-                    Layout(first.shape, None, first.dtype)
+                first = BlockLayout.from_json(value["layout"], f"optimizer/{source}/{key}")
+                own = BlockLayout.of(param, like=param)
+                wanted = BlockLayout(own.shape, own.sharding, first.dtype) if first.shape == own.shape else \
+                    BlockLayout(first.shape, None, first.dtype)
                 entry[key] = self._target(("optimizer", source, key), wanted, _dtype(first.dtype))
             state[position] = entry
         in_groups = {name for group in index["param_groups"] for name in group["params"]}

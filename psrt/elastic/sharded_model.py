@@ -8,7 +8,7 @@ and context-parallel rank writes, to a file of its own, its TP blocks of its sta
 entries and of their optimizer state (the state tensors shaped like their parameter, such
 as Adam's moments; other state whole), and the other ranks of its expert-parallel set write
 their experts'.  The commit's replicated document holds a small index: each file's size
-and sha256 and, per tensor, its :class:`~psrt.elastic.shard_layout.Layout`, plus the
+and sha256 and, per tensor, its :class:`~psrt.elastic.shard_layout.BlockLayout`, plus the
 parameter groups' options.  A rank restoring on another grid, or without one, plans from
 the index alone which rows of which files make up each of its blocks, opens only those
 files (each checked against its record), agrees with every other rank that all is well,
@@ -28,7 +28,7 @@ from torch import nn
 
 from psrt import runtime
 from psrt.checkpoint import files as checkpoint_files
-from psrt.elastic.shard_layout import Layout
+from psrt.elastic.shard_layout import BlockLayout
 from psrt.elastic.shard_plan import ReadPlan, Restored, name_of, tensor_names
 from psrt.ep import expert_parameters
 from psrt.errors import ElasticError, PsrtError
@@ -74,7 +74,7 @@ def _shard(module: nn.Module, optimizer: object, copies: dict, grid: ProcessGrid
     for key, tensor in module.state_dict(keep_vars=True).items():
         if names[id(tensor)] == key and (experts is None or id(tensor) in experts):
             model[key] = copies["model"][key]
-            layouts[key] = Layout.of(model[key], like=tensor).to_json()
+            layouts[key] = BlockLayout.of(model[key], like=tensor).to_json()
     tensors, states, groups = {}, {}, []
     if optimizer is not None:
         saved = copies["optimizer"]
@@ -85,7 +85,7 @@ def _shard(module: nn.Module, optimizer: object, copies: dict, grid: ProcessGrid
                 continue
             for key, value in saved["state"].get(position, {}).items():
                 if isinstance(value, torch.Tensor):  # shaped like its parameter: laid out as it is
-                    layout = Layout.of(value, like=param if value.shape == param.shape else None)
+                    layout = BlockLayout.of(value, like=param if value.shape == param.shape else None)
                     tensors.setdefault(name, {})[key] = value
                     states.setdefault(name, {})[key] = {"layout": layout.to_json()}
                 else:

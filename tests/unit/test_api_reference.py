@@ -112,6 +112,7 @@ LOCAL = {
     "psrt.pp.in_flight", "psrt.pp.interleaved_one_f_one_b", "psrt.pp.makespan", "psrt.pp.one_f_one_b",
     "psrt.pp.render", "psrt.pp.simulate", "psrt.pp.zero_bubble_h1",
     "psrt.full_state.load_full_state_dict", "psrt.full_state.load_full_optimizer_state_dict",
+    "psrt.full_state.groups_by_position",
     "psrt.full_state.FullState", "psrt.full_state.FullState.load_state_dict", "psrt.pretrained.load_pretrained",
     "psrt.stateful.Stateful", "psrt.stateful.Stateful.state_dict", "psrt.stateful.Stateful.load_state_dict",
     "psrt.stateful.ShardedStateful",

@@ -33,7 +33,7 @@ from psrt.elastic import commits
 from psrt.elastic.batch import plan_batch
 from psrt.elastic.commits import CommitStore
 from psrt.elastic.sampler import ElasticSampler
-from psrt.elastic.shard_layout import Layout, fill, pieces
+from psrt.elastic.shard_layout import BlockLayout, fill, pieces
 from psrt.errors import ElasticError, InvalidArgumentError
 from psrt.tp.sharding import Sharding
 
@@ -217,17 +217,17 @@ def test_a_bad_policy_or_base_size_is_refused(kwargs):
 
 # The read plan of a sharded TP x PP commit
 
-def saved_blocks(full: torch.Tensor, split: tuple | None) -> list[tuple[torch.Tensor, Layout]]:
+def saved_blocks(full: torch.Tensor, split: tuple | None) -> list[tuple[torch.Tensor, BlockLayout]]:
     """``full`` as the blocks of ``split`` (parts, dim, stride; None: one whole copy), each with its layout."""
     if split is None:
-        return [(full.clone(), Layout(tuple(full.shape), None, "float32"))]
+        return [(full.clone(), BlockLayout(tuple(full.shape), None, "float32"))]
     parts, dim, stride = split
     shardings = [Sharding(dim=dim, parts=parts, index=i, full_size=full.shape[dim], stride=stride)
                  for i in range(parts)]
-    return [(s.shard(full), Layout(tuple(full.shape), s, "float32")) for s in shardings]
+    return [(s.shard(full), BlockLayout(tuple(full.shape), s, "float32")) for s in shardings]
 
 
-def planned_reads(saved: list, wanted: Layout) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def planned_reads(saved: list, wanted: BlockLayout) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """The wanted block filled by the plan's reads, and (saved block, rows read) per read."""
     block, rows = torch.zeros(wanted.block_shape), []
     for k, piece in pieces(wanted, [layout for _, layout in saved], "w"):
@@ -266,12 +266,12 @@ def test_a_rank_reads_only_the_rows_of_its_own_block():
 def test_a_plan_refuses_missing_blocks_and_another_models_shape_naming_the_tensor():
     full = torch.randn(8, 3)
     blocks = [layout for _, layout in saved_blocks(full, (4, 0, 1))]
-    wanted = Layout((8, 3), None, "float32")
+    wanted = BlockLayout((8, 3), None, "float32")
     with pytest.raises(ElasticError, match=re.escape("w: the commit holds blocks [0, 1, 3] of 4")):
         pieces(wanted, blocks[:2] + blocks[3:], "w")
     with pytest.raises(ElasticError, match=re.escape("w: the commit holds it with full shape [8, 3], this rank's "
                                                      "model has [8, 4]")):
-        pieces(Layout((8, 4), None, "float32"), blocks, "w")
+        pieces(BlockLayout((8, 4), None, "float32"), blocks, "w")
 
 
 # CommitStore
