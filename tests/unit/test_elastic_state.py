@@ -3,6 +3,7 @@ it refuses.  The multi-rank behaviour (relaunches, resharding, exact resume) is 
 tests/parallel/test_elastic.py."""
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -286,6 +287,23 @@ def test_a_grid_commit_holds_each_block_once_and_restores_without_a_grid(world_o
     torch.manual_seed(2)
     step(fresh_model, fresh_optimizer)
     assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_sharded_restore_keeps_a_copy_of_its_own_that_restore_goes_back_to(world_of_one, elastic_dir):
+    """The restored optimizer state and the kept copy (written into the previous copy's
+    tensors) are distinct: training on, then restore(), gives the commit back."""
+    from psrt.grid import ProcessGrid
+    model, optimizer, _ = trained()
+    hvd.elastic.TorchState(model, optimizer, grid=ProcessGrid()).commit()
+    fresh_model, fresh_optimizer, _ = trained(seed=1)  # with optimizer state, so the old copy has tensors to reuse
+    state = hvd.elastic.TorchState(fresh_model, fresh_optimizer, grid=ProcessGrid())
+    assert state._resume()
+    committed = copy.deepcopy(optimizer.state_dict())
+    step(fresh_model, fresh_optimizer)
+    state.restore()
+    assert all(torch.equal(fresh_model.state_dict()[k], v) for k, v in model.state_dict().items())
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(fresh_optimizer.state_dict()["state"][0][key], committed["state"][0][key]), key
 
 
 def test_a_parameter_under_two_names_is_committed_once_and_restored_under_both(world_of_one, elastic_dir):
