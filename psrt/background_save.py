@@ -179,7 +179,13 @@ class BackgroundSaver:
         return self._last
 
     def _exchange(self, value: object, what: str) -> list:
-        return self._group.allgather_object(value, label=f"{_LABEL} ({what})")
+        """Every rank's ``value``, once every rank has come: the wait naps (MPI's own blocking
+        calls spin, which would take a core from training while a slower rank writes)."""
+        group = self._group
+        me = group.ranks[group.rank]
+        group.wait(group.host.barrier(), f"a {_LABEL}", lambda: f"rank {me}'s background save ({what}) over "
+                   f"{group.name}, waiting for the other ranks to finish writing")
+        return group.allgather_object(value, label=f"{_LABEL} ({what})")
 
     def wait(self) -> None:
         """Wait for the save in flight; raise its error unless its handle already did."""
