@@ -53,7 +53,7 @@ from psrt.elastic import commits
 from psrt.errors import CheckpointError
 from psrt.zero import ZeroOptimizer, consolidate
 
-from mpi4py import MPI  # after psrt, whose bootstrap starts MPI  # noqa: E402
+from mpi4py import MPI  # after psrt: its bootstrap starts MPI
 
 ROWS = 32
 KINDS = ("commit", "zero")
@@ -143,8 +143,8 @@ def check_background_equals_synchronous(trainer: Trainer) -> bool:
             documents.append(consolidate(trainer.zero_directory(trainer.saves)))
         elif comm.rank == 0:
             record = checkpoint_files.read_json(os.path.join(trainer.root, commits.LATEST), CheckpointError)
-            documents.append(checkpoint_files.load_tensors(
-                os.path.join(trainer.root, f"commit-{record['commit']:06d}", commits.REPLICATED), None, CheckpointError))
+            replicated = os.path.join(trainer.root, f"commit-{record['commit']:06d}", commits.REPLICATED)
+            documents.append(checkpoint_files.load_tensors(replicated, None, CheckpointError))
     same = comm.rank != 0 or _equal(documents[0], documents[1])
     trainer.tidy()
     return all(comm.allgather(same))
@@ -154,7 +154,8 @@ def _equal(ours: object, theirs: object) -> bool:
     if isinstance(theirs, torch.Tensor):
         return isinstance(ours, torch.Tensor) and torch.equal(ours, theirs)
     if isinstance(theirs, dict):
-        return isinstance(ours, dict) and ours.keys() == theirs.keys() and all(_equal(ours[k], v) for k, v in theirs.items())
+        return isinstance(ours, dict) and ours.keys() == theirs.keys() and all(_equal(ours[key], value)
+                                                                               for key, value in theirs.items())
     if isinstance(theirs, (list, tuple)):
         return len(ours) == len(theirs) and all(_equal(a, b) for a, b in zip(ours, theirs))
     return ours == theirs

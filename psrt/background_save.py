@@ -18,11 +18,11 @@ then waits for the copies, so a later write to a tensor comes after its copy, an
 never waits: the writer thread does, before it writes (stream operations through
 :func:`psrt.comm.streams.api`, which the tests' CPU fake checks).
 
-One save in flight per process set.  The next background save of the set, a synchronous
-commit or ``wait()`` waits for it first, and raises its error there unless its handle
-already did.  The outcome was agreed by every rank, so every rank raises the same error at
-the same call.  ``shutdown()`` (and so the end of the script) waits for a save in flight and
-raises an error nobody was told of (at exit it is printed).
+One save in flight per process set.  The set's next save (a ZeRO save, background or not;
+an elastic state's next commit) or ``wait()`` waits for it first, and raises its error there
+unless its handle already did.  The outcome was agreed by every rank, so every rank raises
+the same error at the same call.  ``shutdown()`` (and so the end of the script) waits for a
+save in flight and raises an error nobody was told of (at exit it is printed).
 
 Where the ranks agree.  Before the first rank writes the commit record, every rank must have
 written its files, and afterwards every rank must learn whether the record was written.  That
@@ -49,6 +49,8 @@ from psrt.comm.direct import DirectGroup
 from psrt.errors import CheckpointError
 from psrt.runtime import Runtime
 from psrt.topology import ProcessSet
+
+__all__ = ["SaveHandle"]  # what a user holds; the rest serves psrt.elastic and psrt.zero
 
 #: What every rank passes to the others: its failure (None when all went well) and the
 #: records of the files it wrote (file name -> size and sha256), given a label for the wait.
@@ -82,9 +84,11 @@ def write_then_publish(write: Callable[[], dict[str, dict]], publish: Callable[[
 
 
 class SaveHandle:
-    """A background save, as ``async_save``'s future: :meth:`wait` (or :meth:`result`) blocks
-    until its files and commit record are written and raises its error, the same on every
-    rank; :meth:`done` says whether it has finished."""
+    """A background save (what ``state.commit(background=True)`` and ``zero.save(...,
+    background=True)`` return), as ``async_save``'s future: :meth:`wait` (or :meth:`result`)
+    blocks until its files and commit record are written and raises its error, the same on
+    every rank; :meth:`done` says whether it has finished.  Waiting is not collective, but call
+    it on every rank or on none: an error it raised is not raised again by the next save."""
 
     def __init__(self, future: concurrent.futures.Future | None) -> None:
         self._future = future  # None: nothing was left to write when the call returned
@@ -232,6 +236,14 @@ def _map_tensors(value: object, change: Callable[[torch.Tensor], torch.Tensor]) 
     if isinstance(value, tuple) and not isinstance(value, torch.Size):
         return tuple(_map_tensors(item, change) for item in value)
     return value
+
+
+def wait_for(runtime: Runtime, process_set: ProcessSet) -> None:
+    """Wait for ``process_set``'s background save in flight, if any, raising its error unless
+    its handle did (what a synchronous save does first); no communication."""
+    saver = runtime.savers.get(process_set.process_set_id)
+    if saver is not None:
+        saver.wait()
 
 
 def saver_of(runtime: Runtime, process_set: ProcessSet) -> BackgroundSaver:

@@ -25,7 +25,7 @@ import uuid
 
 import torch
 
-from psrt.background_save import SaveHandle, saver_of
+from psrt.background_save import SaveHandle, saver_of, wait_for
 from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import CheckpointError, InvalidArgumentError
 from psrt.zero.partition import ParamInfo, Partition
@@ -72,8 +72,8 @@ def save(zero, directory: str, extra: dict | None = None, *, background: bool = 
     With ``background=True`` (torch DCP's ``async_save``) the shards are written by a thread
     (:mod:`psrt.background_save`): this returns once they are copied, with a handle whose
     ``wait()`` blocks until ``zero_meta.json`` is written, and raises (on every rank) a
-    :class:`~psrt.errors.CheckpointError` naming each rank that failed.  The set's next
-    background save, or ``shutdown()``, waits for it first.  Until ``zero_meta.json`` is
+    :class:`~psrt.errors.CheckpointError` naming each rank that failed.  The set's next save,
+    or ``shutdown()``, waits for it first.  Until ``zero_meta.json`` is
     written the directory is incomplete: save to a new directory each time to keep the
     previous checkpoint whole across a crash.
 
@@ -89,9 +89,8 @@ def save(zero, directory: str, extra: dict | None = None, *, background: bool = 
     :returns: the background save's handle, or None.
     """
     json.dumps(extra)  # fail before any file is written, on the calling rank
+    wait_for(zero.runtime, zero.process_set)  # the save in flight first: its error, and the copies it holds
     saver = saver_of(zero.runtime, zero.process_set) if background else None
-    if saver is not None:
-        saver.wait()  # the save in flight first: its error, and the clones it holds
     zero.synchronize()
     save_id = zero.channel.broadcast_object(uuid.uuid4().hex, zero.channel.ranks[0], name="zero.save.id")
     set_rank = zero.channel.rank

@@ -17,13 +17,13 @@ import torch
 import psrt.torch as hvd
 from launcher import contract
 from psrt import background_save
+from psrt.comm import streams
 from psrt.elastic import commits
 from psrt.errors import CheckpointError, ElasticError
 from psrt.zero import ZeroOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fake_device  # noqa: E402  (tests/, as the engine pieces' fake-device test does)
-from psrt.comm import streams  # noqa: E402
+import fake_device  # tests/, as the engine pieces' fake-device test finds it
 
 
 @pytest.fixture
@@ -151,5 +151,6 @@ def test_staging_orders_a_device_tensors_copy_after_its_producer_and_before_late
         document = staged.take()
     assert not cuda.unwaited and not cuda.unready, cuda.unwaited + cuda.unready
     assert cuda.host_waits == ["a background save writes its staged copy from host memory"]
-    assert torch.equal(document["weight"], torch.full((64,), 3.0)) and document["weight"].data_ptr() != weight.data_ptr()
+    assert torch.equal(document["weight"], torch.full((64,), 3.0))
+    assert document["weight"].data_ptr() != weight.data_ptr()
     assert document["step"] == 7 and document["shape"] == torch.Size([64])

@@ -191,17 +191,21 @@ def check_a_zero_save_that_failed_unseen_is_raised_at_the_next_save(name: str, r
     assert consolidate(os.path.join(root, "zero-next"))["model"].keys()
 
 
+CHECKS = {
+    "elastic/background_commit_is_the_synchronous_one": check_elastic_background_commit_is_the_synchronous_one,
+    "zero/background_save_is_the_synchronous_one_and_one_process":
+        check_zero_background_save_is_the_synchronous_one_and_one_process,
+    "errors/a_commit_that_fails_on_rank_1_fails_on_every_rank": check_a_commit_that_fails_on_rank_1_fails_on_every_rank,
+    "errors/a_zero_save_that_failed_unseen_is_raised_at_the_next_save":
+        check_a_zero_save_that_failed_unseen_is_raised_at_the_next_save,
+}
+
+
 def main(root: str) -> None:
     hvd.init()
     checks = _harness.Checks()
-    checks.add("elastic/background_commit_is_the_synchronous_one", check_elastic_background_commit_is_the_synchronous_one,
-               root)
-    checks.add("zero/background_save_is_the_synchronous_one_and_one_process",
-               check_zero_background_save_is_the_synchronous_one_and_one_process, root)
-    checks.add("errors/a_commit_that_fails_on_rank_1_fails_on_every_rank",
-               check_a_commit_that_fails_on_rank_1_fails_on_every_rank, root)
-    checks.add("errors/a_zero_save_that_failed_unseen_is_raised_at_the_next_save",
-               check_a_zero_save_that_failed_unseen_is_raised_at_the_next_save, root)
+    for name, check in CHECKS.items():
+        checks.add(name, check, root)
     _harness.run(checks)
     hvd.shutdown()
 
