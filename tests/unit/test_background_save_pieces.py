@@ -27,16 +27,12 @@ import fake_device  # tests/, as the engine pieces' fake-device test finds it
 
 
 @pytest.fixture
-def world_of_one():
-    hvd.init()
-    yield
-    hvd.shutdown()
-
-
-@pytest.fixture
 def elastic_dir(tmp_path, monkeypatch):
+    """A world of one whose commits go to the returned directory."""
     monkeypatch.setenv(contract.ENV_ELASTIC_DIR, str(tmp_path))
-    return tmp_path
+    hvd.init()
+    yield tmp_path
+    hvd.shutdown()
 
 
 @pytest.fixture
@@ -57,7 +53,7 @@ def latest(directory: Path) -> int:
     return json.loads((directory / commits.LATEST).read_text())["commit"]
 
 
-def test_a_commit_returns_before_its_write_and_the_next_one_waits_for_it(world_of_one, elastic_dir, held_writes):
+def test_a_commit_returns_before_its_write_and_the_next_one_waits_for_it(elastic_dir, held_writes):
     state = hvd.elastic.ObjectState(epoch=1)
     held_writes.set()
     state.commit()
@@ -73,7 +69,7 @@ def test_a_commit_returns_before_its_write_and_the_next_one_waits_for_it(world_o
     assert resumed._resume() and resumed.epoch == 3
 
 
-def test_a_failed_write_is_raised_once_and_leaves_the_previous_commit(world_of_one, elastic_dir, monkeypatch):
+def test_a_failed_write_is_raised_once_and_leaves_the_previous_commit(elastic_dir, monkeypatch):
     state = hvd.elastic.ObjectState(epoch=1)
     state.commit()
 
@@ -91,8 +87,7 @@ def test_a_failed_write_is_raised_once_and_leaves_the_previous_commit(world_of_o
     assert latest(elastic_dir) == 2 and hvd.elastic.ObjectState(epoch=0)._resume()
 
 
-def test_a_restore_after_a_background_commit_loads_that_commits_sharded_checkpoint(world_of_one, elastic_dir,
-                                                                                    held_writes):
+def test_a_restore_after_a_background_commit_loads_that_commits_sharded_checkpoint(elastic_dir, held_writes):
     """A ZeRO optimizer's state is restored from the commit directory: the one of the commit in
     flight, once it is written, not the one it replaces (which it removes)."""
     torch.manual_seed(0)
@@ -119,8 +114,9 @@ def test_a_restore_after_a_background_commit_loads_that_commits_sharded_checkpoi
     assert latest(elastic_dir) == 2 and not (elastic_dir / "commit-000001").exists()
 
 
-def test_shutdown_waits_for_a_background_commit_and_raises_a_failure_nobody_saw(elastic_dir, monkeypatch,
-                                                                                 held_writes):
+def test_shutdown_waits_for_a_background_commit_and_raises_a_failure_nobody_saw(tmp_path, monkeypatch, held_writes):
+    monkeypatch.setenv(contract.ENV_ELASTIC_DIR, str(tmp_path))
+    elastic_dir = tmp_path
     hvd.init()
     state = hvd.elastic.ObjectState(epoch=1)
     state.commit(background=True)
