@@ -131,18 +131,18 @@ class BackgroundSaver:
         tensors being copied to host memory (see the module's docstring); the host is not
         held up."""
         cuda = streams.api()
-        events: dict[int, tuple] = {}  # device index -> (its stream, the side stream)
+        pairs: dict[int, tuple] = {}  # device index -> (its current stream, its side stream)
         kept: list[torch.Tensor] = []  # the device tensors, alive until their copies are in
 
         def to_host(tensor: torch.Tensor) -> torch.Tensor:
             if not cuda.covers(tensor.device):
                 return tensor
             index = cuda.index(tensor.device)
-            if index not in events:
+            if index not in pairs:
                 current, side = cuda.current(tensor.device), self._side(tensor.device, index)
                 cuda.wait(side, cuda.record(current))  # the copy reads what its producer wrote
-                events[index] = current, side
-            with cuda.using(events[index][1]):
+                pairs[index] = current, side
+            with cuda.using(pairs[index][1]):
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
                 host.copy_(tensor.detach(), non_blocking=True)
             kept.append(tensor)
@@ -150,7 +150,7 @@ class BackgroundSaver:
 
         staged = _map_tensors(document, to_host)
         done = []
-        for current, side in events.values():
+        for current, side in pairs.values():
             done.append(cuda.record(side))
             cuda.wait(current, done[-1])  # later writes to the tensors come after their copies
         return Staged(staged, done, kept)
