@@ -22,11 +22,12 @@ wait for what is left of the write.  Each figure is the slowest rank's, the medi
   step      ms per step of the plain window (no save in flight);
   held      how long the save call held the training thread: a synchronous save's whole
             write, a background save's copies;
-  slower    how much longer the window's steps took than plain steps: what the writer
-            thread took from training (cores, memory bandwidth, the GIL; negative: noise);
+  slower    how much longer the window's steps took than those of the same round's plain
+            window: what the writer thread took from training (cores, memory bandwidth, the
+            GIL); after a synchronous save it shows the noise (negative: noise too);
   wait      what was left of a background write when the window ended;
-  cost      held + slower + wait: what one save adds to training; ``vs sync`` divides it by
-            the synchronous save's.
+  cost      held + slower + wait of each save (the median of those sums): what one save adds
+            to training; ``vs sync`` divides it by the synchronous save's.
 
 Saves go to ``--dir`` (default: a fresh directory under the system's temporary directory,
 removed at the end), fsynced as every psrt checkpoint is.  Before timing, a background save
@@ -180,7 +181,8 @@ def bench(args: argparse.Namespace, root: str) -> dict:
         results[kind] = {"step_ms": 1e3 * step, "checked": checked[kind]}
         for way in WAYS:
             runs = samples[kind, way]
-            slower = [s["stepping"] - step * args.steps for s in runs]  # signed: noise cancels in the median
+            # against the same round's plain window (drift cancels), signed (noise cancels in the median)
+            slower = [s["stepping"] - plain["stepping"] for s, plain in zip(runs, samples[kind, None])]
             results[kind][way] = {
                 "held_ms": 1e3 * statistics.median(s["held"] for s in runs),
                 "slower_ms": 1e3 * statistics.median(slower),
