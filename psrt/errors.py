@@ -84,7 +84,10 @@ class HostsUpdatedInterrupt(PsrtError, RuntimeError):
 
 class CheckpointError(PsrtError, RuntimeError):
     """A checkpoint that other ranks failed to write or read: every rank raises together, the
-    failing ranks their own error and the others this one, naming each failing rank."""
+    failing ranks their own error and the others this one, naming each failing rank.  Also
+    a ``torch.distributed.checkpoint`` file that does not match the size and sha256
+    :class:`psrt.checkpoint.dcp.ChecksummedWriter` recorded, or a checkpoint that records
+    none (torch then raises its ``CheckpointException``, holding this error, on every rank)."""
 
 
 class NothingFitsError(InvalidArgumentError):

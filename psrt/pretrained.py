@@ -6,10 +6,11 @@ A Hugging Face checkpoint directory (``model.safetensors``, or shards listed in
 the rank holds (safetensors reads a slice without the rest of the tensor), so no rank ever
 holds the whole model; a model built on the meta device is materialised as it loads.
 :func:`save_pretrained` writes such a directory from the shards: each pipeline stage's
-tensors, joined over the TP set, go to one file, with the index and the config beside them,
-so ``from_pretrained`` in one process, or :func:`load_pretrained` at any other layout, takes
-it.  Names are the model's own (:func:`psrt.tp.parallelize` and :func:`psrt.pp.split` keep
-them).
+tensors, joined over the TP set, go to one file (under ZeRO-3, each data-parallel rank writes
+the parameters it owns, assembled from the others' shards, so no rank holds the model), with
+the index and the config beside them, so ``from_pretrained`` in one process, or
+:func:`load_pretrained` at any other layout, takes it.  Names are the model's own
+(:func:`psrt.tp.parallelize` and :func:`psrt.pp.split` keep them).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from psrt.checkpoint.safetensors_reader import SafetensorsReader
 from psrt.errors import InvalidArgumentError
 from psrt.grid import ProcessGrid
 from psrt.tp.sharding import Sharding, sharding_of
+from psrt.zero.whole import owned_parameters
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 RECORDS = "psrt_files"  # in the index's metadata: each weight file's size and sha256, as psrt wrote it
@@ -237,7 +239,7 @@ def _remove_weights(directory: str) -> None:
 
 
 def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None = None, *,
-                    config: object = None) -> None:
+                    config: object = None, optimizer: object = None) -> None:
     """Write a ``save_pretrained``-style directory from the shards: one safetensors file per
     pipeline stage (its tensors joined over the TP set, written by the stage's first data-
     and tensor-parallel rank), the index naming each tensor's file, and ``config`` (a
@@ -248,22 +250,23 @@ def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
     index, which records its size and sha256, so a crash leaves no index naming a half-written
     file.  Returns once the directory is complete.
 
+    ``optimizer``: the :class:`~psrt.zero.ZeroOptimizer` wrapping ``module``, if any.  Under
+    ZeRO-3 (without TP) no rank holds the model, nor gathers it: every data-parallel rank
+    writes a file of its own, ``model-0000R-of-0000N.safetensors``, holding the parameters it
+    owns (at most its shard plus the largest parameter, :func:`psrt.zero.partition.writers`),
+    each assembled from the other ranks' pieces, from the master weights (the parameters' own
+    dtype); the buffers go to the stage's first rank's file.
+
     Collective: every rank of the world calls it, in the same order.
     """
     channel = (runtime.current() if grid is None else grid.runtime).channel()
-    full = tp.full_state_dict(module, None if grid is None else grid.tp_set)
-    seen, tensors = set(), {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors[name] = full[name].detach().cpu().contiguous()
+    if getattr(optimizer, "stage", None) == 3 and (grid is None or grid.shape.tp == 1):
+        tensors, file, writes = _owned_part(module, optimizer, grid, channel)
+    else:
+        tensors, file, writes = _gathered_part(module, grid, optimizer, channel)
     if channel.rank == 0:
         _remove_weights(directory)  # a directory saved at another layout would keep files readers prefer
     channel.allgather_object(None, name="psrt.save_pretrained.cleared")
-    stages = 1 if grid is None else grid.shape.pp
-    stage = 0 if grid is None else grid.coords.pp
-    writes = channel.rank == 0 if grid is None else (grid.coords.dp, grid.coords.tp, grid.coords.cp) == (0, 0, 0)
-    file = WEIGHTS if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
     written = {}
     if writes:
         os.makedirs(directory, exist_ok=True)
@@ -276,6 +279,48 @@ def save_pretrained(module: nn.Module, directory: str, grid: ProcessGrid | None 
             config.save_pretrained(directory)
         write_index(directory, parts)
     channel.allgather_object(None, name="psrt.save_pretrained.done")
+
+
+def _gathered_part(module: nn.Module, grid: ProcessGrid | None, optimizer: object, channel
+                   ) -> tuple[dict[str, torch.Tensor], str, bool]:
+    """This stage's tensors joined over the TP set, its file's name, and whether this rank
+    writes it.  ZeRO-3's parameters (over a grid with TP) are gathered for it."""
+    gathered = optimizer.gathered_parameters() if hasattr(optimizer, "gathered_parameters") else \
+        contextlib.nullcontext()
+    with gathered:
+        full = tp.full_state_dict(module, None if grid is None else grid.tp_set)
+        seen, tensors = set(), {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors[name] = full[name].detach().cpu().contiguous()
+    stages = 1 if grid is None else grid.shape.pp
+    stage = 0 if grid is None else grid.coords.pp
+    writes = channel.rank == 0 if grid is None else (grid.coords.dp, grid.coords.tp, grid.coords.cp) == (0, 0, 0)
+    file = WEIGHTS if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    return tensors, file, writes
+
+
+def _owned_part(module: nn.Module, zero, grid: ProcessGrid | None, channel
+                ) -> tuple[dict[str, torch.Tensor], str, bool]:
+    """ZeRO-3: the parameters this rank owns, assembled whole, the buffers too on the stage's
+    first data-parallel rank, and this rank's file's name; whether it writes (its CP
+    coordinate is 0)."""
+    if zero.model is not module:
+        raise InvalidArgumentError(f"save_pretrained: the optimizer wraps a {type(zero.model).__name__}, not the "
+                                   f"{type(module).__name__} given: pass the module the ZeroOptimizer was built on")
+    dp_ranks = channel.ranks if grid is None else grid.runtime.channel(grid.dp_set).ranks
+    if zero.channel.ranks != dp_ranks:
+        raise InvalidArgumentError(f"save_pretrained: the ZeroOptimizer's process set holds world ranks "
+                                   f"{list(zero.channel.ranks)}, the data-parallel ranks are {list(dp_ranks)}: "
+                                   "pass the grid the model was built on")
+    tensors = owned_parameters(zero)
+    if zero.channel.rank == 0:
+        tensors.update((name, value.cpu().contiguous()) for name, value in zero.unsharded_state_dict().items())
+    stage, stages = (0, 1) if grid is None else (grid.coords.pp, grid.shape.pp)
+    index, files = stage * zero.channel.size + zero.channel.rank, stages * zero.channel.size
+    writes = grid is None or grid.coords.cp == 0
+    return tensors, f"model-{index + 1:05d}-of-{files:05d}.safetensors", writes
 
 
 def write_index(directory: str, parts: list[dict]) -> None:

@@ -41,14 +41,16 @@ class ShardedStateful(Protocol):
     #: the name of its directory inside an elastic commit (``"zero"``, ``"ps"``)
     checkpoint_name: str
 
-    def save(self, directory: str) -> None:
-        """Write the checkpoint into ``directory`` (the same on every rank).
+    def save(self, directory: str, extra: dict | None = None) -> None:
+        """Write the checkpoint into ``directory`` (the same on every rank), with ``extra``
+        (anything JSON can hold: the caller's step or epoch) in its commit record.
 
         Collective: every rank of the state's process set calls it, in the same order.
         """
 
-    def load(self, directory: str) -> object:
-        """Restore the checkpoint in ``directory``, written by any number of ranks.
+    def load(self, directory: str) -> dict | None:
+        """Restore the checkpoint in ``directory``, written by any number of ranks (every file
+        checked against the commit record before anything changes); returns its ``extra``.
 
         Collective: every rank of the state's process set calls it, in the same order.
         """

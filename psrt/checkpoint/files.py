@@ -39,7 +39,7 @@ from psrt.checkpoint import document as checkpoint_document
 from psrt.checkpoint.safetensors_reader import SafetensorsReader
 from psrt.errors import PsrtError
 
-_CHUNK_BYTES = 1 << 20
+_CHUNK_BYTES = 1 << 18
 _FIX = "restore it from a backup or save again"
 FORMAT = "psrt-tensors/1"  # a file's own format, in its safetensors metadata
 
@@ -56,12 +56,15 @@ class FileRecord:
 
 
 def fingerprint(path: str) -> FileRecord:
-    """The size and sha256 of the file at ``path`` as it is now."""
+    """The size and sha256 of the file at ``path`` as it is now, read through one buffer of
+    256 KiB (all a check adds to a rank's memory)."""
     digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
+    buffer = bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            digest.update(view[:count])
+            size += count
     return FileRecord(size, digest.hexdigest())
 
 
@@ -79,14 +82,15 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dic
     file with ``metadata``: whole or not at all, on disk with its directory entry before this
     returns; returns the file's size and sha256 for the commit record."""
     save_file(tensors, path + ".tmp", metadata=metadata)
-    _fsync(path + ".tmp")  # on disk before the rename makes it the file
+    fsync(path + ".tmp")  # on disk before the rename makes it the file
     record = fingerprint(path + ".tmp")
     os.replace(path + ".tmp", path)
-    _fsync(os.path.dirname(path) or ".")  # the rename itself on disk
+    fsync(os.path.dirname(path) or ".")  # the rename itself on disk
     return record
 
 
-def _fsync(path: str) -> None:
+def fsync(path: str) -> None:
+    """Make the file at ``path``, or a directory's entries (a rename in it), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -101,7 +105,7 @@ def write_json(document: object, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    _fsync(os.path.dirname(path) or ".")
+    fsync(os.path.dirname(path) or ".")
 
 
 def read_json(path: str, error: type[PsrtError]) -> dict:
@@ -169,9 +173,11 @@ class StoredTensor:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def read(self, dim: int = 0, begin: int = 0, end: int | None = None) -> torch.Tensor:
-        """The whole tensor, or rows ``[begin, end)`` of dimension ``dim``."""
-        return self._reader.read(self._name, dim, begin, end)
+    def read(self, dim: int = 0, begin: int = 0, end: int | None = None, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """The whole tensor, or rows ``[begin, end)`` of dimension ``dim``; into ``out`` (a
+        contiguous host tensor of that shape and dtype) when given."""
+        return self._reader.read(self._name, dim, begin, end, out)
 
 
 class StoredDocument:

@@ -37,11 +37,13 @@ def server_file(path: str, index: int, num_servers: int) -> str:
     return os.path.join(path, f"server-{index}-of-{num_servers}.pt")
 
 
-def write_manifest(path: str, save_id: str, num_servers: int, files: dict[str, dict] | None = None) -> None:
+def write_manifest(path: str, save_id: str, num_servers: int, files: dict[str, dict] | None = None,
+                   extra: dict | None = None) -> None:
     """Make the save ``save_id`` the checkpoint in ``path``.  ``files``: the records the servers'
-    saves returned; a server's file without one is refused at load."""
+    saves returned; a server's file without one is refused at load.  ``extra``: the caller's own
+    values, given back at load."""
     checkpoint_files.write_json({"format": FORMAT, "save_id": save_id, "num_servers": num_servers,
-                                 "files": files or {}}, os.path.join(path, MANIFEST))
+                                 "files": files or {}, "extra": extra}, os.path.join(path, MANIFEST))
 
 
 def read_manifest(path: str) -> dict | str:

@@ -15,6 +15,7 @@ settled is :mod:`psrt.ps.store_requests`', and the checks of a call's key and te
 """
 from __future__ import annotations
 
+import json
 import uuid
 
 import torch
@@ -287,7 +288,7 @@ class KVStore:
         self._requests.everywhere(RequestKind.SET_LR, document={"lr": float(lr)}, reply=False)
 
     # -- checkpoints and statistics ----------------------------------------------------------------
-    def save(self, path: str) -> None:
+    def save(self, path: str, extra: dict | None = None) -> None:
         """Every server writes its shards, optimizer state and clocks (of every store) under
         ``path``, and worker 0 the manifest that makes it a checkpoint; if that fails, every
         worker raises.
@@ -296,8 +297,11 @@ class KVStore:
 
         :param path: the checkpoint's directory, the same on every worker and reachable by every
             server.
+        :param extra: anything JSON can hold (e.g. the epoch), kept in the manifest and returned
+            by :meth:`restore`; default None.
         """
         path = str(path)
+        json.dumps(extra)  # fail before any server writes, on the calling worker
         save_id = self._workers.broadcast_object(uuid.uuid4().hex if self._link.worker == 0 else None, 0,
                                                  name=f"psrt.ps.save.{self.store_id}")
         handle = self._requests.everywhere(RequestKind.SAVE, document={"path": path, "save_id": save_id})
@@ -306,7 +310,7 @@ class KVStore:
         if self._link.worker == 0:  # every server has saved: now it is a checkpoint
             files = {name: record for payload in handle.payloads for name, record in payload["files"].items()}
             try:
-                checkpoint.write_manifest(path, save_id, self._link.num_servers, files)
+                checkpoint.write_manifest(path, save_id, self._link.num_servers, files, extra)
             except OSError as e:  # every worker raises it, none is left waiting
                 failure = f"the servers saved to {path!r}, but writing its {checkpoint.MANIFEST} failed: {e}"
         failure = self._workers.broadcast_object(failure, 0, name=f"psrt.ps.saved.{self.store_id}")
@@ -325,6 +329,14 @@ class KVStore:
         :param path: the checkpoint's directory, as given to :meth:`save`, the same on every worker.
         :returns: the number of steps this store had taken.
         """
+        return self.restore(path)[0]
+
+    def restore(self, path: str) -> tuple[int, dict | None]:
+        """:meth:`load`, returning the steps this store had taken and the ``extra`` saved with
+        the checkpoint.
+
+        Collective: every worker calls it, in the same order.
+        """
         path = str(path)
         manifest = self._workers.broadcast_object(checkpoint.read_manifest(path) if self._link.worker == 0 else None,
                                                   0, name=f"psrt.ps.load.{self.store_id}")
@@ -335,7 +347,7 @@ class KVStore:
         handle = self._requests.everywhere(RequestKind.LOAD, document={**document, "check": False})
         handle.wait()
         steps = [p["steps"][str(self.store_id)] for p in handle.payloads]
-        return min(s for s in steps if s is not None)
+        return min(s for s in steps if s is not None), manifest.get("extra")
 
     def stats(self) -> dict:
         """What the servers counted: per key and chunk the pushes applied and updates made,

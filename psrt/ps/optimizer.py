@@ -112,6 +112,7 @@ class _PsOptimizer:
             in_optimizer = {id(p) for p in params}
             named = [(n, p) for n, p in check_names(list(named_parameters), params) if id(p) in in_optimizer]
         self.store = store  # the first group's; self.stores holds one per group
+        self.steps_restored: int | None = None  # by the last load(): the steps the servers had applied
         self._named = named
         self._pulled = {name: torch.empty_like(p, device="cpu") for name, p in named}
         self._inflight: dict[str, Handle] = {}
@@ -182,23 +183,26 @@ class _PsOptimizer:
         merged["staleness"] = dict(sorted(merged["staleness"].items()))
         return merged
 
-    def save(self, path: str) -> None:
-        """Checkpoint the servers, every group's store, into ``path`` (see :meth:`KVStore.save`).
+    def save(self, path: str, extra: dict | None = None) -> None:
+        """Checkpoint the servers, every group's store, into ``path`` (see :meth:`KVStore.save`),
+        with ``extra`` (anything JSON can hold, e.g. the epoch), which :meth:`load` returns.
 
         Collective: every worker calls it, in the same order, after the same step.
         """
-        self.store.save(path)
+        self.store.save(path, extra)
 
-    def load(self, path: str) -> int:
-        """Restore a checkpoint into the servers and the model; returns the steps it had taken.
+    def load(self, path: str) -> dict | None:
+        """Restore a checkpoint into the servers and the model; returns the ``extra`` saved with
+        it (:attr:`steps_restored` holds the steps the servers had applied), as
+        ``ZeroOptimizer.load`` does.
 
         Collective: every worker calls it, in the same order.
         """
-        steps = self.store.load(path)
+        self.steps_restored, extra = self.store.restore(path)
         self._pull_parameters()
         # the checkpoint brought its own learning rates: send this optimizer's before the next step
         self._sent_lr = [None] * len(self.stores)
-        return steps
+        return extra
 
 
 class _Push(BucketStrategy):

@@ -2,7 +2,8 @@
 
 ``ZeroOptimizer(model, optimizer_class, stage=..., **optimizer_kwargs)`` (or :func:`wrap`)
 shards optimizer state, gradients and parameters; :mod:`psrt.zero.checkpoint` saves and
-loads sharded checkpoints and consolidates them into an ordinary ``state_dict``.
+loads sharded checkpoints and consolidates them into an ordinary ``state_dict``;
+:mod:`psrt.zero.dcp` gives ``torch.distributed.checkpoint`` the same state under FSDP2's keys.
 """
 from psrt.zero.checkpoint import consolidate, load, save
 from psrt.zero.optimizer import ALLGATHER_BUCKET_SIZE, REDUCE_BUCKET_SIZE, ZeroOptimizer

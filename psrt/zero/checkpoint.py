@@ -14,21 +14,30 @@ and what is wrong.  Stage 0 holds one shard
 (every rank has everything), so rank 0 alone writes it.
 
 Loading undoes the sharding of the checkpoint's layout and applies the current one, so a
-checkpoint written by N ranks loads on M.  Each rank reads every shard file to do so, and so
-holds the whole model and optimizer state in host memory for a moment.
+checkpoint written by N ranks loads on M: each rank opens only the shard files that overlap
+its own shard (every shard file holds the step counts and hyperparameters), checks each
+against its record, and reads from them only the runs of elements it keeps, into its new
+shard (:mod:`psrt.zero.resharding`), so it holds its own shard beyond what it had, never the
+whole model.  Stages 1 and 2 then gather the parameters from the restored shards, as after a
+step.  Only :func:`consolidate` (``psrt zero-to-full``, one process) reads every shard.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
+import zipfile
+from dataclasses import dataclass
 
 import torch
 
 from psrt.background_save import SaveHandle, saver_of, wait_for
 from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import CheckpointError, InvalidArgumentError
-from psrt.zero.partition import ParamInfo, Partition
+from psrt.zero.flat import publish_all
+from psrt.zero.partition import ParamInfo, Partition, reshard_reads
+from psrt.zero.resharding import own_shards, per_element_keys, whole
 
 FORMAT = "psrt-zero/3"  # safetensors files
 # Written by earlier psrt, whose files are torch.save archives (still read, with weights_only):
@@ -137,9 +146,9 @@ def save(zero, directory: str, extra: dict | None = None, *, background: bool = 
 
 def load(zero, directory: str) -> dict | None:
     """Restore ``zero`` (and its model) from a checkpoint written by any number of ranks with the
-    same model, stage and optimizer class; returns the ``extra`` saved with it.  If any rank
-    cannot read or accept the checkpoint, every rank raises before anything changes (as
-    :func:`save` does).
+    same model, stage and optimizer class; returns the ``extra`` saved with it.  Each rank reads
+    only the parts of the files it keeps.  If any rank cannot read or accept the checkpoint,
+    every rank raises before anything changes (as :func:`save` does).
 
     Collective: every rank of ``zero``'s process set calls it, in the same order.
 
@@ -147,16 +156,44 @@ def load(zero, directory: str) -> dict | None:
     :param directory: the checkpoint's directory, the same on every rank.
     :returns: the ``extra`` saved with it.
     """
-    full, failure = None, None
+    restored, failure = None, None
     try:
-        meta = read_meta(directory)
-        _check_compatible(zero, meta, directory)
-        full = consolidate(directory)
+        with contextlib.ExitStack() as files:
+            restored = _read_own_shard(zero, directory, files)
     except Exception as exc:
         failure = exc
     _raise_if_any_failed(failure, "load", zero)
-    _restore(zero, full)
-    return full["extra"]
+    _install(zero, restored)
+    return restored.extra
+
+
+@dataclass
+class _Restored:
+    """What a rank takes from a checkpoint, all of it read before anything changes."""
+
+    masters: list[torch.Tensor]  # this rank's shard of each flat group
+    states: list[dict]           # and its optimizer state
+    param_groups: list[dict]     # the optimizer's hyperparameters
+    loss_scaler: dict
+    entries: dict[str, torch.Tensor]  # the model's unsharded entries
+    extra: object
+
+
+def _read_own_shard(zero, directory: str, files: contextlib.ExitStack) -> _Restored:
+    """This rank's part of the checkpoint in ``directory``, from the files that hold it, each
+    checked against its record before any is read."""
+    meta = read_meta(directory)
+    _check_compatible(zero, meta, directory)
+    saved = _partition(meta)
+    needed = {read.shard for read in reshard_reads(saved, zero.partition, zero.shard_index)} or {0}
+    shards = {shard: (shard_file(directory, shard), _open(shard_file(directory, shard), meta, files))
+              for shard in sorted(needed)}
+    entries = _open(os.path.join(directory, EXTRAS), meta, files)["entries"]
+    masters, states = own_shards(saved, zero.partition, zero.shard_index, shards,
+                                 [group.master for group in zero.groups])
+    first = shards[min(shards)][1]  # every shard holds the same hyperparameters and loss scale
+    return _Restored(masters, states, whole(first["param_groups"]), whole(first["loss_scaler"]), whole(entries),
+                     meta["extra"])
 
 
 def read_meta(directory: str) -> dict:
@@ -192,17 +229,15 @@ def consolidate(directory: str) -> dict:
     for g, flat in enumerate(partition.groups):
         values = torch.cat([shard["masters"][g] for shard in shards])
         states = [shard["optimizer_state"][g] for shard in shards]
-        whole = {}
-        for key, value in states[0].items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == flat.shard_numel:
-                per_element.add(key)
-                whole[key] = torch.cat([state[key] for state in states])
+        keys = per_element_keys(states[0], flat.shard_numel)
+        per_element.update(keys)
+        joined = {key: torch.cat([state[key] for state in states]) for key in keys}
         for param, offset in zip(flat.params, flat.offsets):
             info = partition.params[param]
             where = slice(offset, offset + info.numel)
             model[info.name] = values[where].view(info.shape).to(getattr(torch, info.dtype))
             per_param_state[position[param]] = {
-                key: whole[key][where].view(info.shape).clone() if key in whole
+                key: joined[key][where].view(info.shape).clone() if key in joined
                 else (value.clone() if isinstance(value, torch.Tensor) else value)
                 for key, value in states[0].items()}
     for alias, name in meta.get("aliases", {}).items():  # a tied parameter under its other names
@@ -257,11 +292,31 @@ def _partition(meta: dict) -> Partition:
 
 
 def _read(path: str, meta: dict) -> dict:
-    """A file of the checkpoint ``meta`` describes, checked against its record there (a missing
-    one is refused by name, as every other fault)."""
-    record = None if meta["format"] == UNCHECKED_FORMAT else checkpoint_files.record_of(
-        meta["files"], path, os.path.join(os.path.dirname(path), META), InvalidArgumentError)
-    payload = checkpoint_files.load_tensors(path, record, InvalidArgumentError)
+    """A file of the checkpoint ``meta`` describes, read whole after checking it against its
+    record there (a missing one is refused by name, as every other fault)."""
+    return _checked(checkpoint_files.load_tensors(path, _record(path, meta), InvalidArgumentError), path, meta)
+
+
+def _open(path: str, meta: dict, files: contextlib.ExitStack) -> dict:
+    """A file of the checkpoint ``meta`` describes, checked as :func:`_read` does, its tensors
+    left in the file (kept open by ``files``) to be read in parts; a file of earlier psrt (a
+    ``torch.save`` archive) is read whole."""
+    record = _record(path, meta)
+    if zipfile.is_zipfile(path):
+        return _checked(checkpoint_files.load_tensors(path, record, InvalidArgumentError), path, meta)
+    stored = files.enter_context(checkpoint_files.open_tensors(path, record, InvalidArgumentError))
+    return _checked(stored.document, path, meta)
+
+
+def _record(path: str, meta: dict) -> checkpoint_files.FileRecord | None:
+    if meta["format"] == UNCHECKED_FORMAT:
+        return None
+    return checkpoint_files.record_of(meta["files"], path, os.path.join(os.path.dirname(path), META),
+                                      InvalidArgumentError)
+
+
+def _checked(payload: object, path: str, meta: dict) -> dict:
+    """``payload``, the document of ``path``, after checking that it is of the save ``meta`` records."""
     if not isinstance(payload, dict):
         raise InvalidArgumentError(f"{path} is not a psrt ZeRO checkpoint file (it holds a "
                                    f"{type(payload).__name__}); restore it from a backup or save again")
@@ -280,10 +335,6 @@ def _check_compatible(zero, meta: dict, directory: str) -> None:
     if meta["optimizer_class"] != _class_name(type(zero.optimizer)):
         raise InvalidArgumentError(f"ZeRO checkpoint {directory!r} holds {meta['optimizer_class']} state, this "
                                    f"optimizer is {_class_name(type(zero.optimizer))}")
-    if _optimizer_groups(meta) != zero.optimizer_groups:
-        raise InvalidArgumentError(
-            f"ZeRO checkpoint {directory!r} has parameter groups {_optimizer_groups(meta)} (parameter indices), this "
-            f"optimizer {zero.optimizer_groups}: wrap the model with the param_groups it was saved with")
     saved = [ParamInfo(name, tuple(shape), dtype) for name, shape, dtype in meta["params"]]
     mine = list(zero.partition.params)
     for index in range(max(len(saved), len(mine))):
@@ -293,41 +344,31 @@ def _check_compatible(zero, meta: dict, directory: str) -> None:
             raise InvalidArgumentError(
                 f"ZeRO checkpoint {directory!r} is of a different model: trainable parameter {index} is "
                 f"{_describe(theirs)} in the checkpoint and {_describe(ours)} here")
+    if _optimizer_groups(meta) != zero.optimizer_groups:
+        raise InvalidArgumentError(
+            f"ZeRO checkpoint {directory!r} has parameter groups {_optimizer_groups(meta)} (parameter indices), this "
+            f"optimizer {zero.optimizer_groups}: wrap the model with the param_groups it was saved with")
 
 
 def _describe(info: ParamInfo | None) -> str:
     return "absent" if info is None else f"{info.name!r} {list(info.shape)} {info.dtype}"
 
 
-def _restore(zero, full: dict) -> None:
-    """Write the consolidated values into this rank's layout: masters, optimizer state,
-    hyperparameters, compute parameters, loss scale, and the model's unsharded entries."""
-    partition = zero.partition
-    state, per_element = full["optimizer"]["state"], set(full["per_element_keys"])
-    position = _positions(zero.optimizer_groups)
+def _install(zero, restored: _Restored) -> None:
+    """Put what :func:`_read_own_shard` read in place: masters, optimizer state, compute
+    parameters (gathered over the set in stages 1 and 2), hyperparameters, loss scale, and the
+    model's unsharded entries."""
     with torch.no_grad():
-        for g, group in enumerate(zero.groups):
-            flat = partition.groups[g]
-            group.master.zero_()
-            first = state[position[flat.params[0]]]
-            restored = {key: torch.zeros(flat.shard_numel, dtype=value.dtype, device=group.master.device)
-                        if key in per_element else (value.clone() if isinstance(value, torch.Tensor) else value)
-                        for key, value in first.items()}
-            for piece in partition.pieces(g, zero.shard_index):
-                where = slice(piece.shard_offset, piece.shard_offset + piece.stop - piece.start)
-                values = full["model"][partition.params[piece.param].name].reshape(-1)
-                group.master[where] = values[piece.start:piece.stop]
-                for key in per_element & restored.keys():
-                    restored[key][where] = state[position[piece.param]][key].reshape(-1)[piece.start:piece.stop]
-            if restored:
-                zero.optimizer.state[group.master] = restored
-            if group.gathered_on_demand:  # stage 3: the compute shard follows the master
-                group.publish_local()
-            else:  # the parameters view the whole group, this rank's shard included
-                for param, index in zip(group.params, flat.params):
-                    param.copy_(full["model"][partition.params[index].name])
-    for saved, group in zip(full["optimizer"]["param_groups"], zero.optimizer.param_groups):
+        for group, master, state in zip(zero.groups, restored.masters, restored.states):
+            group.master.copy_(master)
+            if state:
+                zero.optimizer.state[group.master] = state
+            else:
+                zero.optimizer.state.pop(group.master, None)
+    publish_all(zero.groups, zero.channel, restored.masters)
+    restored.masters.clear()
+    for saved, group in zip(restored.param_groups, zero.optimizer.param_groups):
         group.update((key, value) for key, value in saved.items() if key != "params")
-    zero.loss_scaler.load_state_dict(full["loss_scaler"])
+    zero.loss_scaler.load_state_dict(restored.loss_scaler)
     managed = set(zero.param_names) | set(zero.aliases)
-    zero.model.load_state_dict({k: v for k, v in full["model"].items() if k not in managed}, strict=False)
+    zero.model.load_state_dict({k: v for k, v in restored.entries.items() if k not in managed}, strict=False)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from psrt.comm.base import ElementwiseOp
+from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.engine import Channel, Work
+
+_PIECES_TAG = 41  # exchange(): the messages of one work, between two ranks, matched in order
 
 
 class Done:
@@ -81,3 +83,18 @@ def any_rank(channel: Channel, flags: list[torch.Tensor], name: str) -> bool:
     if channel.size > 1:
         channel.run(channel.allreduce([value], name=name, op=ElementwiseOp.MAX))
     return bool(value)
+
+
+def exchange(channel: Channel, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+             name: str) -> None:
+    """Send each ``(tensor, set rank)`` of ``sends`` and receive into each ``(tensor, set rank)``
+    of ``recvs`` (host tensors, contiguous), as one named work, and wait for it.  Every rank
+    of the set calls it with the same name, even with nothing to send or receive; between two
+    ranks, the sender's tensors fill the receiver's in the order each lists them."""
+    if channel.size == 1:
+        return
+
+    def run(host: Communicator, data: Communicator) -> None:
+        host.isendrecv(sends, recvs, _PIECES_TAG).wait()
+
+    channel.run(channel.execute("exchange", name, (), torch.device("cpu"), run))

@@ -141,13 +141,16 @@ class ShardedGroup:
             with torch.no_grad():
                 self.shard.copy_(self.master)
 
-    def publish(self) -> comm.Started | None:
+    def publish(self, values: torch.Tensor | None = None) -> comm.Started | None:
         """After the optimizer step: update the compute shard and, where every rank keeps the
-        whole group (stages 1 and 2), start gathering the shards; returns what to wait on."""
+        whole group (stages 1 and 2), start gathering the shards; returns what to wait on.
+        ``values``: the master's values in a tensor of their own, which nothing changes until
+        the gather is done (a restore's), sent instead of a copy of the shard."""
         self.publish_local()
         if self.gathered_on_demand or self.num_shards == 1:
             return None
-        return comm.gather(self.channel, self.shard.clone(), self.full, f"{self.name}.param")
+        sent = self.shard.clone() if values is None else values.to(self.compute_dtype)
+        return comm.gather(self.channel, sent, self.full, f"{self.name}.param")
 
     @property
     def is_gathered(self) -> bool:
@@ -193,3 +196,12 @@ class ShardedGroup:
 
     def gathered_bytes(self) -> int:
         return self.full.untyped_storage().nbytes()
+
+
+def publish_all(groups: list[ShardedGroup], channel: Channel, values: list[torch.Tensor] | None = None) -> None:
+    """:meth:`ShardedGroup.publish` every group (with its ``values``, if given) and wait for the
+    gathers: the compute parameters then follow the masters, as after a step."""
+    started = [group.publish(value) for group, value in zip(groups, values or [None] * len(groups))]
+    for gather in started:
+        if gather is not None:
+            comm.wait(channel, gather)

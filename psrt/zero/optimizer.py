@@ -30,7 +30,7 @@ from psrt.runtime import Runtime, given, global_process_set
 from psrt.topology import ProcessSet
 from psrt.dp import Bucket, BucketStrategy, GradientReducer, overlap_pays_here
 from psrt.zero import comm
-from psrt.zero.flat import GatheredBytes, ShardedGroup
+from psrt.zero.flat import GatheredBytes, ShardedGroup, publish_all
 from psrt.zero.precision import LossScaler
 from psrt.zero.setup import plan_layout
 from psrt.zero.stage3 import ParameterGatherer, Unit
@@ -202,10 +202,7 @@ class ZeroOptimizer:
         taken = self._prepare_master_gradients()
         if taken:
             self.optimizer.step()
-            gathers = [group.publish() for group in self.groups]
-            for started in gathers:
-                if started is not None:
-                    comm.wait(self.channel, started)
+            publish_all(self.groups, self.channel)
         self.loss_scaler.finish_step(taken)
         self.zero_grad()
         return loss if taken else None

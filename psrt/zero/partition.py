@@ -99,6 +99,69 @@ class Partition:
         return pieces
 
 
+@dataclass(frozen=True)
+class Read:
+    """Elements ``[begin, end)`` of flat group ``group`` in shard ``shard`` of a saved partition,
+    which go to position ``offset`` of this rank's shard of group ``into`` of the current one."""
+
+    shard: int
+    group: int
+    begin: int
+    end: int
+    into: int
+    offset: int
+
+
+def reshard_reads(saved: Partition, current: Partition, shard: int) -> list[Read]:
+    """What shard ``shard`` of ``current`` reads from the shards of ``saved`` (the same
+    parameters, grouped and sharded otherwise): runs of elements in the current shard's
+    order, a run that continues the one before in both layouts merged with it.  Padding is
+    read from nowhere."""
+    where = {param: (group, offset) for group, flat in enumerate(saved.groups)
+             for param, offset in zip(flat.params, flat.offsets)}
+    reads: list[Read] = []
+    for into in range(len(current.groups)):
+        for piece in current.pieces(into, shard):
+            group, offset = where[piece.param]
+            size = saved.groups[group].shard_numel
+            first, last = offset + piece.start, offset + piece.stop
+            while first < last:
+                source = first // size
+                stop = min(last, (source + 1) * size)
+                read = Read(source, group, first - source * size, stop - source * size, into,
+                            piece.shard_offset + first - offset - piece.start)
+                merged = _joined(reads[-1], read) if reads else None
+                if merged is None:
+                    reads.append(read)
+                else:
+                    reads[-1] = merged
+                first = stop
+    return reads
+
+
+def _joined(previous: Read, read: Read) -> Read | None:
+    """``previous`` and ``read`` as one run, where ``read`` continues it in both layouts."""
+    if (previous.shard, previous.group, previous.into, previous.end) != (read.shard, read.group, read.into, read.begin):
+        return None
+    if previous.offset + previous.end - previous.begin != read.offset:
+        return None
+    return Read(read.shard, read.group, previous.begin, read.end, read.into, previous.offset)
+
+
+def writers(partition: Partition) -> list[int]:
+    """The shard that holds each parameter whole when the parameters are written out whole
+    (``save_pretrained`` from ZeRO-3): the largest first, each to the shard that owns the
+    fewest elements so far (the lowest of equals).  No shard then owns more elements than
+    its own (a shard's share of every group) plus the largest parameter's."""
+    owned = [0] * partition.num_shards
+    owner = [0] * len(partition.params)
+    for param in sorted(range(len(partition.params)), key=lambda i: (-partition.params[i].numel, i)):
+        shard = min(range(partition.num_shards), key=lambda s: (owned[s], s))
+        owner[param] = shard
+        owned[shard] += partition.params[param].numel
+    return owner
+
+
 def expected_bytes(stage: int, num_params: int, world: int, *, param_bytes: int, grad_bytes: int,
                    optimizer_bytes: int) -> dict[str, float]:
     """Per-rank bytes that ZeRO's paper predicts for ``num_params`` parameters on ``world`` ranks.

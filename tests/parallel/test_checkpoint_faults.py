@@ -13,7 +13,8 @@ PS_CASES = ["malicious_pickle", "empty_file", "garbage_bytes", "truncated_file",
             "manifest_of_another_save", "truncated_manifest", "manifest_write_failure_reaches_every_worker",
             "good_and_unchecked_saves_load_after_the_refusals"]
 ZERO_CASES = ["empty_shard", "truncated_shard", "flipped_byte_in_a_shard", "truncated_meta", "garbage_meta",
-              "malicious_pickle_in_a_shard", "good_save_loads_after_the_refusals"]
+              "malicious_pickle_in_a_shard", "meta_rewritten_without_the_files", "shard_of_another_save",
+              "shard_files_swapped", "good_save_loads_after_the_refusals"]
 
 
 @pytest.fixture(scope="module")

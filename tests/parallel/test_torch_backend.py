@@ -1,5 +1,5 @@
 """psrt as a torch.distributed backend: every collective against gloo, and DDP, FSDP2,
-DTensor, torch's pipelining, distributed checkpoints and Lightning against one process, at 2
+DTensor, torch's pipelining, distributed checkpoints (with psrt's checksums too) and Lightning against one process, at 2
 and 4 ranks (the checks are in ``scripts/torch_backend_check.py``); a rank that dies or
 freezes inside a DDP step ends the job with a named error."""
 from __future__ import annotations
@@ -28,6 +28,9 @@ CHECKS = [f"collectives/{name}" for name in COLLECTIVES] + [
     "ddp/buckets_and_no_sync_match_single_process", "fsdp2/matches_single_process",
     "fsdp2/mixed_precision_matches_gloo", "dtensor/parallelize_module_matches_single_process_and_gloo",
     "pipelining/1f1b_matches_single_process_and_gloo", "dcp/saves_and_loads_here_and_in_one_process",
+    "dcp/checksums_round_trip_and_refuse_a_flipped_byte",
+    "dcp/fsdp2_checkpoint_continues_under_zero3_on_half_the_ranks",
+    "dcp/zero3_checkpoint_continues_under_fsdp2_on_half_the_ranks",
     "lightning/ddp_strategy_matches_single_process"]
 
 

@@ -1,6 +1,7 @@
 """ZeRO stages 0-3: every stage x optimizer x accumulation against one process and allreduce DP
 at 2 and 4 ranks, clipping, memory, mixed precision, bad input, and sharded checkpoints
-saved at 4 ranks, consolidated, and resumed at 2.
+saved at 4 ranks, consolidated, and resumed at 2; a 100 MB one saved at 2 ranks and restored
+at 4 within each rank's shard plus the largest tensor of peak memory.
 """
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def test_zero_job_reports_every_check(parallel_jobs, np):
     parallel_jobs.get("zero_check.py", np).assert_complete(_expected(np))
 
 
+SAVE_CHECKS = ["save/stage1", "save/stage2", "save/stage3", "load/refuses_mismatched_checkpoints",
+               "load/two_ranks_save_four_load", "load/fp16_loss_scale_survives_a_resume",
+               "load/restore_reads_only_own_slices"]
+LOAD_CHECKS = ["load/stage1", "load/stage2", "load/stage3"]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, parallel_jobs):
     """Sharded checkpoints of stages 1-3 saved by a 4-rank job, and that job's report."""
@@ -52,16 +59,29 @@ def checkpoints(tmp_path_factory, parallel_jobs):
     return root, parallel_jobs.get("zero_resume.py", 4, args=("save", str(root)))
 
 
-def test_checkpoint_saved_at_4_ranks_consolidates_to_the_live_model_and_the_reference(checkpoints):
-    root, report = checkpoints
-    report.assert_complete(["save/stage1", "save/stage2", "save/stage3", "load/refuses_mismatched_checkpoints",
-                            "load/two_ranks_save_four_load", "load/fp16_loss_scale_survives_a_resume"])
-
-
-def test_checkpoint_loaded_at_2_ranks_continues_like_the_uninterrupted_reference(checkpoints):
+@pytest.fixture(scope="module")
+def resumed(checkpoints):
+    """The 2-rank job that loads them and trains on."""
     root, _ = checkpoints
-    launch("zero_resume.py", 2, args=("load", str(root))).assert_complete(["load/stage1", "load/stage2",
-                                                                           "load/stage3"])
+    return launch("zero_resume.py", 2, args=("load", str(root)))
+
+
+@pytest.mark.parametrize("check", SAVE_CHECKS)
+def test_checkpoint_saved_at_4_ranks_consolidates_to_the_live_model_and_the_reference(checkpoints, check):
+    checkpoints[1].assert_ok(check)
+
+
+def test_the_save_job_reports_every_check(checkpoints):
+    checkpoints[1].assert_complete(SAVE_CHECKS)
+
+
+@pytest.mark.parametrize("check", LOAD_CHECKS)
+def test_checkpoint_loaded_at_2_ranks_continues_like_the_uninterrupted_reference(resumed, check):
+    resumed.assert_ok(check)
+
+
+def test_the_load_job_reports_every_check(resumed):
+    resumed.assert_complete(LOAD_CHECKS)
 
 
 def test_zero_to_full_writes_an_ordinary_state_dict(checkpoints, tmp_path):
@@ -87,13 +107,15 @@ def test_zero_to_full_names_a_directory_that_is_not_a_checkpoint(tmp_path):
     assert done.returncode == 2 and "zero_meta.json is missing" in done.stderr, done.stderr
 
 
-GPT2_CHECKS = ["gpt2/stage3/save_consolidate_matches_one_process", "gpt2/stage3/released_parameters_refuse_reads"]
+GPT2_CHECKS = ["gpt2/stage3/save_consolidate_matches_one_process", "gpt2/stage3/released_parameters_refuse_reads",
+               "gpt2/stage3/save_pretrained_writes_each_rank_s_own_parameters"]
 
 
 @pytest.mark.parametrize("check", GPT2_CHECKS)
 def test_zero3_on_hugging_face_gpt2_with_tied_embeddings(parallel_jobs, check):
-    """Stage 3 saves the tied GPT-2 and consolidates it like one process; a released parameter
-    refuses reads by name instead of reading freed memory (a segfault before)."""
+    """Stage 3 saves the tied GPT-2 and consolidates it like one process, and writes it with
+    save_pretrained from the shards for from_pretrained; a released parameter refuses reads by
+    name instead of reading freed memory (a segfault before)."""
     report = parallel_jobs.get("zero_gpt2_check.py", 2)
     report.assert_ok(check)
     report.assert_complete(GPT2_CHECKS)

@@ -50,10 +50,12 @@ COLLECTIVE = {
     "psrt.ps.serve", "psrt.ps.DistributedOptimizer", "psrt.ps.KVStore", "psrt.ps.KVStore.init",
     "psrt.ps.KVStore.push", "psrt.ps.KVStore.pull", "psrt.ps.KVStore.push_pull", "psrt.ps.KVStore.push_async",
     "psrt.ps.KVStore.pull_async", "psrt.ps.KVStore.push_pull_async", "psrt.ps.KVStore.save", "psrt.ps.KVStore.load",
+    "psrt.ps.KVStore.restore",
     # psrt.zero
     "psrt.zero.ZeroOptimizer", "psrt.zero.ZeroOptimizer.step", "psrt.zero.ZeroOptimizer.synchronize",
     "psrt.zero.ZeroOptimizer.clip_grad_norm_", "psrt.zero.ZeroOptimizer.save", "psrt.zero.ZeroOptimizer.load",
     "psrt.zero.ZeroOptimizer.gathered_parameters", "psrt.zero.save", "psrt.zero.load", "psrt.zero.wrap",
+    "psrt.zero.dcp.set_model_state_dict", "psrt.zero.dcp.ModelState.load_state_dict",
     # psrt.grid
     "psrt.grid.ProcessGrid", "psrt.grid.ProcessGrid.free",
     # psrt.tp
@@ -92,6 +94,11 @@ LOCAL = {
     "psrt.zero.ZeroOptimizer.zero_grad", "psrt.zero.ZeroOptimizer.scale_loss",
     "psrt.zero.ZeroOptimizer.unsharded_state_dict", "psrt.zero.ZeroOptimizer.memory_report",
     "psrt.zero.consolidate", "psrt.zero.expected_bytes",
+    "psrt.zero.dcp.FlatRangeShard", "psrt.zero.dcp.FlatRangeShard.local_views",
+    "psrt.zero.dcp.FlatRangeShard.is_view_of", "psrt.zero.dcp.ModelState",
+    "psrt.zero.dcp.ModelState.state_dict", "psrt.zero.dcp.OptimizerState", "psrt.zero.dcp.OptimizerState.state_dict",
+    "psrt.zero.dcp.OptimizerState.load_state_dict", "psrt.zero.dcp.get_model_state_dict",
+    "psrt.zero.dcp.get_optimizer_state_dict", "psrt.zero.dcp.set_optimizer_state_dict",
     "psrt.grid.ProcessGrid.world_rank", "psrt.grid.world_groups",
     "psrt.tp.ColumnParallelLinear", "psrt.tp.RowParallelLinear", "psrt.tp.VocabParallelEmbedding",
     "psrt.tp.LayerNorm", "psrt.tp.ParallelMLP", "psrt.tp.ParallelSelfAttention", "psrt.tp.ParallelTransformerBlock",

@@ -3,6 +3,9 @@ as values, the slices a rank reads, the refusals made before anything changes, t
 keys, and checkpoint round trips through ``transformers`` in one process."""
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -186,6 +189,12 @@ def test_blocks_read_from_a_safetensors_file_equal_its_slices(tmp_path):
     with SafetensorsReader(path) as reader:
         assert torch.equal(reader.read("scalar"), tensors["scalar"])
         assert torch.equal(reader.read("flags"), tensors["flags"])
+        assert torch.equal(reader.read("flags", 0, 1, 3), tensors["flags"][1:3])
+        into = torch.empty(2, 7, dtype=torch.float64)
+        assert reader.read("matrix", 0, 1, 3, out=into) is into and torch.equal(into, tensors["matrix"][1:3])
+        assert torch.equal(reader.read("scalar", out=torch.empty((), dtype=torch.int64)), tensors["scalar"])
+        with pytest.raises(InvalidArgumentError, match=r"cannot read rows of 'matrix' \(\[2, 7\], torch.float64\)"):
+            reader.read("matrix", 0, 1, 3, out=torch.empty(2, 7))
         for name in ("matrix", "cube"):
             full = tensors[name]
             for dim in range(full.dim()):
@@ -198,6 +207,32 @@ def test_blocks_read_from_a_safetensors_file_equal_its_slices(tmp_path):
         handle.truncate(8 + header + 8)  # the header whole, the data cut short
     with pytest.raises(InvalidArgumentError, match="is not a valid safetensors file: .*cut short"):
         SafetensorsReader(path)
+
+
+def _resident_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"{field}:\s+(\d+) kB", status.read()).group(1)) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak resident memory")
+def test_a_block_is_read_without_the_rest_of_its_tensor(tmp_path):
+    """1 MiB of rows from the middle of a 64 MiB tensor raises the peak resident memory by about
+    1 MiB (the safetensors library's own slices read the whole tensor first)."""
+    from safetensors.torch import save_file
+
+    from psrt.checkpoint.safetensors_reader import SafetensorsReader
+
+    path = str(tmp_path / "big.safetensors")
+    save_file({"rows": torch.arange(16 << 20, dtype=torch.float32).reshape(16 << 10, 1 << 10)}, path)
+    with SafetensorsReader(path) as reader:
+        reader.read("rows", 0, 0, 1)  # the reader's first use, before the measurement
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # the peak starts again from what is resident now
+        before = _resident_bytes("VmRSS")
+        block = reader.read("rows", 0, 8000, 8256)
+        grown = _resident_bytes("VmHWM") - before
+    assert torch.equal(block[:, 0], torch.arange(8000, 8256, dtype=torch.float32) * 1024)
+    assert grown < 4 << 20, f"reading 1 MiB of a 64 MiB tensor grew resident memory by {grown} bytes"
 
 
 def test_a_save_replaces_the_weight_files_of_an_earlier_layout(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psrt.zero.partition import ParamInfo, Partition, expected_bytes
+from psrt.zero.partition import ParamInfo, Partition, Read, expected_bytes, reshard_reads, writers
 from psrt.zero.setup import _buckets
 
 
@@ -93,3 +93,55 @@ def test_expected_bytes_are_zero_s_formulas(stage, want):
 def test_expected_bytes_refuses_unknown_stages():
     with pytest.raises(ValueError, match="ZeRO stage must be 0, 1, 2 or 3"):
         expected_bytes(4, 1, 4, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+
+
+def _flat_values(partition: Partition, values: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Each shard's flat tensor of each group, padding zero."""
+    shards = []
+    for shard in range(partition.num_shards):
+        per_group = []
+        for group, flat in enumerate(partition.groups):
+            out = torch.zeros(flat.shard_numel)
+            for piece in partition.pieces(group, shard):
+                out[piece.shard_offset:piece.shard_offset + piece.stop - piece.start] = values[piece.param][piece.start:piece.stop]
+            per_group.append(out)
+        shards.append(per_group)
+    return shards
+
+
+@pytest.mark.parametrize("saved_groups, saved_shards", [([[0], [1, 2], [3, 4]], 4), ([[0, 1, 2, 3, 4]], 2),
+                                                        ([[4, 3], [2, 1, 0]], 3), ([[0], [1], [2], [3], [4]], 1)])
+@pytest.mark.parametrize("groups, shards", [([[0, 1], [2, 3, 4]], 2), ([[0], [1, 2], [3, 4]], 4), ([[0, 1, 2, 3, 4]], 3)])
+def test_reshard_reads_rebuild_every_shard_of_another_layout(saved_groups, saved_shards, groups, shards):
+    """Each shard of the new layout, built only from its reads of the saved shards, is the shard
+    the new layout holds: every element once, from wherever the saved layout put it."""
+    params = infos(45, 477, 53, 159, 3)
+    values = [torch.arange(info.numel, dtype=torch.float32) + 1000 * i for i, info in enumerate(params)]
+    saved, current = Partition.build(params, saved_groups, saved_shards), Partition.build(params, groups, shards)
+    stored, want = _flat_values(saved, values), _flat_values(current, values)
+    for shard in range(shards):
+        got = [torch.zeros(flat.shard_numel) for flat in current.groups]
+        for read in reshard_reads(saved, current, shard):
+            assert 0 <= read.begin < read.end <= saved.groups[read.group].shard_numel
+            got[read.into][read.offset:read.offset + read.end - read.begin] = stored[read.shard][read.group][read.begin:read.end]
+        assert all(torch.equal(a, b) for a, b in zip(got, want[shard])), f"shard {shard} differs"
+
+
+def test_reshard_reads_join_runs_and_read_only_the_overlapping_shards():
+    params = infos(3, 5)  # 8 elements, one group: saved over 4 shards of 2, read back over 2 shards of 4
+    saved, current = Partition.build(params, [[0, 1]], 4), Partition.build(params, [[0, 1]], 2)
+    assert reshard_reads(saved, current, 1) == [Read(shard=2, group=0, begin=0, end=2, into=0, offset=0),
+                                                Read(shard=3, group=0, begin=0, end=2, into=0, offset=2)]
+    assert reshard_reads(current, current, 0) == [Read(0, 0, 0, 4, 0, 0)]  # the same layout: one read of its own shard
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("sizes", [(45, 477, 53, 159, 3), (10,) * 9, (1000, 1, 1, 1), (5, 5, 5, 5, 5, 30)])
+def test_no_shard_writes_more_than_its_share_plus_the_largest_parameter(sizes, shards):
+    partition = Partition.build(infos(*sizes), [list(range(len(sizes)))], shards)
+    owner = writers(partition)
+    assert len(owner) == len(sizes) and set(owner) <= set(range(shards))
+    for shard in range(shards):
+        owned = sum(size for size, o in zip(sizes, owner) if o == shard)
+        assert owned <= partition.groups[0].shard_numel + max(sizes), (shard, owned)
+    assert writers(partition) == owner  # the same plan on every rank

@@ -27,5 +27,5 @@ def expected(np: int) -> list[str]:
     names = [name_of(model, dp, tp, pp, options) for model, dp, tp, pp, options in (LAYOUTS_4 if np == 4 else LAYOUTS_2)]
     if np == 4:
         names += [f"checkpoint/{model}/saved_at_122_loads_at_212_and_in_one_process" for model in CHECKPOINT_MODELS]
-        names += ["checkpoint/load_reads_only_own_slices"]
+        names += ["checkpoint/zero3_save_and_load_hold_only_own_slices"]
     return names + ["errors/before_communication", "errors/stages_cut_differently"]

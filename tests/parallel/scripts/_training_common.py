@@ -84,10 +84,12 @@ def failure_of(call) -> str | None:
     return None
 
 
-def expect_raises(kind: type[BaseException], call, fragment: str, what: str) -> None:
+def expect_raises(kind: type[BaseException] | tuple[type[BaseException], ...], call, fragment: str,
+                  what: str) -> None:
     try:
         call()
     except kind as exc:
         assert fragment in str(exc), f"{what}: message {str(exc)!r} does not mention {fragment!r}"
         return
-    raise AssertionError(f"{what}: did not raise {kind.__name__}")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    raise AssertionError(f"{what}: did not raise {' or '.join(k.__name__ for k in kinds)}")

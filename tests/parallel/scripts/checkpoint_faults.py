@@ -20,7 +20,7 @@ import torch
 import psrt.ps as ps
 import psrt.torch as hvd
 from psrt.checkpoint import files as checkpoint_files
-from psrt.errors import InvalidArgumentError, ParameterServerError
+from psrt.errors import CheckpointError, InvalidArgumentError, ParameterServerError
 from psrt.zero import ZeroOptimizer
 
 import _harness
@@ -28,7 +28,10 @@ from _training_common import Mlp, expect_raises, global_batch, loss_of, my_rows
 from _zero_common import ZNet
 
 SERVER_FILE = "server-0-of-1.pt"
-SHARD = "shard_00001.pt"  # rank 1's: every rank reads every shard at load
+SHARD = "shard_00001.pt"  # rank 1's: only rank 1 reads it at load
+# A ZeRO rank refuses a damaged file it reads with InvalidArgumentError naming it; a rank that
+# does not read it raises CheckpointError, naming the rank that refused it and why.
+ZERO_REFUSALS = (InvalidArgumentError, CheckpointError)
 Damage = Callable[[str], None]
 
 
@@ -99,6 +102,14 @@ def copied_from(source: str, name: str) -> Damage:
     return lambda d: shutil.copy(os.path.join(source, name), os.path.join(d, name))
 
 
+def swapped(first: str, second: str) -> Damage:
+    def damage(d: str) -> None:
+        os.replace(os.path.join(d, first), os.path.join(d, "swap"))
+        os.replace(os.path.join(d, second), os.path.join(d, first))
+        os.replace(os.path.join(d, "swap"), os.path.join(d, second))
+    return damage
+
+
 def damaged_copy(good: str, root: str, case: str, damage: Damage) -> str:
     """A copy of ``good`` under ``root``, damaged by rank 0, ready on every rank."""
     directory = os.path.join(root, case)
@@ -166,7 +177,7 @@ def check_ps_good_and_unchecked_saves_load(name: str, job: PsJob) -> None:
             json.dump(manifest, f)
     for directory in (job.good, damaged_copy(job.good, job.root, "unchecked", unchecked)):
         job.step(2)
-        assert job.optimizer.load(directory) == 1
+        assert job.optimizer.load(directory) is None and job.optimizer.steps_restored == 1
         for key, value in job.state().items():
             assert torch.equal(value, job.saved[key]), f"{key} not restored from {directory}"
     job.step(3)  # training goes on
@@ -205,6 +216,9 @@ class ZeroJob:
         self.good = os.path.join(root, "good")
         self.zero.save(self.good, extra={"step": 1})
         self.saved = self.state()
+        self.step()
+        self.other = os.path.join(root, "other")  # a later save, for files and records of another save
+        self.zero.save(self.other, extra={"step": 2})
 
     def step(self) -> None:
         self.zero.zero_grad()
@@ -220,7 +234,7 @@ class ZeroJob:
 def check_zero_refusal(name: str, job: ZeroJob, damage: Damage, problem: str) -> None:
     directory = damaged_copy(job.good, job.root, name.replace("/", "-"), damage)
     before = job.state()
-    expect_raises(InvalidArgumentError, lambda: job.zero.load(directory), problem, name)
+    expect_raises(ZERO_REFUSALS, lambda: job.zero.load(directory), problem, name)
     assert all(torch.equal(a, b) for a, b in zip(job.state(), before)), "the refused load changed the model"
     assert not os.path.exists(marker(job.root)), "the malicious file's payload ran"
 
@@ -243,6 +257,10 @@ def zero_checks(root: str) -> _harness.Checks:
         "garbage_meta": (garbage("zero_meta.json"), "zero_meta.json: it is damaged or was cut short"),
         "malicious_pickle_in_a_shard": (malicious(SHARD, "zero_meta.json", root),
                                         f"{SHARD} cannot be loaded as a psrt checkpoint file"),
+        "meta_rewritten_without_the_files": (copied_from(job.other, "zero_meta.json"),
+                                             "was modified after it was saved, or belongs to another save"),
+        "shard_of_another_save": (copied_from(job.other, SHARD), f"{SHARD} was modified after it was saved"),
+        "shard_files_swapped": (swapped("shard_00000.pt", "shard_00001.pt"), "belongs to another save"),
     }
     for case, (damage, problem) in cases.items():
         checks.add(f"zero/{case}", check_zero_refusal, job, damage, problem)

@@ -71,11 +71,12 @@ def main(phase: str, directory: str) -> None:
     record = {}
     if phase == "first":
         train(model, optimizer, 0)
-        optimizer.save(os.path.join(directory, "ckpt"))
+        optimizer.save(os.path.join(directory, "ckpt"), extra={"epoch": 1})
         record["saved"] = snapshot(model)
         record["steps"] = STEPS
     else:
-        record["steps"] = optimizer.load(os.path.join(directory, "ckpt"))
+        assert optimizer.load(os.path.join(directory, "ckpt")) == {"epoch": 1}
+        record["steps"] = optimizer.steps_restored
         record["saved"] = snapshot(model)
         optimizer.save(os.path.join(directory, "again"))
     train(model, optimizer, STEPS)

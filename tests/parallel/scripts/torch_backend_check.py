@@ -9,13 +9,15 @@ the size; gloo has no average).  DDP (several buckets, ``no_sync``), FSDP2 (full
 and bf16 parameters with fp32 reductions), DTensor tensor parallelism (on 4 ranks a 2-D
 mesh of FSDP × TP, whose sub-groups psrt makes for their members only),
 ``torch.distributed.pipelining`` with ``Schedule1F1B``, distributed checkpoints (saved at
-this size, loaded here and in one process) and a Lightning ``Trainer`` with
+this size, loaded here and in one process; with psrt's checksums, a flipped byte refused on
+every rank) and a Lightning ``Trainer`` with
 ``DDPStrategy(process_group_backend="psrt")`` each train a few steps and must match the same
 computation in one process.
 """
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import tempfile
 import warnings
@@ -475,16 +477,20 @@ def check_pipelining_1f1b(name: str, gloo: dist.ProcessGroup) -> None:
     assert_close(results[0], results[1], 0.0, "pipelining 1F1B over psrt against gloo")
 
 
+def shared_directory() -> str:
+    """A new temporary directory, made by rank 0, named to every rank."""
+    holder = [tempfile.mkdtemp(prefix="psrt-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def check_dcp(name: str) -> None:
     """An FSDP2 model saved by every rank loads into another FSDP2 model and, in one
     process (no_dist), into a plain one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    path = tempfile.mkdtemp(prefix="psrt-dcp-") if dist.get_rank() == 0 else None
-    holder = [path]
-    dist.broadcast_object_list(holder, src=0)
-    path = holder[0]
+    path = shared_directory()
     trained = mlp(seed=3)
     want = copy.deepcopy(trained).state_dict()
     fully_shard(trained)
@@ -502,6 +508,189 @@ def check_dcp(name: str) -> None:
         assert_close(alone, want, 0.0, "dcp load in one process")
         shutil.rmtree(path)
     dist.barrier()
+
+
+def check_dcp_checksums(name: str) -> None:
+    """An FSDP2 model saved with psrt's checksummed writer loads equal through its reader;
+    once a byte of the last rank's file is flipped, every rank's load is refused naming that
+    file (the last rank's error, gathered by DCP's planning) and no rank's shards changed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.fsdp import fully_shard
+
+    from psrt.checkpoint.dcp import ChecksummedReader, ChecksummedWriter
+    from psrt.errors import CheckpointError
+
+    path, last = shared_directory(), dist.get_world_size() - 1
+    trained = mlp(seed=3)
+    want = copy.deepcopy(trained).state_dict()
+    fully_shard(trained)
+    fresh = mlp(seed=4)
+    fully_shard(fresh)
+    state = fresh.state_dict()
+    try:
+        dcp.save(trained.state_dict(), storage_writer=ChecksummedWriter(path))
+        dcp.load(state, storage_reader=ChecksummedReader(path))
+    except CheckpointException as exc:  # a BaseException, which the harness would not report
+        raise AssertionError(f"the round trip with checksums failed: {exc}") from None
+    fresh.load_state_dict(state)
+    assert_close(fresh.state_dict(), want, 0.0, "dcp load with checksums")
+    damaged = os.path.join(path, f"__{last}_0.distcp")
+    dist.barrier()
+    if dist.get_rank() == last:  # a byte of a weight, which torch's own reader would load silently
+        with open(damaged, "r+b") as f:
+            data = bytearray(f.read())
+            at = data.find(trained.state_dict()["0.weight"].to_local().numpy().tobytes()) + 3
+            assert at >= 3, f"{damaged} does not hold the last rank's shard of 0.weight"
+            data[at] ^= 0x01  # an exponent bit: the weight is 4 times larger or smaller
+            f.seek(0)
+            f.write(data)
+    dist.barrier()
+    before = {key: value.to_local().clone() for key, value in state.items()}
+    try:
+        dcp.load(state, storage_reader=ChecksummedReader(path))
+    except CheckpointException as exc:
+        assert f"{damaged} was changed after it was saved" in str(exc), str(exc)
+        assert list(exc.failures) == [last] and isinstance(exc.failures[last][0], CheckpointError), exc.failures
+    else:
+        raise AssertionError(f"rank {dist.get_rank()}: a load from a checkpoint with a flipped byte in {damaged} "
+                             "was not refused")
+    assert_close({key: value.to_local() for key, value in state.items()}, before, 0.0, "state after the refusal")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path)
+
+
+# -- checkpoints moving between FSDP2 and psrt's ZeRO-3 through DCP -----------------------------------
+ADAMW = {"lr": 0.02, "weight_decay": 0.1}
+BEFORE, AFTER = 2, 2  # steps before the save and after the load
+
+
+class OddNet(nn.Module):
+    """1-, 2- and 3-D parameters, 117 elements in one flat group, so that ZeRO's flat ranges over
+    2 or 4 ranks start and end inside rows (FSDP2 shards whole rows)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inner = nn.Linear(5, 7)
+        self.mix = nn.Parameter(torch.randn(3, 7, 3) * 0.3)
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.einsum("bi,kij->bj", torch.tanh(self.inner(x)), self.mix))
+
+
+def odd_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(11)
+    return [(torch.randn(8, 5, generator=generator), torch.randn(8, 3, generator=generator))
+            for _ in range(BEFORE + AFTER)]
+
+
+def train_odd(model: nn.Module, optimizer, data, part: int, parts: int) -> None:
+    """Steps on rows ``part`` of ``parts`` of each global batch (the gradient is averaged over parts)."""
+    for x, y in data:
+        nn.functional.mse_loss(model(x.chunk(parts)[part]), y.chunk(parts)[part]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def odd_reference() -> dict[str, torch.Tensor]:
+    """Torch's AdamW in one process, every step on the global batches."""
+    model = OddNet(seed=1)
+    train_odd(model, torch.optim.AdamW(model.parameters(), **ADAMW), odd_batches(), 0, 1)
+    return model.state_dict()
+
+
+def fsdp2_odd(seed: int, mesh=None) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = OddNet(seed)
+    fully_shard(model.inner, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def check_fsdp2_checkpoint_continues_under_zero3(name: str) -> None:
+    """FSDP2 over every rank trains and saves model and AdamW through DCP; ZeRO-3 over half the
+    ranks loads them and trains on: equal to one process throughout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from psrt.zero import ZeroOptimizer
+    from psrt.zero.dcp import ModelState, OptimizerState
+
+    n, data, want, path = dist.get_world_size(), odd_batches(), odd_reference(), shared_directory()
+    model = fsdp2_odd(seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    train_odd(model, optimizer, data[:BEFORE], dist.get_rank(), n)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=path)
+    half = hvd.add_process_set(list(range(n // 2)))
+    group = hvd.process_group(half)
+    got, loaded = None, None
+    if half.included():
+        zmodel = OddNet(seed=2)
+        zero = ZeroOptimizer(zmodel, torch.optim.AdamW, stage=3, process_set=half, lr=0.5,
+                             weight_decay=0.0)  # the load brings ADAMW's
+        dcp.load({"model": ModelState(zero), "optim": OptimizerState(zero)}, checkpoint_id=path, process_group=group)
+        loaded = dict(zero.param_groups[0], params=None), {float(zero.state[g.master]["step"]) for g in zero.groups}
+        train_odd(zmodel, zero, data[BEFORE:], half.rank(), half.size())
+        with zero.gathered_parameters():
+            got = {key: value.clone() for key, value in zmodel.state_dict().items()}
+    finish_move(path, half, group)  # every rank gets here, so that a failure below ends no collective
+    if got is not None:
+        options, steps = loaded
+        assert (options["lr"], options["weight_decay"]) == (ADAMW["lr"], ADAMW["weight_decay"]), \
+            f"hyperparameters not loaded: {options}"
+        assert steps == {float(BEFORE)}, f"step after the load: {steps}, saved {BEFORE}"
+        assert_close(got, want, 1e-5, f"ZeRO-3 over {n // 2} rank(s) from FSDP2's checkpoint of {n}")
+
+
+def check_zero3_checkpoint_continues_under_fsdp2(name: str) -> None:
+    """ZeRO-3 over every rank trains and saves through DCP; FSDP2 over half the ranks loads the
+    model and AdamW state with torch's own calls and trains on: equal to one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                          set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from psrt.zero import ZeroOptimizer
+    from psrt.zero.dcp import ModelState, OptimizerState
+
+    n, data, want, path = dist.get_world_size(), odd_batches(), odd_reference(), shared_directory()
+    zmodel = OddNet(seed=1)
+    zero = ZeroOptimizer(zmodel, torch.optim.AdamW, stage=3, **ADAMW)
+    train_odd(zmodel, zero, data[:BEFORE], dist.get_rank(), n)
+    dcp.save({"model": ModelState(zero), "optim": OptimizerState(zero)}, checkpoint_id=path)
+    half = hvd.add_process_set(list(range(n // 2)))
+    group = hvd.process_group(half)
+    got, options = None, None
+    if half.included():
+        model = fsdp2_odd(seed=2, mesh=DeviceMesh.from_group(group, "cpu"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)  # the load brings ADAMW's
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=path, process_group=group)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+        options = dict(optimizer.param_groups[0], params=None)
+        train_odd(model, optimizer, data[BEFORE:], half.rank(), half.size())
+        got = {key: value.full_tensor() for key, value in model.state_dict().items()}
+    finish_move(path, half, group)
+    if got is not None:
+        assert (options["lr"], options["weight_decay"]) == (ADAMW["lr"], ADAMW["weight_decay"]), \
+            f"hyperparameters not loaded: {options}"
+        assert_close(got, want, 1e-5, f"FSDP2 over {n // 2} rank(s) from ZeRO-3's checkpoint of {n}")
+
+
+def finish_move(path: str, half, group) -> None:
+    """Every rank: wait for the others, then free the half's group and set and the checkpoint."""
+    dist.barrier()
+    if group is not dist.GroupMember.NON_GROUP_MEMBER:
+        dist.destroy_process_group(group)
+    hvd.remove_process_set(half)
+    if dist.get_rank() == 0:
+        shutil.rmtree(path)
 
 
 def check_lightning(name: str) -> None:
@@ -562,6 +751,11 @@ def main() -> None:
     checks.add("dtensor/parallelize_module_matches_single_process_and_gloo", check_dtensor_tp, gloo)
     checks.add("pipelining/1f1b_matches_single_process_and_gloo", check_pipelining_1f1b, gloo)
     checks.add("dcp/saves_and_loads_here_and_in_one_process", check_dcp)
+    checks.add("dcp/checksums_round_trip_and_refuse_a_flipped_byte", check_dcp_checksums)
+    checks.add("dcp/fsdp2_checkpoint_continues_under_zero3_on_half_the_ranks",
+               check_fsdp2_checkpoint_continues_under_zero3)
+    checks.add("dcp/zero3_checkpoint_continues_under_fsdp2_on_half_the_ranks",
+               check_zero3_checkpoint_continues_under_fsdp2)
     checks.add("lightning/ddp_strategy_matches_single_process", check_lightning)
     _harness.run(checks, check_timeout_s=90.0)
     hvd.shutdown()

@@ -2,13 +2,16 @@
 torch's AdamW on the whole batch in one process (``psrun -np 2 python zero_gpt2_check.py``).
 
 Checks that the tied model trains, saves and consolidates into the single-process
-``state_dict`` (both names of the tied weight included) and optimizer state, and that a
-stage-3 parameter read outside a gather raises a psrt error naming it instead of reading
-freed memory.  The model is built from a small ``GPT2Config``: nothing is downloaded.
+``state_dict`` (both names of the tied weight included) and optimizer state, that
+``save_pretrained`` writes it from the shards for ``from_pretrained``, and that a stage-3
+parameter read outside a gather raises a psrt error naming it instead of reading freed
+memory.  The model is built from a small ``GPT2Config``: nothing is downloaded.
 Float64 throughout.
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import tempfile
 
@@ -17,6 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import psrt.torch as hvd
 from psrt.errors import InvalidArgumentError, ParameterReleasedError
+from psrt.pretrained import load_pretrained, save_pretrained
 from psrt.zero import ZeroOptimizer, consolidate
 
 import _harness
@@ -80,6 +84,34 @@ def check_saved_tied_gpt2_consolidates_to_one_process(key: str) -> None:
                                        msg=lambda m, n=name, s=state_key: f"{s} of {n}: {m}")
 
 
+def check_save_pretrained_writes_each_rank_s_own_parameters(key: str) -> None:
+    """``save_pretrained`` from the stage-3 model: each rank writes a file of the parameters it
+    owns, the tied weight once; ``from_pretrained`` in one process and ``load_pretrained``
+    into a fresh model give the reference's ``state_dict``."""
+    model, zero, reference, _ = trained()
+    directory = hvd.broadcast_object(tempfile.mkdtemp(prefix="psrt-gpt2-") if hvd.rank() == 0 else None,
+                                     root_rank=0, name=f"{key}.dir")
+    try:
+        save_pretrained(model, directory, config=CONFIG, optimizer=zero)
+        with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+            weight_map = json.load(f)["weight_map"]
+        size = hvd.size()
+        assert sorted(set(weight_map.values())) == [f"model-{r + 1:05d}-of-{size:05d}.safetensors" for r in range(size)]
+        assert "transformer.wte.weight" in weight_map and "lm_head.weight" not in weight_map, sorted(weight_map)
+        want = reference.state_dict()
+        one = GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float64)
+        fresh = GPT2LMHeadModel(CONFIG).double()
+        load_pretrained(fresh, directory)
+        for what, got in (("from_pretrained", one.state_dict()), ("load_pretrained", fresh.state_dict())):
+            assert sorted(got) == sorted(want), f"{what}: keys {sorted(set(got) ^ set(want))} differ"
+            for name, value in want.items():
+                torch.testing.assert_close(got[name], value, **TIGHT, msg=lambda m, n=name, w=what: f"{w}: {n}: {m}")
+    finally:
+        hvd.barrier()
+        if hvd.rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def check_released_parameters_refuse_reads(key: str) -> None:
     """Outside a gather, reading a stage-3 parameter (by either name of a tied one, or through
     ``state_dict``) raises naming it; metadata stays readable; inside
@@ -110,6 +142,8 @@ def main() -> None:
     checks = _harness.Checks()
     checks.add("gpt2/stage3/save_consolidate_matches_one_process", check_saved_tied_gpt2_consolidates_to_one_process)
     checks.add("gpt2/stage3/released_parameters_refuse_reads", check_released_parameters_refuse_reads)
+    checks.add("gpt2/stage3/save_pretrained_writes_each_rank_s_own_parameters",
+               check_save_pretrained_writes_each_rank_s_own_parameters)
     _harness.run(checks, check_timeout_s=60.0)
     hvd.shutdown()
 
