@@ -82,9 +82,9 @@ def save(zero, directory: str, extra: dict | None = None, *, background: bool = 
     (:mod:`psrt.background_save`): this returns once they are copied, with a handle whose
     ``wait()`` blocks until ``zero_meta.json`` is written, and raises (on every rank) a
     :class:`~psrt.errors.CheckpointError` naming each rank that failed.  The set's next save,
-    or ``shutdown()``, waits for it first.  Until ``zero_meta.json`` is
-    written the directory is incomplete: save to a new directory each time to keep the
-    previous checkpoint whole across a crash.
+    or ``shutdown()``, waits for it first.  Until ``zero_meta.json`` is written the directory
+    is incomplete: save to a new directory each time to keep the previous checkpoint whole
+    across a crash.
 
     Collective: every rank of ``zero``'s process set calls it, in the same order, with the
     same ``background``.
