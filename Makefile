@@ -20,7 +20,7 @@ INTEL_MPI := impi-rt==2021.18.1
 
 .PHONY: demo demo-collectives demo-ps demo-zero demo-elastic demo-gpt demo-hf test bench bench-train bench-ps bench-zero \
         bench-pp bench-tp bench-recompute bench-cp bench-moe bench-peers bench-torch-backend bench-hf bench-overhead bench-faults \
-        bench-hierarchical bench-elastic clean
+        bench-hierarchical bench-elastic bench-save clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -124,6 +124,10 @@ bench-hierarchical: $(STAMP)
 
 bench-elastic: $(STAMP)
 	$(PY) benchmarks/elastic.py
+
+# How long a synchronous and a background save hold training up (elastic commit, ZeRO save).
+bench-save: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/checkpoint_save.py
 
 # On a machine with a GPU: tests/gpu, then benchmarks/gpu.py, under 8 minutes; writes
 # benchmarks/results/gpu-check-<date>-<gpu>.json and prints the RESULTS.md table.  Runs with

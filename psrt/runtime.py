@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
@@ -29,7 +30,7 @@ from psrt.config import Config, config_from_env
 from psrt.engine import Channel, Engine
 from psrt.engine.handles import HandleTable
 from psrt.engine.names import Names
-from psrt.errors import ArgumentTypeError, NotInitializedError, ProcessSetError
+from psrt.errors import ArgumentTypeError, CheckpointError, NotInitializedError, ProcessSetError
 from psrt.horovod_env import export_horovod_variables
 from psrt.topology import ProcessSet, Topology
 
@@ -45,6 +46,14 @@ class RoleLink(Protocol):
     def close(self) -> None: ...
 
     def release(self) -> None: ...
+
+
+class Finishing(Protocol):
+    """Work that outlives the call that began it (a process set's background checkpoint
+    writer, :mod:`psrt.background_save`): ``shutdown()`` finishes it first."""
+
+    def finish(self) -> str | None:
+        """Wait for the work and stop; returns a failure of it that nobody was told of."""
 
 
 #: What a rank that took another role than worker runs instead of returning from ``init()``.
@@ -82,6 +91,8 @@ class Runtime:
     calls: dict[tuple, object] = field(default_factory=dict)
     #: The channels made so far, by process set id (see :meth:`channel`).
     channels: dict[int, Channel] = field(default_factory=dict)
+    #: The background checkpoint writers made so far, by process set id (see psrt.background_save).
+    savers: dict[int, Finishing] = field(default_factory=dict)
     handles: HandleTable = field(init=False)  # the *_async calls not yet synchronized
 
     def __post_init__(self) -> None:
@@ -180,8 +191,11 @@ def _install_exit_hook() -> None:
 
 def _at_exit() -> None:
     """psrt's exit handler: shut down (collective, watched), then have the wait for the other
-    ranks in MPI's finalisation watched too."""
-    shutdown()
+    ranks in MPI's finalisation watched too.  A background save that failed unseen is told."""
+    try:
+        shutdown()
+    except CheckpointError as exc:
+        sys.stderr.write(f"psrt: {exc}\n")
     bootstrap.watch_finalization()
 
 
@@ -228,12 +242,16 @@ def shutdown() -> None:
 
     Other ranks' pending collectives then fail with a message naming this rank,
     rather than waiting for it forever.  psrt calls it at exit when the script has not.
+    A background save in flight is waited for first; if one failed and no save or ``wait()``
+    since raised its error, shutdown raises it (as :class:`~psrt.errors.CheckpointError`)
+    once everything is stopped.
 
     Collective: every rank of the world calls it (or reaches exit), in the same order, as
     ``MPI_Finalize`` is: a rank's shutdown returns once every rank has called it.
     """
     global _runtime
     if _runtime is not None:
+        unseen = [failure for failure in (saver.finish() for saver in _runtime.savers.values()) if failure]
         runtime, _runtime = _runtime, None
         if runtime.ps is not None:
             global _parameter_servers_gone
@@ -244,6 +262,9 @@ def shutdown() -> None:
         runtime.topology.free()
         if runtime.ps is not None:
             runtime.ps.release()
+        if unseen:
+            raise CheckpointError(f"a background save failed and no save or wait() since reported it: "
+                                  f"{'; '.join(unseen)}")
 
 
 def tuning_table() -> TuningTable:

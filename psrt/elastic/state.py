@@ -5,8 +5,9 @@ committed and resumed.
 under ``psrun --min-np/--max-np``, writes it to the job's commit directory
 (:mod:`psrt.elastic.commits`) so that a relaunched job starts from it: replicated state
 once (rank 0), each rank's own state per rank, and what a state writes collectively
-(sharded optimizers' own checkpoints), which a job of another size loads.  A subclass says
-what goes into each part; the model's and optimizer's state, ``TorchState``, is
+(sharded optimizers' own checkpoints), which a job of another size loads; with
+``commit(background=True)`` a thread writes the files (:mod:`psrt.background_save`).  A
+subclass says what goes into each part; the model's and optimizer's state, ``TorchState``, is
 :mod:`psrt.elastic.torch_state`'s.
 """
 from __future__ import annotations
@@ -19,11 +20,17 @@ import torch
 
 from launcher.contract import ENV_ELASTIC_HOSTS_VERSION
 from psrt import runtime
+from psrt.background_save import SaveHandle, saver_of, write_then_publish
 from psrt.elastic.commits import REPLICATED, CommitStore, rank_file
 from psrt.errors import ElasticError, HostsUpdatedInterrupt
 from psrt.torch import functions
 
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.Tensor, torch.dtype, torch.Size)
+
+
+def _exchange(value: object, what: str) -> list:
+    """What every rank of the world passed, for a synchronous commit (on the engine)."""
+    return functions.allgather_object(value, name=f"psrt.elastic.commit.{what}")
 
 
 def _check_plain(value: object, where: str) -> None:
@@ -49,6 +56,7 @@ class State(abc.ABC):
         self._reset_callbacks: list = []
         self._store = CommitStore.from_env()
         self._launch_hosts_version = int(os.environ.get(ENV_ELASTIC_HOSTS_VERSION, "0"))
+        self._in_flight: tuple[SaveHandle, int] | None = None  # a background commit and its number
         self._commit_number = 0  # the commit this process last wrote or resumed from (0: none)
         self._last_in_store: int | None = None  # the pointer's commit when the store was opened
         self.restored_from: int | None = None  # the commit this launch resumed from
@@ -62,17 +70,63 @@ class State(abc.ABC):
         for callback in self._reset_callbacks:
             callback()
 
-    def commit(self) -> None:
+    def commit(self, background: bool = False) -> SaveHandle | None:
         """Keep the state as it is now: a later ``restore()``, or a relaunch after a failure,
         comes back here.  Then raises :class:`HostsUpdatedInterrupt` on every rank if the hosts
         changed.
 
-        Collective: every rank of the world calls it, in the same order.
+        With ``background=True`` (psrt's addition, as torch DCP's ``async_save``) the commit is
+        written to the commit directory by a thread (:mod:`psrt.background_save`): it returns
+        once ``save()`` has copied the state, with a handle whose ``wait()`` blocks until the
+        commit is written.  Until then a relaunch resumes from the previous commit.  The next
+        commit, :meth:`wait` or ``shutdown()`` waits for it first and raises its error
+        (:class:`ElasticError`, on every rank) unless the handle did.  What a state writes
+        collectively (a sharded optimizer's own checkpoint, a TP x PP model gathered whole)
+        is still written before it returns.  Without a commit directory the handle is done.
+
+        Collective: every rank of the world calls it, in the same order, with the same
+        ``background``.
         """
+        self.wait()
         self.save()
+        handle = None
         if self._store.root is not None:
-            self._persist()
+            handle = self._persist(background)
         self.check_host_updates()
+        return (handle or SaveHandle(None)) if background else None
+
+    def wait(self) -> None:
+        """Wait for the background commit in flight, if any (psrt's addition); raises its
+        :class:`ElasticError` unless its handle already did.  Every rank raises alike (the
+        ranks agreed on the outcome), but this is not a collective call."""
+        self._settle(raise_error=True)
+
+    def _settle(self, raise_error: bool) -> None:
+        """Take in the outcome of the background commit in flight, once written: its number
+        becomes this process's commit; its error is raised (``raise_error``), or kept for then."""
+        if self._in_flight is None:
+            return
+        handle, number = self._in_flight
+        if handle.error() is None:
+            self._committed = self._last_in_store = number
+        elif not raise_error:
+            return
+        self._in_flight = None
+        if not handle.told:
+            handle.wait()
+
+    @property
+    def _commit_number(self) -> int:
+        """The commit this process last wrote or resumed from (0: none).  A background commit
+        counts once it is written: reading this waits for it (and leaves its error for the
+        next commit or wait()), so that what restores from the commit directory reads the
+        commit that ``save()``'s copies belong to."""
+        self._settle(raise_error=False)
+        return self._committed
+
+    @_commit_number.setter
+    def _commit_number(self, number: int) -> None:
+        self._committed = number
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank if psrun reported new hosts
@@ -144,36 +198,44 @@ class State(abc.ABC):
         self._last_in_store = record["commit"] if record is not None else 0
         return record
 
-    def _persist(self) -> None:
+    def _persist(self, background: bool) -> SaveHandle | None:
         if self._last_in_store is None:  # committing without elastic.run(): the directory is still unread
             self._open_store()
         # Numbers only grow in a directory, so a commit never lands in one this job did not write.
         number = max(self._commit_number, self._last_in_store) + 1
         directory = self._store.begin(number)
         self._write_collective(directory)  # raises on every rank together
-        failure, files = None, {}
-        try:
-            if runtime.rank() == 0:
-                document = self._replicated_document()
-                _check_plain(document, "the committed state")
-                files.update(self._store.save(document, number, REPLICATED))
-            files.update(self._store.save(self._rank_document(), number, rank_file(runtime.rank())))
-        except Exception as exc:  # every rank learns of it below
-            failure = f"rank {runtime.rank()}: {type(exc).__name__}: {exc}"
-        outcomes = functions.allgather_object((failure, files), name="psrt.elastic.commit.files")
-        errors = [error for error, _ in outcomes if error]
-        if not errors and runtime.rank() == 0:
-            try:
-                self._store.publish({"commit": number, "size": runtime.size(), "layout": self._layout(),
-                                     "any_layout": self._restores_on_any_layout(),
-                                     "files": {name: rec for _, written in outcomes for name, rec in written.items()}},
-                                    replaces=self._commit_number)
-            except Exception as exc:
-                errors.append(f"rank 0: {type(exc).__name__}: {exc}")
-        errors = functions.broadcast_object(errors, 0, name="psrt.elastic.commit.outcome")
+        rank, replaces = runtime.rank(), self._commit_number
+        documents = {REPLICATED: self._replicated_document()} if rank == 0 else {}
+        documents[rank_file(rank)] = self._rank_document()
+        record = {"commit": number, "size": runtime.size(), "layout": self._layout(),
+                  "any_layout": self._restores_on_any_layout()}
+
+        def write(documents: dict) -> dict[str, dict]:
+            if REPLICATED in documents:
+                _check_plain(documents[REPLICATED], "the committed state")
+            files: dict[str, dict] = {}
+            for name, document in documents.items():
+                files.update(self._store.save(document, number, name))
+            return files
+
+        def publish(files: dict[str, dict]) -> None:
+            self._store.publish(dict(record, files=files), replaces=replaces)
+
+        def failed(errors: list[str]) -> ElasticError:
+            return ElasticError(f"commit {number} failed, the previous commit stays: {'; '.join(errors)}")
+
+        if background:  # save() made the copies for this commit alone: they are what is staged
+            saver = saver_of(runtime.current(), runtime.global_process_set)
+            staged = saver.stage(documents)
+            handle = saver.submit(lambda: write(staged.take()), publish, failed)
+            self._in_flight = handle, number
+            return handle
+        errors = write_then_publish(lambda: write(documents), publish, _exchange, rank)
         if errors:
-            raise ElasticError(f"commit {number} failed, the previous commit stays: {'; '.join(errors)}")
+            raise failed(errors)
         self._commit_number = self._last_in_store = number
+        return None
 
     def _resume(self) -> bool:
         """Restore the last commit of an earlier launch, if there is one; collective.  Returns

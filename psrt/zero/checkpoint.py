@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from psrt.background_save import SaveHandle, saver_of, wait_for
 from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import CheckpointError, InvalidArgumentError
 from psrt.zero.flat import publish_all
@@ -71,40 +72,76 @@ def _save_file(document: dict, path: str) -> dict[str, dict]:
     return {os.path.basename(path): checkpoint_files.save_tensors(document, path).to_json()}
 
 
-def save(zero, directory: str, extra: dict | None = None) -> None:
+def save(zero, directory: str, extra: dict | None = None, *, background: bool = False) -> SaveHandle | None:
     """Write ``zero``'s shards to ``directory``.
 
     If any rank fails to write, every rank raises: that rank its own error, the others one
     naming it.
 
-    Collective: every rank of ``zero``'s process set calls it, in the same order.
+    With ``background=True`` (torch DCP's ``async_save``) the shards are written by a thread
+    (:mod:`psrt.background_save`): this returns once they are copied, with a handle whose
+    ``wait()`` blocks until ``zero_meta.json`` is written, and raises (on every rank) a
+    :class:`~psrt.errors.CheckpointError` naming each rank that failed.  The set's next save,
+    or ``shutdown()``, waits for it first.  Until ``zero_meta.json`` is written the directory
+    is incomplete: save to a new directory each time to keep the previous checkpoint whole
+    across a crash.
+
+    Collective: every rank of ``zero``'s process set calls it, in the same order, with the
+    same ``background``.
 
     :param zero: the :class:`ZeroOptimizer` to save.
     :param directory: where the shards go, the same on every rank (a shared file system when
         the ranks are on several hosts).
     :param extra: anything JSON can hold (e.g. the step count), stored in the metadata and
         returned by :func:`load`; default None.
+    :param background: write in the background; default False.
+    :returns: the background save's handle, or None.
     """
     json.dumps(extra)  # fail before any file is written, on the calling rank
+    wait_for(zero.runtime, zero.process_set)  # the save in flight first: its error, and the copies it holds
+    saver = saver_of(zero.runtime, zero.process_set) if background else None
     zero.synchronize()
     save_id = zero.channel.broadcast_object(uuid.uuid4().hex, zero.channel.ranks[0], name="zero.save.id")
     set_rank = zero.channel.rank
+    documents, unprepared = {}, None  # path -> what goes there (clones: nothing writes them afterwards)
+    try:
+        if set_rank < zero.partition.num_shards:
+            documents[shard_file(directory, set_rank)] = _shard_payload(zero, save_id)
+        if set_rank == 0:
+            documents[os.path.join(directory, EXTRAS)] = {"save_id": save_id, "entries": _extras(zero)}
+    except Exception as exc:  # raised by write() below, so that every rank learns of it
+        unprepared = exc
+    meta = _meta(zero, save_id, extra, {})
+
+    def write(documents: dict) -> dict[str, dict]:
+        if unprepared is not None:
+            raise unprepared
+        os.makedirs(directory, exist_ok=True)
+        written = {}
+        for path, document in documents.items():
+            written.update(_save_file(document, path))
+        return written
+
+    def publish(files: dict[str, dict]) -> None:
+        checkpoint_files.write_json(dict(meta, files=files), os.path.join(directory, META))
+
+    if saver is not None:
+        staged = saver.stage(documents)
+        return saver.submit(lambda: write(staged.take()), publish, lambda errors: CheckpointError(
+            f"ZeRO checkpoint save to {directory!r} failed, its {META} was not written: {'; '.join(errors)}"))
     failure, written = None, {}
     try:
-        os.makedirs(directory, exist_ok=True)
-        if set_rank < zero.partition.num_shards:
-            written.update(_save_file(_shard_payload(zero, save_id), shard_file(directory, set_rank)))
-        if set_rank == 0:
-            written.update(_save_file({"save_id": save_id, "entries": _extras(zero)}, os.path.join(directory, EXTRAS)))
+        written = write(documents)
     except Exception as exc:  # reported on every rank below, never left on one
         failure = exc
     files = _raise_if_any_failed(failure, "save", zero, written)
     if set_rank == 0:
         try:
-            checkpoint_files.write_json(_meta(zero, save_id, extra, files), os.path.join(directory, META))
+            publish(files)
         except Exception as exc:
             failure = exc
     _raise_if_any_failed(failure, "save", zero)
+    return None
 
 
 def load(zero, directory: str) -> dict | None:

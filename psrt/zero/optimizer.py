@@ -24,6 +24,7 @@ from typing import Iterator
 
 import torch
 
+from psrt.background_save import SaveHandle
 from psrt.errors import InvalidArgumentError
 from psrt.runtime import Runtime, given, global_process_set
 from psrt.topology import ProcessSet
@@ -258,7 +259,7 @@ class ZeroOptimizer:
             grad.mul_(coefficient.to(grad.dtype))
         return total
 
-    def save(self, directory: str, extra: dict | None = None) -> None:
+    def save(self, directory: str, extra: dict | None = None, *, background: bool = False) -> SaveHandle | None:
         """Save a sharded checkpoint; see :func:`psrt.zero.save`.
 
         Collective: every rank of ``process_set`` calls it, in the same order.
@@ -267,9 +268,12 @@ class ZeroOptimizer:
             the ranks are on several hosts).
         :param extra: anything JSON can hold (e.g. the step count), returned by :meth:`load`;
             default None.
+        :param background: return once the shards are copied, while a thread writes them; default
+            False.
+        :returns: the background save's handle (``wait()`` for it), or None.
         """
         from psrt.zero.checkpoint import save
-        save(self, directory, extra)
+        return save(self, directory, extra, background=background)
 
     def load(self, directory: str) -> dict | None:
         """Load a sharded checkpoint written by any number of ranks; returns its ``extra``.
