@@ -5,9 +5,11 @@ outlive the processes that made it: it is written to the directory psrun names i
 ``PSRT_ELASTIC_DIR`` (a filesystem every host sees, as for any checkpoint)::
 
     commit-000007/       what commit 7 wrote: replicated.pt (rank 0 only: the replicated
-                         state, a TP x PP model whole), rank-00003.pt (each rank's own: RNG
-                         states), and the sharded optimizers' own checkpoints (zero/, ps/);
-                         the .pt files are safetensors files (psrt.checkpoint.files)
+                         state; for a TP x PP model, the index of its blocks' files),
+                         model-ppPPP-tpTTT-epEEE.pt (a TP x PP model's blocks, each written
+                         once, by its first data-parallel rank), rank-00003.pt (each rank's
+                         own: RNG states), and the sharded optimizers' own checkpoints (zero/,
+                         ps/); the .pt files are safetensors files (psrt.checkpoint.files)
     latest.json          {"commit": 7, "size": 3, ...}: written by rank 0 once every rank has
                          finished commit 7, after which the commit it replaces is removed
 
@@ -36,7 +38,8 @@ from launcher.contract import ENV_ELASTIC_DIR, HOSTS_FILE, RESET_FILE, RESTORE_F
 from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import ElasticError
 
-FORMAT = "psrt-elastic/2"  # safetensors files; a TP x PP model committed whole
+FORMAT = "psrt-elastic/3"  # safetensors files; a TP x PP model committed as each rank's own blocks
+WHOLE_MODEL_FORMAT = "psrt-elastic/2"  # earlier psrt's: a TP x PP model committed whole (still read)
 TORCH_FILES_FORMAT = "psrt-elastic/1"  # earlier psrt's: torch.save files (read with weights_only)
 LATEST = "latest.json"
 REPLICATED = "replicated.pt"
@@ -88,7 +91,7 @@ class CommitStore:
         except ElasticError as exc:
             raise ElasticError(f"{exc} ({self.root} holds {self._found()}; nothing was resumed or removed)") \
                 from None
-        if record.get("format") not in (FORMAT, TORCH_FILES_FORMAT) or not isinstance(record.get("commit"), int) \
+        if record.get("format") not in (FORMAT, WHOLE_MODEL_FORMAT, TORCH_FILES_FORMAT) or not isinstance(record.get("commit"), int) \
                 or not isinstance(record.get("files"), dict):
             raise ElasticError(f"{path} is not a psrt elastic commit record (format {record.get('format')!r}): "
                                f"the directory belongs to something else ({self._found()}); point --elastic-dir "
