@@ -169,14 +169,17 @@ def join_with_uneven_steps(key: str) -> None:
 
 
 def join_refuses_other_collectives(key: str) -> None:
-    """After rank 0 joined, a broadcast on the others fails naming join (not a hang)."""
-    rank = hvd.rank()
+    """After rank 0 joined, a broadcast on the others fails naming join (not a hang).  Which
+    of the others joins last is a race: every rank must name the same one, and not rank 0."""
+    rank, size = hvd.rank(), hvd.size()
     if rank == 0:
-        assert hvd.join() == hvd.size() - 1 or hvd.size() == 1
+        last = hvd.join()
     else:
         expect_raises(RuntimeError, lambda: hvd.broadcast(torch.ones(2), root_rank=1, name=key),
                       key, "joined", what=key)
-        hvd.join()
+        last = hvd.join()
+    assert last in range(1, size) or size == 1, f"{key}: join() returned {last}"
+    assert len(set(hvd.allgather_object(last, name=key + ".last"))) == 1, f"{key}: the ranks name different last ranks"
 
 
 def barrier_with_async_ops_outstanding(key: str) -> None:
