@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 import torch
 
+from psrt.checkpoint.document import map_tensors
 from psrt.comm import streams
 from psrt.comm.direct import DirectGroup
 from psrt.errors import CheckpointError
@@ -148,7 +149,7 @@ class BackgroundSaver:
             kept.append(tensor)
             return host
 
-        staged = _map_tensors(document, to_host)
+        staged = map_tensors(document, to_host)
         done = []
         for current, side in pairs.values():
             done.append(cuda.record(side))
@@ -222,20 +223,6 @@ class Staged:
             cuda.host_wait(event, _WHY_HOST_WAIT)
         self._events, self._kept = [], []
         return self._document
-
-
-def _map_tensors(value: object, change: Callable[[torch.Tensor], torch.Tensor]) -> object:
-    """``value`` (dicts, lists and tuples of tensors and plain data) with ``change`` applied to
-    each tensor."""
-    if isinstance(value, torch.Tensor):
-        return change(value)
-    if isinstance(value, dict):
-        return {key: _map_tensors(item, change) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_map_tensors(item, change) for item in value]
-    if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        return tuple(_map_tensors(item, change) for item in value)
-    return value
 
 
 def wait_for(runtime: Runtime, process_set: ProcessSet) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -65,6 +66,22 @@ def encode(document: object) -> tuple[dict[str, torch.Tensor], str]:
 
     skeleton = walk(document, "the document", "")
     return tensors, json.dumps(skeleton)
+
+
+def map_tensors(value: object, change: Callable[[object], object], kinds: tuple[type, ...] = (torch.Tensor,)
+                ) -> object:
+    """``value`` (dicts, lists and tuples of tensors and plain data) with ``change`` applied to
+    each leaf of one of ``kinds`` (tensors, or such stand-ins as a tensor still in its file);
+    the rest is kept as it is."""
+    if isinstance(value, kinds):
+        return change(value)
+    if isinstance(value, dict):
+        return {key: map_tensors(item, change, kinds) for key, item in value.items()}
+    if isinstance(value, list):
+        return [map_tensors(item, change, kinds) for item in value]
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        return tuple(map_tensors(item, change, kinds) for item in value)
+    return value
 
 
 def _join(path: str, key: object) -> str:

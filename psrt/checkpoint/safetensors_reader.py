@@ -28,6 +28,9 @@ from psrt.errors import InvalidArgumentError, PsrtError
 # Bytes per element of each dtype code the format defines that torch can hold.
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool}  # the dtypes psrt reads
 _HEADER_LIMIT = 100 << 20  # the library's own bound on a header
 
 
@@ -75,9 +78,7 @@ class SafetensorsReader:
 
     def dtype(self, name: str) -> torch.dtype:
         code = self._slice(name).get_dtype()
-        dtype = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                 "BOOL": torch.bool}.get(code)
+        dtype = _TORCH_DTYPES.get(code)
         if dtype is None:
             raise self._error(f"{self.path}: tensor {name!r} has dtype {code}, which psrt does not read")
         return dtype

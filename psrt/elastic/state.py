@@ -81,7 +81,7 @@ class State(abc.ABC):
         commit is written.  Until then a relaunch resumes from the previous commit.  The next
         commit, :meth:`wait` or ``shutdown()`` waits for it first and raises its error
         (:class:`ElasticError`, on every rank) unless the handle did.  What a state writes
-        collectively (a sharded optimizer's own checkpoint, a TP x PP model gathered whole)
+        collectively (a sharded optimizer's own checkpoint, a TP x PP model's blocks)
         is still written before it returns.  Without a commit directory the handle is done.
 
         Collective: every rank of the world calls it, in the same order, with the same

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from psrt.checkpoint.document import map_tensors
 from psrt.checkpoint.files import StoredTensor
 from psrt.errors import InvalidArgumentError
 from psrt.zero.partition import Partition, Read, reshard_reads
@@ -29,15 +30,8 @@ def is_tensor(value: object) -> bool:
 def whole(value: object) -> object:
     """``value`` with every tensor in it read (one still in its file) or copied (one read
     before, which may be shared)."""
-    if isinstance(value, StoredTensor):
-        return value.read()
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {key: whole(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(whole(item) for item in value)
-    return value
+    return map_tensors(value, lambda tensor: tensor.read() if isinstance(tensor, StoredTensor) else tensor.clone(),
+                       (torch.Tensor, StoredTensor))
 
 
 def per_element_keys(state: dict, shard_numel: int) -> list[str]:
