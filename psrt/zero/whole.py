@@ -33,9 +33,8 @@ def owned_parameters(zero) -> dict[str, torch.Tensor]:
                     values = group.master[piece.shard_offset:piece.shard_offset + piece.stop - piece.start]
                     if to == mine:
                         owned[piece.param][piece.start:piece.stop].copy_(values)
-                    else:  # in the receiver's dtype: fp32 masters of a lower-precision parameter
-                        dtype = getattr(torch, partition.params[piece.param].dtype)
-                        sends.append((values.detach().to(device="cpu", dtype=dtype), to))
+                    else:
+                        sends.append((values.detach().cpu(), to))
                 elif to == mine:
                     recvs.append((owned[piece.param][piece.start:piece.stop], shard))
         comm.exchange(zero.channel, sends, recvs, f"{group.name}.whole")
