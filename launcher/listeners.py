@@ -69,8 +69,8 @@ def process_tree(root: int, proc_root: str = "/proc") -> list[int]:
 
 
 def listening(pids: Iterable[int], proc_root: str = "/proc") -> list[Listener]:
-    """The listening TCP sockets (IPv4 and IPv6) that ``pids`` hold, each once, in the order
-    of ``pids``."""
+    """The listening TCP sockets (IPv4 and IPv6) that ``pids`` hold, each once (socket inodes
+    are unique across namespaces), in the order of ``pids``."""
     found: dict[int, Listener] = {}
     tables: dict[str, dict[int, tuple[str, int]]] = {}
     for pid in pids:
@@ -83,7 +83,7 @@ def listening(pids: Iterable[int], proc_root: str = "/proc") -> list[Listener]:
             namespace = f"pid {pid}"
         if namespace not in tables:
             tables[namespace] = _listening_table(os.path.join(proc_root, str(pid), "net"))
-        for inode in inodes:
+        for inode in sorted(inodes):
             if inode in tables[namespace] and inode not in found:
                 address, port = tables[namespace][inode]
                 found[inode] = Listener(pid, _program(pid, proc_root), address, port)
@@ -104,6 +104,8 @@ def note(flavour: str, listeners: Collection[Listener], *, spans_hosts: bool) ->
         by_program.setdefault(listener.program, []).append(str(listener))
     parts = [f"{flavour}'s {program} listens on {_and(addresses)}" for program, addresses in by_program.items()]
     remote = ", and its daemons on the other hosts do the same" if spans_hosts else ""
+    if spans_hosts and flavour == "Open MPI":  # btl tcp, as prterun, binds the wildcard address
+        remote += ", as do the ranks' TCP transport (btl tcp) on every host"
     return (f"psrun: note: {_and(parts)} for this job{remote} (it binds every address; see "
             "docs/guides/cluster.md#trust-model, --no-listener-note silences this)")
 
