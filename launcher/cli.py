@@ -12,7 +12,10 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from collections.abc import Mapping, Sequence
+
+from launcher.addresses import is_local_host
 
 from launcher.blacklist import MAX_COOLDOWN_S, MIN_COOLDOWN_S, check_cooldown_range
 from launcher.command import (
@@ -35,6 +38,7 @@ from launcher.hostfile import (
     parse_hostfile,
     parse_hosts,
 )
+from launcher.listeners import Listener, note, watch_launcher
 from launcher.monitor import JobCommand, JobResult, run_job
 from launcher.mpi import library_of
 
@@ -139,6 +143,9 @@ def make_parser() -> argparse.ArgumentParser:
                          help="where commits are kept between launches, on a filesystem every host sees "
                               "(default: a temporary directory, removed when the job succeeds; jobs on "
                               "other hosts must name one)")
+    parser.add_argument("--no-listener-note", action="store_true",
+                        help="do not say which addresses the MPI launcher listens on beyond loopback "
+                             "(see the trust model in docs/guides/cluster.md)")
     parser.add_argument("--verbose", action="store_true",
                         help="print the mpirun command line to stderr before running it, and show all of "
                              "the job's output once it fails (without it psrun shows the failing rank's "
@@ -227,8 +234,24 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch,
         return JobCommand(tuple(build_command(plan, env)), plan.num_proc if plan.rank_stderr else 0,
                           rank_hosts(plan))
 
+    noted: list[list[Listener]] = []  # said once per psrun, elastic relaunches included
+
     def run(command: JobCommand) -> JobResult:
-        return run_job(command, env, verbose=args.verbose)
+        if args.no_listener_note or noted:
+            return run_job(command, env, verbose=args.verbose)
+        spans_hosts = not all(map(is_local_host, set(command.rank_hosts)))
+
+        def say(found: list[Listener]) -> None:
+            noted.append(found)
+            print(note(flavour.value, found, spans_hosts=spans_hosts), file=sys.stderr, flush=True)
+
+        stop = threading.Event()
+        watcher = watch_launcher(say, stop)
+        try:
+            return run_job(command, env, verbose=args.verbose)
+        finally:  # no note after the job's own last words
+            stop.set()
+            watcher.join(timeout=5.0)
 
     return launch, run
 

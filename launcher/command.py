@@ -64,6 +64,11 @@ _LOCAL_OMPI_MTL = ("mtl", "^ofi")
 # Open MPI 5 renamed the shared-memory BTL from "vader" to "sm".
 _LOCAL_BTL_OMPI5 = "self,sm"
 _LOCAL_BTL_OMPI4 = "self,vader"
+# MPICH's ranks listen for each other through UCX's TCP transport (its default netmod) or
+# libfabric's tcp/sockets providers (the ofi netmod) on every interface of the host. These
+# variables hold them to one interface: loopback for a job on this machine alone (ranks talk
+# through shared memory anyway), else the one -iface names. Intel MPI's ranks open none.
+_MPICH_RANK_INTERFACE = ("UCX_NET_DEVICES", "FI_TCP_IFACE", "FI_SOCKETS_IFACE")
 # Across hosts a rank that dies closes its TCP connections, and a peer that notices first
 # aborts ("Socket closed"), often before the dead rank's own daemon reports it: the job
 # would be blamed on the peer. A short delay before an abort lets the real cause arrive.
@@ -297,6 +302,10 @@ def _mpich_options(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
         options += ["-genv", name, env[name]]
     for name, value in plan.rank_env:
         options += ["-genv", name, value]
+    interface = "lo" if plan.local_only else plan.networks[0] if plan.networks else None
+    if plan.flavour is MpiFlavour.MPICH and interface is not None:
+        options += [arg for name in _MPICH_RANK_INTERFACE if name not in env
+                    and name not in plan.mpi_args for arg in ("-genv", name, interface)]
     return options
 
 

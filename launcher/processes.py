@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["leftover_processes", "process_start_time"]
+__all__ = ["is_rank", "leftover_processes", "process_start_time"]
 
 # Variables every MPI launcher psrun drives sets in its ranks (and in nothing else).
 _RANK_VARIABLES = (b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=", b"PMI_RANK=")
@@ -34,6 +34,13 @@ def process_start_time(pid: int, proc_root: str = "/proc") -> int | None:
     return int(fields[19])
 
 
+def is_rank(pid: int, proc_root: str = "/proc") -> bool:
+    """True when ``pid`` is an MPI rank, or a process a rank started (they share its variables).
+    Raises OSError where its environment cannot be read (it is gone, or not ours)."""
+    with open(os.path.join(proc_root, str(pid), "environ"), "rb") as f:
+        return any(v.startswith(_RANK_VARIABLES) for v in f.read().split(b"\0"))
+
+
 def _session_processes(session: int, proc_root: str) -> dict[int, tuple[bytes, int, bool]]:
     """Live processes of this host in ``session``: pid -> (state, parent, is an MPI rank)."""
     found = {}
@@ -49,11 +56,10 @@ def _session_processes(session: int, proc_root: str) -> dict[int, tuple[bytes, i
         try:
             if fields is None or len(fields) < 4 or int(fields[3]) != session or fields[0] == b"Z":
                 continue
-            with open(os.path.join(proc_root, entry, "environ"), "rb") as f:
-                is_rank = any(v.startswith(_RANK_VARIABLES) for v in f.read().split(b"\0"))
+            rank = is_rank(int(entry), proc_root)
         except (OSError, ValueError):
             continue
-        found[int(entry)] = (fields[0], int(fields[1]), is_rank)
+        found[int(entry)] = (fields[0], int(fields[1]), rank)
     return found
 
 

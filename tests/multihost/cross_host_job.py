@@ -37,6 +37,8 @@ import psrt.torch as hvd
 from psrt.grid import ProcessGrid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "parallel", "scripts"))
+import _listeners  # noqa: E402
 from tiny_gpt import GPTConfig, batch, build_trainer, corpus, train_step  # noqa: E402
 
 SEED, ROWS = 5, 32
@@ -94,6 +96,8 @@ def dp(args: argparse.Namespace) -> None:
         return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         named_parameters=model.named_parameters())
     train_mlp("dp", wrap, args)
+    if hvd.rank() == 0:  # every rank is still up: they train the next part together
+        print(_listeners.snapshot_line(), flush=True)
 
 
 def ps(args: argparse.Namespace) -> None:

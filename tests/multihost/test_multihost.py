@@ -5,8 +5,9 @@ Training across the hosts must give what the same job gives on one host: data-pa
 TP 2 x PP 2 and parameter-server jobs, with 2 ranks per host, compared rank by rank
 (losses and each rank's parameters). A remote rank that dies must end the job with psrun
 naming it; a partitioned host must end the job with a stall report naming its ranks.
-Plus, on one host: no rank opens a TCP listener. Launches are few, since every rank
-imports torch.
+Nothing of a job listens beyond loopback and the hosts' interface but the MPI launcher, whose
+sockets psrun's note names; on one host no rank opens a TCP listener at all. Launches are few,
+since every rank imports torch.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from listener_checks import assert_only_the_noted_launcher_listens
 from training_records import assert_same_training, one_host, results
 
 pytestmark = pytest.mark.parallel
@@ -35,6 +37,7 @@ class Jobs:
     def __init__(self, testbed, one_host) -> None:
         self.testbed, self.one_host = testbed, one_host
         self._done: dict[tuple, dict] = {}
+        self.output: dict[tuple, str] = {}  # stdout and psrun's stderr of the two-host jobs
 
     def get(self, where: str, parts: str, np: int, *extra: str) -> dict:
         key = (where, parts, np, extra)
@@ -45,6 +48,7 @@ class Jobs:
                 env = {"PSRT_STALL_CHECK_TIME": "60"}  # any PSRT_ setting, to see it forwarded
                 job = self.testbed.psrun("-np", str(np), *extra, sys.executable, JOB, parts, slots=2, env=env)
                 self._done[key] = results(job, job.finish(JOB_TIMEOUT_S))
+                self.output[key] = f"{job.out}\n{job.err}"
         return self._done[key]
 
 
@@ -63,6 +67,16 @@ def test_data_parallel_training_across_two_hosts_matches_one_host(jobs, testbed)
     assert here["PSRT_STALL_CHECK_TIME"] == "60" and here["PYTHONPATH"] and here["PATH"]
     assert [two["dp", rank]["env"] for rank in (2, 3)] == [here, here]
     assert_same_training(two, jobs.get("one host", "dp,gpt", 4), "dp", 4)
+
+
+def test_nothing_listens_beyond_the_hosts_interface_but_the_launcher_psrun_names(jobs) -> None:
+    """Every process of the two-host job (psrun, its lifeline, prterun, the agent and prted on
+    the second host, the ranks of both): the test bed's addresses are all loopback ones
+    (127.200.0.0/24), so what binds every address is what remains: prterun and prted, named by
+    psrun's note, and Open MPI's btl tcp in every rank, which the note says binds every address."""
+    jobs.get("two hosts", "dp,gpt", 4)
+    sockets = assert_only_the_noted_launcher_listens(jobs.output["two hosts", "dp,gpt", 4, ()], ranks_noted=True)
+    assert {s["program"] for s in sockets if s["exposed"] and s["role"] == "launcher"} == {"prterun", "prted"}
 
 
 def test_tp2_pp2_gpt_across_two_hosts_matches_one_host(jobs) -> None:
@@ -112,36 +126,37 @@ def test_partitioned_host_ends_the_job_with_a_stall_naming_its_ranks(testbed) ->
 
 
 LISTENERS = """\
-    import os
+    import os, sys, time
+    sys.path.insert(0, SCRIPTS)
     from mpi4py import MPI
-
-    def listening_inodes(path):
-        with open(path) as table:
-            rows = [line.split() for line in table.readlines()[1:]]
-        return {(row[1], row[9]) for row in rows if row[3] == "0A"}  # 0A: LISTEN
-
-    def open_files():
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                yield os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:  # the directory listing's own descriptor, closed by now
-                pass
+    import _listeners
 
     world = MPI.COMM_WORLD
     world.allreduce(world.rank)  # the transports are up
-    mine = set(open_files())
-    found = [address for table in ("/proc/net/tcp", "/proc/net/tcp6")
-             for address, inode in listening_inodes(table) if f"socket:[{inode}]" in mine]
-    print(f"rank {world.rank} listens on {sorted(found)}", flush=True)
+    if world.rank == 0:
+        print(_listeners.snapshot_line(), flush=True)
+    deadline = time.monotonic() + 60  # a hang guard: the test lets the job end once psrun's note is out
+    while not os.path.exists(GO) and time.monotonic() < deadline:
+        time.sleep(0.1)
     world.barrier()
 """
 
 
 def test_single_host_ranks_open_no_tcp_listener(one_host, tmp_path) -> None:
     """Without remote hosts, psrun keeps Open MPI's ranks on shared memory: before, every
-    rank's TCP transport listened on all addresses (0.0.0.0 and ::) for the whole job."""
-    script = tmp_path / "listeners.py"
-    script.write_text(textwrap.dedent(LISTENERS))
+    rank's TCP transport listened on all addresses (0.0.0.0 and ::) for the whole job.  What
+    does listen beyond loopback is prterun's, and psrun's note names it."""
+    script, go = tmp_path / "listeners.py", tmp_path / "go"
+    scripts = Path(__file__).resolve().parents[1] / "parallel" / "scripts"
+    script.write_text(f"SCRIPTS, GO = {str(scripts)!r}, {str(go)!r}\n" + textwrap.dedent(LISTENERS))
     job = one_host("-np", "2", sys.executable, str(script))
+    try:
+        job.wait_for_line("^listeners: ", 60)
+        deadline = time.monotonic() + 60
+        while "psrun: note:" not in job.err and job.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        go.touch()
     assert job.finish(60) == 0, job.diagnosis()
-    assert sorted(job.out.splitlines()) == ["rank 0 listens on []", "rank 1 listens on []"], job.diagnosis()
+    sockets = assert_only_the_noted_launcher_listens(f"{job.out}\n{job.err}")
+    assert [s for s in sockets if s["role"] == "rank"] == [], sockets

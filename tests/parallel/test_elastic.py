@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from jobs import REPO, job_env, psrun_argv, start_job
+from listener_checks import assert_only_the_noted_launcher_listens
 from psrt.elastic.commits import REPLICATED, CommitStore
 
 pytestmark = pytest.mark.parallel
@@ -54,6 +55,7 @@ def train(tmp_path: Path, name: str, flags: list[str], script_args: list[str] = 
     done = run_psrun(flags, ["--out", str(out), *script_args])
     output = f"{done.stdout}\n{done.stderr}"
     assert done.returncode == 0 and out.exists(), f"{name}: psrun exited with {done.returncode}\n{output[-4000:]}"
+    assert_only_the_noted_launcher_listens(output)
     return torch.load(out), output
 
 

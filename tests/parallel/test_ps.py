@@ -23,7 +23,7 @@ CHECKS = [
     "bounded/holds_the_fast_worker_within_tau_2", "bounded/tau_0_equals_sync",
     "errors/bad_keys_shapes_and_dtypes", "errors/workers_init_different_shapes",
     "errors/workers_disagree_on_the_mode", "errors/failing_server_update_is_reported",
-    "errors/optimizer_settings_conflict_with_its_store",
+    "errors/optimizer_settings_conflict_with_its_store", "listeners/only_the_launcher_listens_beyond_loopback",
 ]
 # (ranks, environment): 1 server + 2 workers; 2 servers + 2 workers with 256-byte chunks,
 # so every parameter of the test model is split across both servers.

@@ -31,7 +31,7 @@ CHECKS = [f"collectives/{name}" for name in COLLECTIVES] + [
     "dcp/checksums_round_trip_and_refuse_a_flipped_byte",
     "dcp/fsdp2_checkpoint_continues_under_zero3_on_half_the_ranks",
     "dcp/zero3_checkpoint_continues_under_fsdp2_on_half_the_ranks",
-    "lightning/ddp_strategy_matches_single_process"]
+    "lightning/ddp_strategy_matches_single_process", "listeners/only_the_launcher_listens_beyond_loopback"]
 
 
 @pytest.mark.parametrize("check", CHECKS)

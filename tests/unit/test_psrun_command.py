@@ -170,9 +170,25 @@ def test_mpich_command(capsys, mpich, monkeypatch) -> None:
     assert "--allow-run-as-root" not in cmd and "--mca" not in cmd and "--bind-to" not in cmd
 
 
-def test_mpich_local_job_passes_no_hosts(capsys, mpich) -> None:
+# What holds MPICH's ranks to loopback on one host (their transports listen on every interface).
+MPICH_LOOPBACK = ["-genv", "UCX_NET_DEVICES", "lo", "-genv", "FI_TCP_IFACE", "lo", "-genv", "FI_SOCKETS_IFACE", "lo"]
+
+
+def test_mpich_local_job_passes_no_hosts_and_holds_the_ranks_to_loopback(capsys, mpich) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", mpich, "-np", "2", "python", "x.py")
-    assert cmd == [mpich, "-n", "2", *wrap_command(["python", "x.py"])]
+    assert cmd == [mpich, "-n", "2", *MPICH_LOOPBACK, *wrap_command(["python", "x.py"])]
+
+
+def test_mpich_ranks_across_hosts_listen_on_the_named_interface_unless_the_user_chose(
+        capsys, mpich, monkeypatch) -> None:
+    monkeypatch.setenv("FI_TCP_IFACE", "eth9")
+    cmd, _ = dry_run(capsys, "--mpirun", mpich, *REMOTE, "--network-interface", "ib0",
+                     "--mpi-args", "-genv UCX_NET_DEVICES mlx5_0:1", "python", "x.py")
+    joined = shlex.join(cmd)
+    assert "-genv FI_SOCKETS_IFACE ib0" in joined and "-genv UCX_NET_DEVICES mlx5_0:1" in joined
+    assert "UCX_NET_DEVICES ib0" not in joined and "FI_TCP_IFACE" not in joined
+    cmd, _ = dry_run(capsys, "--mpirun", mpich, *REMOTE, "python", "x.py")  # no interface named: MPICH's choice
+    assert "FI_SOCKETS_IFACE" not in cmd
 
 
 def test_slurm_allocation_supplies_hosts_and_rank_count(capsys, openmpi, monkeypatch) -> None:
@@ -214,7 +230,8 @@ def test_timeline_flags_set_the_ranks_environment_openmpi(capsys, openmpi, monke
 def test_timeline_flags_set_the_ranks_environment_mpich(capsys, mpich) -> None:
     cmd, _ = dry_run(capsys, "--mpirun", mpich, "--timeline-filename", "tl.json", "-np", "2",
                      "python", "x.py")
-    assert cmd == [mpich, "-n", "2", "-genv", "PSRT_TIMELINE", "tl.json", *wrap_command(["python", "x.py"])]
+    assert cmd == [mpich, "-n", "2", "-genv", "PSRT_TIMELINE", "tl.json", *MPICH_LOOPBACK,
+                   *wrap_command(["python", "x.py"])]
 
 
 def test_no_timeline_flags_no_timeline_settings(capsys, openmpi) -> None:

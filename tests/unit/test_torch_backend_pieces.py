@@ -66,10 +66,12 @@ def test_the_env_handler_leaves_a_complete_environment_to_torch(monkeypatch):
 
 def test_init_process_group_psrt_runs_a_one_rank_job_without_variables():
     """After psrt.init(), in a process no launcher started: a rank or size other than MPI's is
-    refused by name; then rank 0 of 1, a collective and DDP."""
+    refused by name; then rank 0 of 1, a collective and DDP.  Its store listens on loopback
+    alone, and a process that connects to it neither reads nor overwrites the job's keys."""
     script = """
-import os, torch, torch.distributed as dist
+import datetime, os, torch, torch.distributed as dist
 import psrt.torch as hvd
+from launcher.listeners import listening
 hvd.init()
 for kwargs, env in (({"rank": 0, "world_size": 2}, {}), ({}, {"RANK": "1"})):
     os.environ.update(env)
@@ -81,6 +83,12 @@ for kwargs, env in (({"rank": 0, "world_size": 2}, {}), ({}, {"RANK": "1"})):
         del os.environ[name]
 os.environ["MASTER_ADDR"] = "127.0.0.1"  # one variable of four: psrt's start-up still takes over
 dist.init_process_group("psrt")
+(store_socket,) = listening([os.getpid()])
+store = dist.distributed_c10d._get_default_store()
+store.set("probe", "job")
+foreign = dist.TCPStore("127.0.0.1", store_socket.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+foreign.set("probe", "forged")
+print("store on", store_socket.address, store.get("probe").decode(), foreign.get("probe").decode())
 t = torch.ones(3)
 dist.all_reduce(t, op=dist.ReduceOp.AVG)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
@@ -98,4 +106,29 @@ dist.destroy_process_group()
                         "(under mpirun, leave world_size out)"), done.stdout
     assert lines[1] == ("refused: init_process_group was given RANK=1 in the environment but MPI says 0 on this "
                         "process (under mpirun, leave rank out)"), done.stdout
+    assert lines[2] == "store on 127.0.0.1 job forged", done.stdout
     assert lines[-1] == "psrt 0 1 [1.0, 1.0, 1.0]", done.stdout
+
+
+@pytest.mark.parametrize("master_addr,one_host,resolved,expected", [
+    ("10.0.0.5", False, "10.0.0.7", ("10.0.0.5", "10.0.0.5")),
+    (None, True, "10.0.0.7", ("127.0.0.1", "127.0.0.1")),
+    (None, False, "10.0.0.7", ("10.0.0.7", "10.0.0.7")),
+    (None, False, "127.0.1.1", ("", "node7")),  # Debian's /etc/hosts: every address, by name
+    (None, False, None, ("", "node7")),
+])
+def test_the_store_listens_where_the_ranks_connect(monkeypatch, master_addr, one_host, resolved, expected):
+    """(where rank 0's store listens, what the others connect to)"""
+    if master_addr is None:
+        monkeypatch.delenv("MASTER_ADDR", raising=False)
+    else:
+        monkeypatch.setenv("MASTER_ADDR", master_addr)
+    monkeypatch.setattr(rendezvous.socket, "gethostname", lambda: "node7")
+
+    def resolve(name):
+        if resolved is None:
+            raise OSError("unknown host")
+        return resolved
+
+    monkeypatch.setattr(rendezvous.socket, "gethostbyname", resolve)
+    assert rendezvous._address(one_host=one_host) == expected

@@ -8,11 +8,21 @@ a variable is missing in a process an MPI launcher started (or where psrt is run
 psrt starts, the rank and size are MPI's, and rank 0 opens the store on a port the system
 picks and tells the others over MPI.  Where every variable is set (torchrun, Lightning,
 a user's own), torch's handler runs unchanged.  Any backend benefits: gloo too.
+
+torch's own store listens on every address of the host, so anything that reaches the node
+could read and write the job's keys.  psrt's listens only where the ranks connect: loopback
+when the job is on one host, else ``MASTER_ADDR`` or the address of rank 0's host name
+(every address where that name resolves to none but loopback).  And every key lives under a
+random per-job prefix that rank 0 hands the others over MPI, so a process that does connect
+to the port (any local user, on one host) finds none of them and can write none the job
+reads (docs/guides/cluster.md#trust-model).
 """
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import os
+import secrets
 import socket
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -58,19 +68,58 @@ def _from_mpi(torch_env: _Handler) -> _Handler:
     return env
 
 
-def _store(rank: int, size: int, timeout: timedelta) -> dist.TCPStore:
+def _store(rank: int, size: int, timeout: timedelta) -> dist.Store:
     """A TCP store served by rank 0 on ``MASTER_ADDR``/``MASTER_PORT`` where set, else on
-    loopback (one host) or its host name, on a port the system picks."""
+    loopback (one host) or its host name's address, on a port the system picks; the job's
+    keys under a secret prefix."""
     from psrt.torch.functions import broadcast_object  # the torch API sits above this binding's start-up
 
-    address = None
+    where = None
     if rank == 0:
-        host = os.environ.get("MASTER_ADDR") or (
-            "127.0.0.1" if psrt.runtime.local_size() == size else socket.gethostname())
-        store = dist.TCPStore(host, int(os.environ.get("MASTER_PORT") or 0), size, True, timeout,
-                              wait_for_workers=False)
-        address = (host, store.port)
-    address = broadcast_object(address, root_rank=0, name="psrt.torch.c10d.store")
-    if rank == 0:
-        return store
-    return dist.TCPStore(address[0], address[1], size, False, timeout)
+        bind, host = _address(one_host=psrt.runtime.local_size() == size)
+        listener = _listen(bind, int(os.environ.get("MASTER_PORT") or 0))
+        port = listener.getsockname()[1]
+        # the store owns the socket from here on (closes it when it ends)
+        store = dist.TCPStore(host, port, size, True, timeout, wait_for_workers=False,
+                              master_listen_fd=listener.detach(), use_libuv=True)
+        where = (host, port, secrets.token_hex(16))
+    host, port, secret = broadcast_object(where, root_rank=0, name="psrt.torch.c10d.store")
+    if rank != 0:
+        store = dist.TCPStore(host, port, size, False, timeout)
+    return dist.PrefixStore(f"psrt-{secret}/", store)
+
+
+def _address(one_host: bool) -> tuple[str, str]:
+    """Where rank 0's store listens, and the name the other ranks connect to.  A host name
+    that resolves to no address, or to a loopback one (Debian's ``127.0.1.1``), leaves every
+    address: the secret prefix still guards the keys."""
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"], os.environ["MASTER_ADDR"]
+    if one_host:
+        return "127.0.0.1", "127.0.0.1"
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        return "", name
+    return ("", name) if ipaddress.ip_address(address).is_loopback else (address, address)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` alone ("": every address; port 0: one the system picks)."""
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                                flags=socket.AI_PASSIVE)[0]
+    except OSError as e:
+        raise InvalidArgumentError(f"rank 0 cannot serve torch.distributed's store on {host}:{port}: {e} "
+                                   "(check MASTER_ADDR)") from None
+    listener = socket.socket(family, kind, protocol)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as e:
+        listener.close()
+        raise InvalidArgumentError(f"rank 0 cannot serve torch.distributed's store on {host}:{port}: {e} "
+                                   "(check MASTER_ADDR and MASTER_PORT)") from None
+    return listener

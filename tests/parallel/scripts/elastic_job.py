@@ -32,6 +32,8 @@ import torch.nn.functional as F
 import psrt.torch as hvd
 from psrt.elastic import commits
 
+import _listeners
+
 STEPS_PER_EPOCH = 16
 
 
@@ -193,6 +195,8 @@ def main() -> None:
         if hvd.rank() == 0:
             print(f"launch {os.environ.get('PSRT_ELASTIC_LAUNCH', '-')}: {hvd.size()} ranks from step {state.step} "
                   f"(resumed from commit {state.restored_from})", flush=True)
+            if os.environ.get("PSRT_ELASTIC_LAUNCH") == "1":  # the launch psrun's note is about
+                print(_listeners.snapshot_line(), flush=True)
             if args.keep_resumed and state.restored_from is not None:
                 shutil.copytree(state._store.directory(state.restored_from),
                                 os.path.join(args.keep_resumed, os.path.basename(

@@ -16,6 +16,7 @@ import psrt.torch as hvd
 from psrt.errors import ArgumentTypeError, InvalidArgumentError, ParameterServerError
 
 import _harness
+import _listeners
 from _training_common import Mlp, assert_params_close, expect_raises, global_batch, loss_of, my_rows, zero_grads
 
 STEPS = 4
@@ -276,6 +277,8 @@ def main() -> None:
                check_optimizer_refuses_settings_that_conflict_with_its_store)
     checks.add("errors/workers_disagree_on_the_mode", check_workers_create_a_store_with_different_modes)
     checks.add("errors/failing_server_update_is_reported", check_a_failing_server_update_is_reported_to_the_worker)
+    checks.add("listeners/only_the_launcher_listens_beyond_loopback",
+               _listeners.check_only_the_launcher_listens_beyond_loopback)
     _harness.run(checks)
     hvd.shutdown()
 

@@ -31,6 +31,7 @@ import psrt.torch as hvd
 from psrt.errors import CollectiveMismatchError, InvalidArgumentError, UnsupportedOperationError
 
 import _harness
+import _listeners
 from _training_common import expect_raises
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed *_into_tensor calls
@@ -728,6 +729,16 @@ def check_lightning(name: str) -> None:
     assert_close({k.removeprefix("net."): v for k, v in module.state_dict().items()}, want, 1e-5, "Lightning DDP")
 
 
+def check_only_the_launcher_listens_beyond_loopback(name: str) -> None:
+    """Every process of the job (psrun, its lifeline, the MPI launcher, the ranks and their
+    watchers) while the default group runs: rank 0's store listens on loopback, and nothing
+    listens beyond it but the launcher (which psrun's note names)."""
+    sockets = _listeners.check_only_the_launcher_listens_beyond_loopback(name)
+    if hvd.rank() == 0:
+        mine = [s["listens_on"] for s in sockets if s["pid"] == os.getpid()]
+        assert mine and all(where.startswith("127.0.0.1:") for where in mine), f"rank 0 listens on {mine}"
+
+
 def main() -> None:
     dist.init_process_group("psrt")  # no RANK/MASTER_ADDR: psrt's env:// start-up from MPI
     assert hvd.is_initialized() and dist.get_rank() == hvd.rank() and dist.get_world_size() == hvd.size()
@@ -756,6 +767,9 @@ def main() -> None:
                check_fsdp2_checkpoint_continues_under_zero3)
     checks.add("dcp/zero3_checkpoint_continues_under_fsdp2_on_half_the_ranks",
                check_zero3_checkpoint_continues_under_fsdp2)
+    # before Lightning's, whose default group is torch's own env:// start-up (all four variables
+    # set), which listens on every address
+    checks.add("listeners/only_the_launcher_listens_beyond_loopback", check_only_the_launcher_listens_beyond_loopback)
     checks.add("lightning/ddp_strategy_matches_single_process", check_lightning)
     _harness.run(checks, check_timeout_s=90.0)
     hvd.shutdown()
