@@ -132,7 +132,8 @@ bench-save: $(STAMP)
 # On a machine with a GPU: tests/gpu, then benchmarks/gpu.py, under 8 minutes; writes
 # benchmarks/results/gpu-check-<date>-<gpu>.json and prints the RESULTS.md table.  Runs with
 # $(PYTHON) (python3) and the repository on PYTHONPATH, no .venv: the GPU machine's own torch,
-# CuPy and mpi4py.  Without a GPU it says so and exits 0.
+# CuPy and mpi4py.  Without a GPU it says so and exits 0; a $(PYTHON) without torch (or the
+# rest psrt needs) is named with what it lacks, and it exits 2: make gpu-check PYTHON=...
 .PHONY: gpu-check
 gpu-check:
 	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) tests/gpu/check.py

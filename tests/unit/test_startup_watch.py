@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import psrt.comm.startup as startup
 
 WATCHER = [sys.executable, "-I", "-S", startup.__file__]
@@ -41,6 +43,30 @@ def test_a_start_up_that_ends_in_time_leaves_the_rank_alone_and_says_nothing():
     assert watcher.returncode == 0 and stderr == ""
     assert rank.poll() is None
     rank.kill()
+
+
+def children() -> set[int]:
+    """This process's children, as Linux lists them (zombies included)."""
+    found = set()
+    for task in Path("/proc/self/task").iterdir():
+        found.update(int(pid) for pid in (task / "children").read_text().split())
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_the_start_up_watcher_is_reaped_once_told_that_mpi_started(monkeypatch):
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.delenv("PMIX_SERVER_TMPDIR", raising=False)  # no marks left anywhere
+    before = children()
+    watch = startup.StartupWatch(60.0, 120.0)
+    watcher = children() - before
+    assert len(watcher) == 1
+    watch.stop()
+    deadline = time.monotonic() + 60  # a hang guard: a zombie stays a child for good
+    while children() & watcher and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not children() & watcher, "the watcher was left a zombie child"
 
 
 def test_an_exit_past_the_shutdown_time_is_reported_naming_the_unfinished_rank_and_ended(tmp_path: Path):

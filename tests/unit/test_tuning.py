@@ -57,10 +57,18 @@ def fake_runs(clock: FakeClock, crossover: int) -> dict:
     return {"mpi": cost(lambda n: 10e-6 + n * 1e-9), "ring": cost(lambda n: ring_fixed + n * 0.3e-9)}
 
 
+def even_runs(clock: FakeClock) -> dict:
+    """'mpi' and 'ring' alike, 1 ns a byte: MPI's own is kept at every size."""
+    def run(buffer):
+        clock.now += buffer.numel() * 4e-9
+    return {"mpi": run, "ring": run}
+
+
 def test_measured_bands_put_the_ring_from_the_first_size_it_won_and_mpi_below():
     clock = FakeClock()
-    samples = measure.time_runs(FakeWorld(), fake_runs(clock, crossover=3 * MiB), sizes=measure.SIZES, repeats=3,
-                                clock=clock)
+    samples, unmeasured = measure.time_runs(FakeWorld(), fake_runs(clock, crossover=3 * MiB), sizes=measure.SIZES,
+                                            repeats=3, clock=clock)
+    assert unmeasured is None
     bands = choose_bands(ratios(samples))
     assert bands == (Band(0, "mpi"), Band(4 * MiB, "ring"))  # not half-way from 1 MiB, where it lost
     table = TuningTable(KEY, bands)
@@ -99,8 +107,9 @@ def test_a_lone_win_between_sizes_mpi_won_is_taken_for_noise():
 
 def test_a_decisive_win_stops_the_measurement_of_larger_sizes():
     clock = FakeClock()
-    samples = measure.time_runs(FakeWorld(), fake_runs(clock, crossover=256 << 10), sizes=measure.SIZES,
-                                repeats=3, clock=clock)
+    samples, unmeasured = measure.time_runs(FakeWorld(), fake_runs(clock, crossover=256 << 10),
+                                            sizes=measure.SIZES, repeats=3, clock=clock)
+    assert unmeasured is None  # not for want of time
     assert max(samples) == 1 * MiB  # the ring took less than half MPI's time there
     assert choose_bands(ratios(samples))[-1] == Band(1 * MiB, "ring")
 
@@ -110,8 +119,8 @@ def test_small_sizes_get_many_repeats_and_large_ones_few_within_the_budget():
 
     def run(buffer):
         clock.now += buffer.numel() * 4e-9  # 1 ns a byte
-    samples = measure.time_runs(FakeWorld(), {"mpi": run, "ring": run}, sizes=(256 << 10, 64 * MiB),
-                                repeats=3, max_repeats=35, budget_s=0.05, clock=clock)
+    samples, _ = measure.time_runs(FakeWorld(), {"mpi": run, "ring": run}, sizes=(256 << 10, 64 * MiB),
+                                   repeats=3, max_repeats=35, budget_s=0.05, clock=clock)
     assert len(samples[256 << 10]["mpi"]) == 35  # about 0.5 ms a repeat: the budget allows more than the most
     assert len(samples[64 * MiB]["mpi"]) == 3  # over 0.1 s a repeat: the fewest
 
@@ -119,24 +128,102 @@ def test_small_sizes_get_many_repeats_and_large_ones_few_within_the_budget():
 def test_a_ring_that_looks_faster_gets_the_repeats_that_confirm_it_past_the_budget():
     clock = FakeClock()
     runs = fake_runs(clock, crossover=1 * MiB)  # the ring is faster at 16 MiB
-    samples = measure.time_runs(FakeWorld(), runs, sizes=(16 * MiB,), repeats=3, budget_s=0.0, clock=clock)
+    samples, _ = measure.time_runs(FakeWorld(), runs, sizes=(16 * MiB,), repeats=3, budget_s=0.0, clock=clock)
     assert len(samples[16 * MiB]["ring"]) == measure.CONFIRM_REPEATS
-    slower = measure.time_runs(FakeWorld(), fake_runs(clock, crossover=64 * MiB), sizes=(16 * MiB,), repeats=3,
-                               budget_s=0.0, clock=clock)
+    slower, _ = measure.time_runs(FakeWorld(), fake_runs(clock, crossover=64 * MiB), sizes=(16 * MiB,), repeats=3,
+                                  budget_s=0.0, clock=clock)
     assert len(slower[16 * MiB]["ring"]) == 3
 
 
-def test_every_rank_stops_repeating_as_the_others_see_it():
-    class Other(FakeWorld):
-        def __init__(self, spent, promising):
-            self.theirs = torch.tensor([float(spent), float(promising)])
+class Other(FakeWorld):
+    """One rank of two, whose other rank's flags are ``theirs``."""
 
-        def allreduce(self, tensor, op):
-            torch.maximum(tensor, self.theirs, out=tensor)
-    assert measure._enough(Other(True, False), 3, 3, 35, spent=False, promising=False)  # the other rank is done
-    assert not measure._enough(Other(False, True), 3, 3, 35, spent=True, promising=False)  # it sees a faster ring
-    assert measure._enough(Other(False, True), 5, 3, 35, spent=True, promising=False)
-    assert measure._enough(FakeWorld(), 35, 3, 35, spent=False, promising=True)
+    def __init__(self, *theirs: bool) -> None:
+        self.theirs = torch.tensor([float(flag) for flag in theirs])
+
+    def allreduce(self, tensor, op):
+        torch.maximum(tensor, self.theirs[:len(tensor)], out=tensor)
+
+
+def test_every_rank_stops_repeating_as_the_others_see_it():
+    assert measure._agreed(Other(True, False, False), False, False, False) == (True, False, False)  # done there
+    spent, promising, _ = measure._agreed(Other(False, True, False), True, False, False)  # a faster ring there
+    assert not measure._enough(3, 3, 35, spent, promising) and measure._enough(5, 3, 35, spent, promising)
+    assert measure._enough(35, 3, 35, spent=False, promising=True)
+
+
+class LateElsewhere(FakeWorld):
+    """One rank of two, whose other rank has passed the deadline (the last flag of each agreement)."""
+
+    def allreduce(self, tensor, op):
+        tensor[-1] = 1.0
+
+
+def test_a_rank_stops_measuring_where_another_has_run_out_of_time():
+    clock = FakeClock()
+    samples, unmeasured = measure.time_runs(LateElsewhere(), fake_runs(clock, 3 * MiB), sizes=measure.SIZES,
+                                            clock=clock, deadline=1e9)
+    assert samples == {} and unmeasured == measure.SIZES[0]
+
+
+def test_the_measurement_ends_within_its_deadline_leaving_out_the_sizes_that_do_not_fit():
+    """1 ns a byte: 256 KiB and 1 MiB take 24 ms with their repeats (10 ms each), 4 MiB's least
+    work (a warm-up and 3 repeats, 2 x 4 MiB each: 34 ms) would end past 50 ms."""
+    clock = FakeClock()
+    samples, unmeasured = measure.time_runs(FakeWorld(), even_runs(clock), sizes=measure.SIZES,
+                                            repeats=3, budget_s=0.01, clock=clock, deadline=0.05)
+    assert sorted(samples) == [256 << 10, 1 * MiB] and unmeasured == 4 * MiB and clock.now <= 0.05
+    assert all(len(times) >= 3 for by_name in samples.values() for times in by_name.values())
+
+
+def test_a_size_the_deadline_cuts_short_is_left_unmeasured():
+    clock = FakeClock()
+    samples, unmeasured = measure.time_runs(FakeWorld(), even_runs(clock), sizes=(64 * MiB,),
+                                            repeats=3, clock=clock, deadline=0.2)  # a repeat takes 0.13 s
+    assert samples == {} and unmeasured == 64 * MiB and clock.now <= 0.2
+
+
+def test_a_size_with_its_repeats_stops_repeating_before_the_deadline_and_counts():
+    clock = FakeClock()
+    samples, unmeasured = measure.time_runs(FakeWorld(), even_runs(clock), sizes=(16 * MiB, 64 * MiB), repeats=3,
+                                            budget_s=1.0, clock=clock, deadline=0.3)  # 34 ms a repeat
+    assert list(samples) == [16 * MiB] and 3 <= len(samples[16 * MiB]["mpi"]) < 35 and unmeasured == 64 * MiB
+    assert clock.now <= 0.3
+
+
+class FakeMpiWorld(FakeWorld):
+    """What measure_table needs of a world: allreduces and reduce-scatters by algorithm, taking
+    the times of :func:`even_runs` on ``clock``."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.runs = even_runs(clock)
+
+    def allreduce_by(self, algorithm, tensor, op):
+        self.runs[algorithm](tensor)
+
+    def reduce_scatter_by(self, algorithm, send, recv, counts, op):
+        self.runs[algorithm](send)
+        return type("Done", (), {"wait": lambda self: None})()
+
+
+def test_a_first_job_short_of_time_follows_the_fixed_threshold_above_the_sizes_it_measured():
+    clock = FakeClock()
+    table = measure.measure_table(FakeMpiWorld(clock), None, KEY, budget_s=0.1, ring_threshold=16 * MiB, clock=clock)
+    assert clock.now <= 0.1
+    assert [row["bytes"] for row in table.measurements["allreduce"]] == [256 << 10, 1 * MiB]
+    assert table.allreduce == table.reduce_scatter == (Band(0, "mpi"), Band(16 * MiB, "ring"))
+    assert "not measured within 0.1 s: allreduce from 4194304 bytes" in table.measured
+    full = measure.measure_table(FakeMpiWorld(clock), None, KEY, clock=clock)  # no budget: every size
+    assert [row["bytes"] for row in full.measurements["allreduce"]] == list(measure.SIZES)
+    assert full.allreduce == (Band(0, "mpi"),) and "not measured" not in full.measured
+
+
+def test_beyond_the_sizes_measured_the_ring_goes_on_or_the_fixed_threshold_takes_over():
+    mpi_only, ring_from_4 = (Band(0, "mpi"),), (Band(0, "mpi"), Band(4 * MiB, "ring"))
+    assert table_module.beyond_measured(mpi_only, None, 16 * MiB) == mpi_only  # every size measured
+    assert table_module.beyond_measured(ring_from_4, 16 * MiB, 16 * MiB) == ring_from_4
+    assert table_module.beyond_measured(mpi_only, 4 * MiB, 16 * MiB) == (Band(0, "mpi"), Band(16 * MiB, "ring"))
+    assert table_module.beyond_measured(mpi_only, 64 * MiB, 16 * MiB) == (Band(0, "mpi"), Band(64 * MiB, "ring"))
 
 
 def test_the_slowest_rank_times_each_call():
@@ -144,8 +231,8 @@ def test_the_slowest_rank_times_each_call():
         def allgather_object(self, obj):
             return [obj, {name: [2 * t for t in times] for name, times in obj.items()}]
     clock = FakeClock()
-    one = measure.time_runs(FakeWorld(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
-    two = measure.time_runs(TwoRanks(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
+    one, _ = measure.time_runs(FakeWorld(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
+    two, _ = measure.time_runs(TwoRanks(), fake_runs(clock, 3 * MiB), sizes=(1 * MiB,), repeats=2, clock=clock)
     assert two[1 * MiB]["mpi"] == pytest.approx([2 * t for t in one[1 * MiB]["mpi"]])
 
 
@@ -232,7 +319,7 @@ def measured(monkeypatch):
     """establish's measurements, faked: the table each returned, counted."""
     made = []
 
-    def measure_table(world, hierarchical, key, *args):
+    def measure_table(world, hierarchical, key, **settings):
         made.append(TuningTable(key, (Band(0, "mpi"), Band(len(made) + 1, "ring")), measured=f"#{len(made) + 1}"))
         return made[-1]
     monkeypatch.setattr(measure, "measure_table", measure_table)
@@ -248,6 +335,15 @@ def test_the_first_job_measures_and_writes_later_ones_read(tmp_path, measured):
     assert measure.establish(_World(), _Local(), None, config) == first and len(measured) == 1
     again = measure.establish(_World(), _Local(), None, replace(config, tune="measure"))
     assert len(measured) == 2 and read(tmp_path / "t.json", first.key) == again != first
+
+
+def test_the_first_job_measures_within_its_budget_and_psrt_tune_measures_every_size(tmp_path, measured, monkeypatch):
+    budgets = []
+    monkeypatch.setattr(measure, "measure_table", lambda *args, budget_s, ring_threshold: budgets.append(budget_s)
+                        or TuningTable(args[2], (Band(0, "mpi"),)))
+    measure.establish(_World(), _Local(), None, Config(tune_file=str(tmp_path / "t.json")))
+    measure.establish(_World(), _Local(), None, Config(tune="measure", tune_file=str(tmp_path / "t.json")))
+    assert budgets == [measure.FIRST_JOB_BUDGET_S, float("inf")]
 
 
 def test_a_corrupt_cache_is_measured_again_with_a_warning(tmp_path, measured, caplog):

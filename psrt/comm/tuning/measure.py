@@ -10,11 +10,21 @@ time of each call; a few repeats at large sizes, many at small ones.  Rank 0 cho
 every rank picks the same algorithm for every size.  A job
 that finds its table reads it: one small message at start-up.  ``PSRT_TUNE=off`` keeps the
 fixed threshold, ``PSRT_TUNE=measure`` measures again and replaces the file.
+
+The first job measures within :data:`FIRST_JOB_BUDGET_S`, so that training starts soon
+whatever the load (4 ranks on a busy 2-core machine took 9.7 s to measure every size): the
+sizes go smallest first, the largest take the most time, and a size that would not fit, or
+that the budget cuts short, is left unmeasured; above the sizes measured the table is the
+fixed threshold's (:func:`psrt.comm.tuning.table.beyond_measured`).  Every rank stops at the
+same point, as it sees every rank's clock (:func:`_agreed`), so all hold the same table.  A
+size measured has had at least the repeats a choice needs, and more where there was time.
+``PSRT_TUNE=measure`` and ``psrt tune`` measure every size.
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import math
 import platform
 import socket
 import time
@@ -27,8 +37,8 @@ import torch
 from psrt.comm.base import Communicator, ElementwiseOp
 from psrt.comm.hierarchical import HierarchicalCommunicator
 from psrt.comm.mpi import MpiCommunicator, library_version
-from psrt.comm.tuning.table import (MARGIN, WIN_REPEATS, TuningFileError, TuningKey, TuningTable, choose_bands, clearly_beats,
-                                    default_path, medians, ratios, read, write)
+from psrt.comm.tuning.table import (MARGIN, WIN_REPEATS, TuningFileError, TuningKey, TuningTable, beyond_measured,
+                                    choose_bands, clearly_beats, default_path, medians, ratios, read, write)
 from psrt.config import Config
 
 logger = logging.getLogger("psrt")
@@ -48,6 +58,9 @@ CONFIRM_REPEATS = WIN_REPEATS
 #: An algorithm this much faster than MPI's (clearly, see clearly_beats) at one size is taken to
 #: stay ahead at larger ones, which are not measured.
 DECISIVE = 0.5
+#: Seconds the first job of a key spends measuring, at most (give or take one repeat at the
+#: size where it runs out): half for the allreduce, the rest for the reduce-scatter.
+FIRST_JOB_BUDGET_S = 1.5
 
 #: One collective at one size by one algorithm: given a float32 buffer of the size, runs it.
 Run = Callable[[torch.Tensor], None]
@@ -77,9 +90,11 @@ def job_key(world: Communicator, local: Communicator) -> TuningKey:
 
 def time_runs(world: Communicator, runs: Mapping[str, Run], sizes: Sequence[int] = SIZES,
               repeats: int = REPEATS, max_repeats: int = MAX_REPEATS, budget_s: float = BUDGET_S,
-              clock: Callable[[], float] = time.perf_counter) -> Samples:
+              clock: Callable[[], float] = time.perf_counter, deadline: float = math.inf
+              ) -> tuple[Samples, Optional[int]]:
     """Seconds of each of ``runs`` (algorithm -> run) at each size, the slowest rank's per
-    call; collective over ``world`` (every rank passes the same algorithms and sizes).
+    call, and the first size left unmeasured at ``deadline`` (on ``clock``; None if none was);
+    collective over ``world`` (every rank passes the same algorithms and sizes).
 
     A repeat runs each algorithm once, the first rotating.  Each size gets at least
     ``repeats`` repeats, then more until ``budget_s`` seconds have passed there (or
@@ -89,29 +104,52 @@ def time_runs(world: Communicator, runs: Mapping[str, Run], sizes: Sequence[int]
     above one where an algorithm took at most :data:`DECISIVE` of MPI's time (clearly, see
     :func:`~psrt.comm.tuning.table.clearly_beats`) are not measured (they would take most of
     the time): a ring's advantage over MPI only grows with the size, as its cost is the bytes
-    it moves and MPI's adds temporaries."""
+    it moves and MPI's adds temporaries.  Nor are a size whose least work (:func:`_least_cost`)
+    would end past ``deadline`` and those above: a size stops repeating where another repeat
+    would end past ``deadline`` (as long as the last one took), and is left out if it has not
+    had the repeats a choice needs by then."""
     names = list(runs)
     samples: Samples = {}
     for size in sizes:
+        if _agreed(world, clock() + _least_cost(samples, size, repeats) > deadline)[0]:
+            return samples, size
         buffer = torch.zeros(max(1, size // 4))  # zeros: sums never overflow, however many repeats
+        began = clock()
         for name in names:  # one untimed call each: first-touch of buffers, MPI's set-up
             runs[name](buffer)
         mine: dict[str, list[float]] = {name: [] for name in names}
-        start, repeat = clock(), 0
-        while not _enough(world, repeat, repeats, max_repeats, clock() - start >= budget_s, _promising(mine)):
+        start, repeat, last = clock(), 0, clock() - began  # last: the time of a repeat, as last seen
+        while True:
+            now = clock()
+            spent, promising, late = _agreed(world, now - start >= budget_s, _promising(mine), now + last > deadline)
+            if _enough(repeat, repeats, max_repeats, spent or late, promising):
+                break
+            if late:  # short of the repeats a choice needs
+                return samples, size
+            began = clock()
             for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                 world.barrier().wait()
-                began = clock()
+                called = clock()
                 runs[name](buffer)
-                mine[name].append(clock() - began)
-            repeat += 1
+                mine[name].append(clock() - called)
+            repeat, last = repeat + 1, clock() - began
         everyone = world.allgather_object(mine)  # the same on every rank, so is what follows
         samples[size] = {name: [max(theirs[name][i] for theirs in everyone) for i in range(repeat)]
                          for name in names}
         if "mpi" in names and any(median(r) <= DECISIVE and clearly_beats(r)
                                   for name, r in ratios({size: samples[size]})[size].items() if name != "mpi"):
             break
-    return samples
+    return samples, None
+
+
+def _least_cost(samples: Samples, size: int, repeats: int) -> float:
+    """The seconds ``size`` takes at least (a warm-up call and ``repeats`` repeats of every
+    algorithm), foreseen from the largest size measured so far, as a call's time grows with
+    its bytes; 0 before any."""
+    if not samples:
+        return 0.0
+    last = max(samples)
+    return (repeats + 1) * sum(median(times) for times in samples[last].values()) * size / last
 
 
 def _promising(mine: Mapping[str, Sequence[float]]) -> bool:
@@ -121,14 +159,19 @@ def _promising(mine: Mapping[str, Sequence[float]]) -> bool:
     return any(median(r) <= 1 - MARGIN for name, r in ratios({0: mine})[0].items() if name != "mpi")
 
 
-def _enough(world: Communicator, repeat: int, repeats: int, max_repeats: int, spent: bool, promising: bool) -> bool:
+def _agreed(world: Communicator, *flags: bool) -> tuple[bool, ...]:
+    """Each of ``flags``, true where it is true on any rank: decisions taken from every rank's
+    view alike (each rank's clock differs a little), so that all run the same repeats and stop
+    at the same size."""
+    values = torch.tensor([float(flag) for flag in flags])
+    world.allreduce(values, ElementwiseOp.MAX)
+    return tuple(bool(value) for value in values)
+
+
+def _enough(repeat: int, repeats: int, max_repeats: int, spent: bool, promising: bool) -> bool:
     """Whether to stop repeating at a size: past ``repeats`` and the time budget (``spent``),
     unless another algorithm looks faster and has had fewer than :data:`CONFIRM_REPEATS`
-    (MPI's own is replaced only on that many); or at ``max_repeats``.  Decided from every
-    rank's view alike (each rank's clock differs a little), so that all run the same repeats."""
-    flags = torch.tensor([float(spent), float(promising)])
-    world.allreduce(flags, ElementwiseOp.MAX)
-    spent, promising = bool(flags[0]), bool(flags[1])
+    (MPI's own is replaced only on that many); or at ``max_repeats``."""
     return repeat >= max_repeats or (repeat >= repeats and spent and not (promising and repeat < CONFIRM_REPEATS))
 
 
@@ -151,24 +194,34 @@ def reduce_scatter_runs(world: MpiCommunicator) -> dict[str, Run]:
 
 
 def measure_table(world: MpiCommunicator, hierarchical: Optional[HierarchicalCommunicator], key: TuningKey,
-                  sizes: Sequence[int] = SIZES) -> TuningTable:
+                  sizes: Sequence[int] = SIZES, *, budget_s: float = math.inf,
+                  ring_threshold: int = Config.ring_threshold, clock: Callable[[], float] = time.perf_counter
+                  ) -> TuningTable:
     """Measure and choose this job's table (collective over ``world``); every rank returns
     rank 0's.  With ``hierarchical`` (a job over several hosts), its three steps are measured
-    against the flat algorithms too."""
-    start = time.perf_counter()
+    against the flat algorithms too.  Within ``budget_s`` seconds (half of them for the
+    allreduce), sizes left unmeasured go by the fixed ``ring_threshold`` (see
+    :func:`~psrt.comm.tuning.table.beyond_measured`)."""
+    start = clock()
     flat = allreduce_runs(world)
     runs = dict(flat, hierarchical=hierarchical.allreduce_hierarchically) if hierarchical is not None else flat
-    allreduce = time_runs(world, runs, sizes)
-    reduce_scatter = time_runs(world, reduce_scatter_runs(world), sizes)
+    allreduce, allreduce_left = time_runs(world, runs, sizes, clock=clock, deadline=start + budget_s / 2)
+    reduce_scatter, reduce_scatter_left = time_runs(world, reduce_scatter_runs(world), sizes, clock=clock,
+                                                    deadline=start + budget_s)
     table = None
     if world.rank == 0:
         costs = ratios(allreduce)
         flat_only = {size: {a: cost[a] for a in flat} for size, cost in costs.items()}
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        left = [f"{name} from {size} bytes" for name, size in (("allreduce", allreduce_left),
+                                                                ("reduce_scatter", reduce_scatter_left)) if size]
         table = TuningTable(
-            key, choose_bands(flat_only), choose_bands(ratios(reduce_scatter)),
-            choose_bands(costs) if hierarchical is not None else (),
-            measured=f"{when}, in {time.perf_counter() - start:.2f} s",
+            key, beyond_measured(choose_bands(flat_only), allreduce_left, ring_threshold),
+            beyond_measured(choose_bands(ratios(reduce_scatter)), reduce_scatter_left, ring_threshold),
+            choose_bands(costs) if hierarchical is not None else (),  # its last band goes on above
+            measured=f"{when}, in {clock() - start:.2f} s" + (
+                f"; not measured within {budget_s:g} s: {', '.join(left)} (there the fixed threshold, "
+                f"{ring_threshold} bytes; psrt tune measures every size)" if left else ""),
             measurements={"allreduce": _rows(allreduce), "reduce_scatter": _rows(reduce_scatter)})
     return world.allgather_object(table)[0]
 
@@ -208,7 +261,8 @@ def establish(world: MpiCommunicator, local: Communicator, hierarchical: Optiona
             logger.warning("psrt: %s; measuring this job's table instead (PSRT_TUNE=off: fixed thresholds)", exc)
     table = world.allgather_object(found)[0]  # rank 0's: every rank then measures, or none does
     if table is None:
-        table = measure_table(world, hierarchical, key)
+        budget = FIRST_JOB_BUDGET_S if config.tune == "auto" else math.inf  # "measure": every size
+        table = measure_table(world, hierarchical, key, budget_s=budget, ring_threshold=config.ring_threshold)
         if world.rank == 0:
             _save(path, table)
     world.choice.use(table)

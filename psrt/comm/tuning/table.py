@@ -183,6 +183,16 @@ def choose_bands(ratios: Mapping[int, Mapping[str, Sequence[float]]], default: s
     return tuple(bands)
 
 
+def beyond_measured(bands: tuple[Band, ...], unmeasured_from: int | None, ring_threshold: int) -> tuple[Band, ...]:
+    """``bands``, chosen from sizes measured below ``unmeasured_from`` (None: none was left
+    out), completed above it as the fixed threshold's table would (the ring from
+    ``ring_threshold``, see :func:`fixed_table`) where MPI carries the largest size measured.
+    Where the ring does, it goes on above: its advantage over MPI only grows with the size."""
+    if unmeasured_from is None or bands[-1].algorithm != "mpi":
+        return bands
+    return (*bands, Band(max(ring_threshold, unmeasured_from), "ring"))
+
+
 def clearly_beats(ratios: Sequence[float], margin: float = MARGIN) -> bool:
     """Whether an algorithm whose time over MPI's was ``ratios`` (one per repeat) clearly
     beats MPI: over at least :data:`WIN_REPEATS` repeats, by at least ``margin`` in the

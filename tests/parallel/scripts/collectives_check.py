@@ -260,6 +260,29 @@ def _launcher_says(*names: str) -> int | None:
     return next((int(os.environ[n]) for n in names if n in os.environ), None)
 
 
+def _zombie_children() -> list[int]:
+    """The children of this rank that have ended and not been reaped (``<defunct>``)."""
+    zombies = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as listed:
+            for pid in listed.read().split():
+                try:
+                    with open(f"/proc/{pid}/stat", "rb") as stat:
+                        if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                            zombies.append(int(pid))
+                except FileNotFoundError:  # reaped meanwhile
+                    pass
+    return zombies
+
+
+def startup_leaves_no_zombie_child(key: str) -> None:
+    """What psrt started while starting (the watcher of MPI's start-up) is reaped once it ends."""
+    deadline = time.monotonic() + 30.0  # a hang guard: a zombie that is never reaped stays
+    while (zombies := _zombie_children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not zombies, f"{key}: rank {hvd.rank()} keeps zombie children {zombies}"
+
+
 def topology_single_host(key: str) -> None:
     rank, size = _rank_size()
     assert hvd.is_initialized() and (psrt.rank(), psrt.size()) == (rank, size)
@@ -296,6 +319,8 @@ def main() -> None:
         _ring.add_checks(checks)
     else:
         checks.add("topology/single_host", topology_single_host)
+        if os.path.isdir("/proc/self/task"):  # Linux
+            checks.add("startup/no_zombie_child", startup_leaves_no_zombie_child)
         add_allreduce_checks(checks)
         _gather_scatter.add_checks(checks)
         _async_handles.add_checks(checks)
