@@ -59,9 +59,10 @@ def start_mpi_at_import() -> None:
         from psrt.comm.crowding import set_mpi_yield
         from psrt.comm.startup import StartupWatch
 
-        watch = StartupWatch(*_stall_times())
+        config = _config()
+        watch = StartupWatch(config.stall_check_time_s, config.stall_shutdown_time_s)
         try:
-            with _set_for_mpi_start(set_mpi_yield):
+            with _set_for_mpi_start(lambda env: set_mpi_yield(env, config.waits)):
                 from mpi4py import MPI  # noqa: F401  (initialises MPI, thread level MULTIPLE)
         finally:
             watch.stop()
@@ -95,20 +96,19 @@ def watch_finalization() -> None:
     if launched_by_mpi() and "mpi4py.MPI" in sys.modules and _job_size() > 1:
         from psrt.comm.startup import watch_exit
 
-        watch_exit(*_stall_times())
+        config = _config()
+        watch_exit(config.stall_check_time_s, config.stall_shutdown_time_s)
 
 
-def _stall_times() -> tuple[float, float]:
-    """The stall check and shutdown times, or their defaults if the settings are wrong
-    (``init()`` names what is wrong in them)."""
+def _config() -> Config:
+    """The settings, or the defaults if they are wrong (``init()`` names what is wrong in them)."""
     from psrt.config import config_from_env
     from psrt.errors import PsrtError
 
     try:
-        config = config_from_env()
+        return config_from_env()
     except PsrtError:
-        config = Config()
-    return config.stall_check_time_s, config.stall_shutdown_time_s
+        return Config()
 
 
 def _import_mpi():

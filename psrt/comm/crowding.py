@@ -22,15 +22,19 @@ nothing there.  So:
   of time some runnable task waited for a core, over the last 10 s) above
   :data:`CROWDED_PRESSURE`, read at most every :data:`RECHECK_S`.  Where the kernel keeps
   no pressure figures, runnable tasks are counted against the cores instead.
+
+``PSRT_WAITS`` (``Config.waits``) overrides both: ``spin`` never takes the crowded ways,
+``nap`` always does.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping, MutableMapping
 
-__all__ = ["CROWDED_PRESSURE", "RECHECK_S", "YIELD_SETTINGS", "crowded", "local_ranks", "mpi_should_yield",
-           "set_mpi_yield", "usable_cores"]
+__all__ = ["CROWDED_PRESSURE", "RECHECK_S", "YIELD_SETTINGS", "configure", "crowded", "local_ranks",
+           "mpi_should_yield", "set_mpi_yield", "usable_cores"]
 
 #: Percent of the last 10 s in which some runnable task waited for a core, above which
 #: the host counts as crowded.
@@ -72,12 +76,13 @@ def mpi_should_yield(ranks_here: int | None, cores: int) -> bool:
     return ranks_here is None or ranks_here >= cores
 
 
-def set_mpi_yield(env: MutableMapping[str, str]) -> list[str]:
-    """Put each MPI's yielding setting in ``env`` where this host needs it and the user left
-    every one of them unset (a user who set one has chosen); returns the names set."""
-    if any(name in env for name in YIELD_SETTINGS):
+def set_mpi_yield(env: MutableMapping[str, str], waits: str = "auto") -> list[str]:
+    """Put each MPI's yielding setting in ``env`` where ``waits`` (``Config.waits``) or, on
+    "auto", this host needs it, and the user left every one of them unset (a user who set
+    one has chosen); returns the names set."""
+    if waits == "spin" or any(name in env for name in YIELD_SETTINGS):
         return []
-    if not mpi_should_yield(local_ranks(env), usable_cores()):
+    if waits == "auto" and not mpi_should_yield(local_ranks(env), usable_cores()):
         return []
     env.update(YIELD_SETTINGS)
     return list(YIELD_SETTINGS)
@@ -113,6 +118,10 @@ class _Crowding:
     def __init__(self) -> None:
         self.verdict, self.until = False, 0.0
 
+    def configure(self, waits: str) -> None:
+        """``Config.waits``: "spin" and "nap" fix the verdict, "auto" measures it."""
+        self.verdict, self.until = waits == "nap", math.inf if waits in ("spin", "nap") else 0.0
+
     def crowded(self) -> bool:
         now = time.monotonic()
         if now >= self.until:
@@ -122,4 +131,5 @@ class _Crowding:
         return self.verdict
 
 
-crowded = _Crowding().crowded
+_CROWDING = _Crowding()
+crowded, configure = _CROWDING.crowded, _CROWDING.configure

@@ -68,3 +68,27 @@ def test_the_verdict_is_kept_for_a_while(monkeypatch):
     check = crowding._Crowding()
     assert [check.crowded() for _ in range(4)] == [True] * 4
     assert len(reads) == 2
+
+
+@pytest.mark.parametrize("waits, cores, expected", [("spin", 1, []), ("nap", 64, sorted(crowding.YIELD_SETTINGS)),
+                                                    ("auto", 64, []), ("auto", 2, sorted(crowding.YIELD_SETTINGS))])
+def test_psrt_waits_overrides_the_host_rule_for_mpi(monkeypatch, waits, cores, expected):
+    monkeypatch.setattr(crowding, "usable_cores", lambda: cores)
+    assert sorted(crowding.set_mpi_yield({"MPI_LOCALNRANKS": "2"}, waits)) == expected
+
+
+@pytest.mark.parametrize("waits, verdict", [("spin", False), ("nap", True)])
+def test_psrt_waits_fixes_the_verdict_of_psrt_own_waits(monkeypatch, waits, verdict):
+    monkeypatch.setattr(crowding, "_pressure", lambda: pytest.fail("measured a fixed verdict"))
+    check = crowding._Crowding()
+    check.configure(waits)
+    assert check.crowded() is verdict
+
+
+def test_a_wrong_psrt_waits_is_refused_naming_the_choices():
+    from psrt.config import config_from_env
+    from psrt.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="PSRT_WAITS='sometimes' is not one of auto, spin, nap"):
+        config_from_env({"PSRT_WAITS": "sometimes"})
+    assert config_from_env({"PSRT_WAITS": "NAP"}).waits == "nap"
