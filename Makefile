@@ -20,7 +20,7 @@ INTEL_MPI := impi-rt==2021.18.1
 
 .PHONY: demo demo-collectives demo-ps demo-zero demo-elastic demo-gpt demo-hf test bench bench-train bench-ps bench-zero \
         bench-pp bench-tp bench-recompute bench-cp bench-moe bench-peers bench-torch-backend bench-hf bench-overhead bench-faults \
-        bench-hierarchical bench-elastic bench-save clean
+        bench-hierarchical bench-elastic bench-save bench-crowded clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,9 @@ bench-train: $(STAMP)
 
 bench-ps: $(STAMP)
 	$(VENV)/bin/psrun -np 3 --num-servers 1 $(PY) benchmarks/ps.py
+
+bench-crowded: $(STAMP)
+	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/crowded.py
 
 bench-zero: $(STAMP)
 	$(VENV)/bin/psrun -np 2 $(PY) benchmarks/zero.py

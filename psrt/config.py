@@ -100,6 +100,12 @@ class Config:
     # Training steps per autotuning sample; a step ends where a tensor name of the
     # current step is allreduced again.
     autotune_steps_per_sample: int = 10
+    # How a rank waits on others.  "auto": psrt's waits spin briefly and then nap, and
+    # nap at once while Linux's CPU pressure says tasks wait for cores; MPI's waits give
+    # the core away on a host whose ranks leave no core to spare.  "spin": never the
+    # crowded ways (the fastest where every rank has a core to itself whatever else
+    # runs).  "nap": always them (a host always shared with other work).
+    waits: str = "auto"
 
 
 _ENV_NAMES: dict[str, tuple[str, ...]] = {
@@ -123,8 +129,10 @@ _ENV_NAMES: dict[str, tuple[str, ...]] = {
     "autotune_log": ("PSRT_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"),
     "autotune_warmup_samples": ("PSRT_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),
     "autotune_steps_per_sample": ("PSRT_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"),
+    "waits": ("PSRT_WAITS",),
 }
 _TUNE_MODES = ("auto", "measure", "off")
+WAIT_MODES = ("auto", "spin", "nap")
 _TiB = 1 << 40
 # The smallest parameter-server chunk: see Config.ps_chunk_bytes.
 _PS_CHUNK_FLOOR = 256
@@ -193,6 +201,10 @@ def config_from_env(env: Mapping[str, str] | None = None) -> Config:
             raise InvalidArgumentError(f"PSRT_TUNE={env['PSRT_TUNE']!r} is not one of {', '.join(_TUNE_MODES)}")
     elif "ring_threshold" in values:  # a threshold the user set is theirs to keep
         values["tune"] = "off"
+    if "waits" in values:
+        values["waits"] = str(values["waits"]).lower()
+        if values["waits"] not in WAIT_MODES:
+            raise InvalidArgumentError(f"PSRT_WAITS={env['PSRT_WAITS']!r} is not one of {', '.join(WAIT_MODES)}")
     check = values.get("stall_check_time_s", Config.stall_check_time_s)
     if "stall_shutdown_time_s" not in values:  # the default follows a longer check time
         values["stall_shutdown_time_s"] = max(Config.stall_shutdown_time_s, check)

@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
-from psrt.comm import bootstrap
+from psrt.comm import bootstrap, crowding
 from psrt.comm.tuning import measure as tuner
 from psrt.comm.mpi import MpiCommunicator
 from psrt.comm.stats import CommStats
@@ -152,6 +152,7 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
     config, watchdog = None, None
     try:
         config = config_from_env()
+        crowding.configure(config.waits)
         if config.abort_on_exception:  # first, so that no failure below leaves the others waiting
             bootstrap.install_abort_on_exception()
         bootstrap.check_launcher_agrees()

@@ -8,7 +8,8 @@ page-faults one on every call above 32 MiB here).  For small
 messages MPI's own algorithms win on latency, so the MPI communicator picks
 between the two by size (``Config.ring_threshold``).
 
-Every rank must call with the same element count, dtype and op.
+Every rank must call with the same element count, dtype and op.  On a crowded host each
+exchange waits by napping (:func:`_sendrecv`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
+
+from psrt.comm.crowding import crowded
+from psrt.comm.poll import wait_politely
 
 Reducer = Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # (a, b, out)
 
@@ -34,6 +38,31 @@ def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _sendrecv(comm: MPI.Comm, send: np.ndarray, dest: int, recv: np.ndarray, source: int, tag: int) -> None:
+    """One exchange with the neighbours: MPI's blocking ``Sendrecv`` on a host with cores to
+    spare, its non-blocking halves waited for politely on a crowded one, where MPI's own
+    wait would take the core the neighbour needs (:mod:`psrt.comm.crowding`; a local choice:
+    either matches the neighbour's)."""
+    if not crowded():
+        comm.Sendrecv(send, dest, tag, recv, source, tag)
+        return
+    receiving = comm.Irecv(recv, source, tag)
+    sending = comm.Isend(send, dest, tag)
+    wait_politely(_Both(receiving, sending))
+
+
+class _Both:
+    """Two MPI requests as one to test."""
+
+    __slots__ = ("_requests",)
+
+    def __init__(self, *requests: MPI.Request) -> None:
+        self._requests = list(requests)
+
+    def test(self) -> bool:
+        return MPI.Request.Testall(self._requests)
+
+
 def _reduce_into(comm: MPI.Comm, mine: np.ndarray, outgoing: np.ndarray, dest: np.ndarray,
                  left: int, right: int, scratch: np.ndarray, segment: int, rounds: int,
                  reduce: Reducer, scale: float) -> None:
@@ -50,7 +79,7 @@ def _reduce_into(comm: MPI.Comm, mine: np.ndarray, outgoing: np.ndarray, dest: n
         mine_part = mine[start:start + segment]
         dest_part = dest[start:start + segment]
         incoming = scratch[:mine_part.size]
-        comm.Sendrecv(send_part, right, _TAG_REDUCE, incoming, left, _TAG_REDUCE)
+        _sendrecv(comm, send_part, right, incoming, left, _TAG_REDUCE)
         reduce(mine_part, incoming, dest_part)
         if scale != 1.0:
             np.multiply(dest_part, scale, out=dest_part, casting="unsafe")
@@ -97,8 +126,7 @@ def ring_allgather(comm: MPI.Comm, flat: np.ndarray, bounds: list[tuple[int, int
     for step in range(size - 1):
         send_lo, send_hi = bounds[(rank + 1 - step) % size]
         recv_lo, recv_hi = bounds[(rank - step) % size]
-        comm.Sendrecv(flat[send_lo:send_hi], right, _TAG_GATHER,
-                      flat[recv_lo:recv_hi], left, _TAG_GATHER)
+        _sendrecv(comm, flat[send_lo:send_hi], right, flat[recv_lo:recv_hi], left, _TAG_GATHER)
 
 
 def ring_allreduce(comm: MPI.Comm, flat: np.ndarray, segment: int, reduce: Reducer,

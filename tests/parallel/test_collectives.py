@@ -85,7 +85,7 @@ SEGMENT_BOUNDARY = "large_allreduce/allreduce/float32/Sum/4MiB_plus_1"
 
 
 def expected_collectives(np: int) -> set[str]:
-    names = {"topology/single_host", "barrier/waits_for_every_rank", SEGMENT_BOUNDARY}
+    names = {"topology/single_host", "barrier/waits_for_every_rank", SEGMENT_BOUNDARY, CROWDED}
     names |= {"startup/no_zombie_child"} if os.path.isdir("/proc/self/task") else set()
     names |= {f"allreduce/{d}/{op}" for d, op in ALLREDUCE}
     names |= {f"allreduce_scaled/{d}/{op}" for d, op in SCALED}
@@ -184,6 +184,17 @@ def test_large_allreduce_with_whole_segment_ring_blocks_matches_numpy(parallel_j
     collectives(parallel_jobs, np).assert_ok(SEGMENT_BOUNDARY)
 
 
+CROWDED = "waits/crowded_allreduces_nap_and_agree"
+
+
+@pytest.mark.parametrize("np", RANK_COUNTS)
+@pytest.mark.parametrize("job", ["collectives", "ring"])
+def test_on_a_crowded_host_large_allreduces_nap_and_still_match_numpy(parallel_jobs, np, job):
+    """Every rank takes its host as crowded: the ranks agree to wait for large allreduces by
+    napping (MPI's or psrt's ring, by size), and the sums are those of an idle host."""
+    (collectives if job == "collectives" else ring)(parallel_jobs, np).assert_ok(CROWDED)
+
+
 # -- allgather, broadcast, alltoall, reducescatter, barrier ---------------------------------
 @pytest.mark.parametrize("np, dtype", cases(DTYPES))
 def test_allgather_concatenates_first_dims_that_differ_by_rank(parallel_jobs, np, dtype):
@@ -268,7 +279,7 @@ RING_SIZES = [("float32", n) for n in (16, 17, 33, 63, 65, 129, 1001)] + \
 
 
 def expected_ring(np: int) -> set[str]:
-    return ({"ring/config_applied"} | {f"ring_allreduce/{d}/{op}" for d, op in ALLREDUCE}
+    return ({"ring/config_applied", CROWDED} | {f"ring_allreduce/{d}/{op}" for d, op in ALLREDUCE}
             | set(RING_VARIANTS) | {f"ring_allreduce_sizes/{d}/{n}" for d, n in RING_SIZES})
 
 

@@ -288,6 +288,12 @@ def test_a_message_a_header_cannot_describe_is_refused_before_sending():
 
 
 # -- the poll ---------------------------------------------------------------------------------
+@pytest.fixture
+def idle_host(monkeypatch):
+    """The polls below as on a host with cores to spare, whatever this one is doing."""
+    monkeypatch.setattr(poll, "crowded", lambda: False)
+
+
 class _AfterTests(Request):
     def __init__(self, tests: int) -> None:
         self.left = tests
@@ -303,7 +309,7 @@ class _AfterTests(Request):
         self.left = 0
 
 
-def test_a_polite_wait_spins_first_then_naps_in_doubling_steps(monkeypatch):
+def test_a_polite_wait_spins_first_then_naps_in_doubling_steps(monkeypatch, idle_host):
     naps: list[float] = []
     clock = iter(i * 1e-3 for i in range(1000))  # 1 ms a test: the spin is over at once
     monkeypatch.setattr(poll.time, "perf_counter", lambda: next(clock))
@@ -312,12 +318,12 @@ def test_a_polite_wait_spins_first_then_naps_in_doubling_steps(monkeypatch):
     assert naps == [20e-6, 40e-6, 80e-6, 160e-6, 200e-6, 200e-6]
 
 
-def test_a_polite_wait_on_a_quick_request_never_sleeps(monkeypatch):
+def test_a_polite_wait_on_a_quick_request_never_sleeps(monkeypatch, idle_host):
     monkeypatch.setattr(poll.time, "sleep", lambda s: pytest.fail("slept"))
     poll.wait_politely(_AfterTests(3))
 
 
-def test_a_loop_that_does_work_spins_again_before_napping(monkeypatch):
+def test_a_loop_that_does_work_spins_again_before_napping(monkeypatch, idle_host):
     naps: list[float] = []
     clock = iter(i * 1e-3 for i in range(1000))
     monkeypatch.setattr(poll.time, "perf_counter", lambda: next(clock))
@@ -329,3 +335,13 @@ def test_a_loop_that_does_work_spins_again_before_napping(monkeypatch):
     for _ in range(2):
         backoff.idle()
     assert naps == [20e-6, 40e-6, 20e-6]
+
+
+def test_on_a_crowded_host_a_polite_wait_naps_without_spinning(monkeypatch):
+    """A quick request that an idle host's spin would catch costs a nap on a crowded one:
+    the spin would only take the core the awaited rank needs."""
+    naps: list[float] = []
+    monkeypatch.setattr(poll, "crowded", lambda: True)
+    monkeypatch.setattr(poll.time, "sleep", naps.append)
+    poll.wait_politely(_AfterTests(3))
+    assert naps == [20e-6, 40e-6]

@@ -19,6 +19,7 @@ import psrt.runtime
 import psrt.torch as hvd
 
 import _async_handles
+import _crowded
 import _gather_scatter
 import _harness
 import _process_sets
@@ -317,6 +318,7 @@ def main() -> None:
     if "--ring" in sys.argv:
         import _ring
         _ring.add_checks(checks)
+        _crowded.add_checks(checks)
     else:
         checks.add("topology/single_host", topology_single_host)
         if os.path.isdir("/proc/self/task"):  # Linux
@@ -327,6 +329,7 @@ def main() -> None:
         checks.add("barrier/waits_for_every_rank", barrier_waits_for_every_rank)
         _process_sets.add_checks(checks)
         add_large_checks(checks)
+        _crowded.add_checks(checks)
         add_segment_boundary_check(checks)  # last: it must not hide the other results
     _harness.run(checks)
     hvd.shutdown()
