@@ -7,6 +7,10 @@ with the workers it waits on.  The server publishes them to the runtime's
 watchdog (:mod:`psrt.comm.watchdog`), which probes those workers once a wait
 passes ``PSRT_STALL_CHECK_TIME`` (so a report can tell a frozen worker from one
 that simply never asked) and ends the job after ``PSRT_STALL_SHUTDOWN_TIME``.
+
+:func:`holds` gives the same requests as a table, by the worker and tag that made
+each one, for deadlock detection (:mod:`psrt.comm.deadlock`): a worker blocked in
+a request needs exactly the workers its server holds that request for.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def waits(stores: dict[int, Store], gathering: dict[RequestKind, dict[int, tuple
             for pull in shard.pulls:
                 missing = shard.missing_for(pull, active)
                 because = f"it needs pushes from {_workers(missing)}" if missing else \
-                    "its own pushes have not arrived"
+                    "the pushes it needs are still arriving"
                 yield Wait(KIND, f"worker {pull.worker}'s pull of {shard.meta.describe()} for step {pull.target} "
                                  f"({because})", [job_rank[w] for w in (missing or [pull.worker])], pull.since)
         for chunk_id, inits in store.init_waiting.items():
@@ -52,3 +56,22 @@ def waits(stores: dict[int, Store], gathering: dict[RequestKind, dict[int, tuple
             since = min(t for _, _, t in requests.values())
             yield Wait(KIND, f"{kind.name.lower()} asked for by workers {names(sorted(requests))} ({because})",
                        [job_rank[w] for w in missing], since)
+
+
+def holds(stores: dict[int, Store], gathering: dict[RequestKind, dict[int, tuple[int, dict, float]]],
+          active: Sequence[int], job_rank: Sequence[int]) -> list[list]:
+    """``[worker's job rank, request tag, [job ranks of the workers it waits for]]`` for every
+    request the server holds: a pull, the workers yet to push what it needs; an init, worker
+    0; a save or load, the workers that have not asked.  A request held for no worker (its
+    data still arriving, pushes still being applied) is listed waiting for nobody."""
+    table = []
+    for store in stores.values():
+        for shard in store.shards.values():
+            table += [[job_rank[pull.worker], pull.tag, [job_rank[w] for w in shard.missing_for(pull, active)]]
+                      for pull in shard.pulls]
+        table += [[job_rank[who], tag, [job_rank[0]]]
+                  for inits in store.init_waiting.values() for who, tag, _, _ in inits]
+    for requests in gathering.values():
+        missing = [job_rank[w] for w in active if w not in requests]
+        table += [[job_rank[w], tag, missing] for w, (tag, _, _) in requests.items()]
+    return table
