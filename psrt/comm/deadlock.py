@@ -30,8 +30,8 @@ for blocked, so they are left to the stall report.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
 
 from launcher.contract import rank_name
 from psrt.comm.ranks import rank_ranges

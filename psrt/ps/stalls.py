@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from psrt.ps.store import Store
 
 KIND = "a request held by a parameter server"
+#: Of the requests a server holds for other workers, its probe answers list this many.
+MAX_HOLDS = 256
 
 
 def names(workers: Iterable[int]) -> str:
@@ -60,18 +62,20 @@ def waits(stores: dict[int, Store], gathering: dict[RequestKind, dict[int, tuple
 
 def holds(stores: dict[int, Store], gathering: dict[RequestKind, dict[int, tuple[int, dict, float]]],
           active: Sequence[int], job_rank: Sequence[int]) -> list[list]:
-    """``[worker's job rank, request tag, [job ranks of the workers it waits for]]`` for every
-    request the server holds: a pull, the workers yet to push what it needs; an init, worker
-    0; a save or load, the workers that have not asked.  A request held for no worker (its
-    data still arriving, pushes still being applied) is listed waiting for nobody."""
-    table = []
+    """``[worker's job rank, request tag, [job ranks of the workers it waits for]]`` for the
+    requests the server holds for other workers: a pull, the workers yet to push what it
+    needs; an init, worker 0; a save or load, the workers that have not asked.  A request
+    held for no other worker (its data still arriving, pushes still being applied) is left
+    out, as deadlock detection reads a missing request.  The oldest :data:`MAX_HOLDS` only,
+    so that a probe answer stays small whatever the model: a worker blocks in its oldest
+    requests first, and one left out only makes a deadlock go unfound (a stall instead)."""
+    held: list[tuple[float, int, int, list[int]]] = []
     for store in stores.values():
         for shard in store.shards.values():
-            table += [[job_rank[pull.worker], pull.tag, [job_rank[w] for w in shard.missing_for(pull, active)]]
-                      for pull in shard.pulls]
-        table += [[job_rank[who], tag, [job_rank[0]]]
-                  for inits in store.init_waiting.values() for who, tag, _, _ in inits]
+            held += [(pull.since, pull.worker, pull.tag, shard.missing_for(pull, active)) for pull in shard.pulls]
+        held += [(since, who, tag, [0]) for inits in store.init_waiting.values() for who, tag, _, since in inits]
     for requests in gathering.values():
-        missing = [job_rank[w] for w in active if w not in requests]
-        table += [[job_rank[w], tag, missing] for w, (tag, _, _) in requests.items()]
-    return table
+        missing = [w for w in active if w not in requests]
+        held += [(since, w, tag, missing) for w, (tag, _, since) in requests.items()]
+    held = sorted((entry for entry in held if set(entry[3]) - {entry[1]}), key=lambda entry: entry[0])
+    return [[job_rank[w], tag, [job_rank[q] for q in needs]] for _, w, tag, needs in held[:MAX_HOLDS]]

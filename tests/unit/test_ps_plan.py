@@ -354,7 +354,18 @@ def test_an_async_pull_waits_for_no_other_worker():
     shard = store.shards[0]
     shard.expect_push(0)  # its own push, still arriving
     shard.add_pull(0, tag=13)
-    assert holds({0: store}, NO_GATHERING, [0, 1, 2], JOB_RANK) == [[0, 13, []]]
+    assert shard.pulls and holds({0: store}, NO_GATHERING, [0, 1, 2], JOB_RANK) == []
+
+
+def test_a_server_lists_its_oldest_held_requests_only(monkeypatch):
+    monkeypatch.setattr("psrt.ps.stalls.MAX_HOLDS", 2)
+    store = held_store(Mode.SYNC)
+    shard = store.shards[0]
+    push(shard, 0, 1.0)
+    for tag in (13, 16, 19):
+        shard.add_pull(0, tag=tag)
+    shard.pulls[0].since += 10.0  # the first pull made is the youngest wait here
+    assert holds({0: store}, NO_GATHERING, [0, 1, 2], JOB_RANK) == [[0, 16, [1, 2]], [0, 19, [1, 2]]]
 
 
 def test_a_bounded_pull_ahead_of_the_slowest_waits_for_the_slowest_only():
@@ -373,9 +384,10 @@ def test_held_inits_wait_for_worker_0_and_saves_for_the_workers_that_did_not_ask
     store = Store.create((int(Mode.SYNC), 0, 0), num_workers=3)
     store.register(1, 0, 21, meta_of((4,)), None, 3, worker_0_gone=False)
     gathering = {RequestKind.SAVE: {0: (16, {"path": "x"}, 50.0)}, RequestKind.LOAD: {}}
-    assert holds({0: store}, gathering, [0, 1, 2], [0, 2, 3]) == [[2, 21, [0]], [0, 16, [2, 3]]]
+    store.init_waiting[0][0] = (*store.init_waiting[0][0][:3], 60.0)
+    assert holds({0: store}, gathering, [0, 1, 2], [0, 2, 3]) == [[0, 16, [2, 3]], [2, 21, [0]]]
     gathering[RequestKind.SAVE][2] = (30, {"path": "x"}, 51.0)
-    assert holds({}, gathering, [0, 2], [0, 2, 3]) == [[0, 16, []], [3, 30, []]], "worker 1 left: none missing"
+    assert holds({}, gathering, [0, 2], [0, 2, 3]) == [], "worker 1 left: the save waits for no worker"
 
 
 # -- posted push receives ----------------------------------------------------------------------------
