@@ -15,21 +15,41 @@ that is not blocked may still come; a needed rank that is blocked comes only onc
 own call completes.  So the ranks that can reach a cycle of "needs a blocked rank"
 edges are deadlocked: none of them can move, whatever the others do.
 
+A call can also be *held*: a worker's request that a parameter server keeps until other
+workers act (a sync pull until their pushes arrive, a save until they ask too).  Its
+identity names the requests (:data:`HELD`), and only their holders know whom each one waits
+for: they answer probes with a table of what they hold (``"holds"``), and
+:func:`resolve_held` turns a held call's requests into the ranks it needs.  A request its
+holder does not hold needs nobody (it is being answered, or still on its way), and a holder
+that cannot say (silent, or busy) adds no need: so a worker waiting on a server that is
+only slow is never part of a deadlock.
+
 What it assumes: a rank whose main thread is blocked in psrt makes no other psrt call
 meanwhile (from another thread).  Calls made only from other threads are never taken
 for blocked, so they are left to the stall report.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
+from launcher.contract import rank_name
 from psrt.comm.ranks import rank_ranges
+
+NameRank = Callable[[int], str]
 
 #: Identities of calls that a rank can be *past*: ("direct", group, sequence number).
 DIRECT = "direct"
 #: Identities of receives: ("recv", ...), calls that are no collective.
 RECEIVE = "recv"
+#: Identities of requests held by other ranks: ("held", holder, request, holder, request, ...),
+#: the holders' job ranks and the numbers by which they know each request of this rank.
+HELD = "held"
+
+
+def collective(ident: tuple) -> bool:
+    """Whether a call of this identity is a collective (what its report tells the user)."""
+    return ident[0] not in (RECEIVE, HELD)
 
 
 @dataclass(frozen=True)
@@ -68,9 +88,9 @@ class Call:
         return (self.ident[0] == DIRECT and other.ident[:2] == self.ident[:2]
                 and other.ident[2] > self.ident[2])
 
-    def describe(self) -> str:
+    def describe(self, name_rank: NameRank = rank_name) -> str:
         """``rank 0 waits in <what>, called at train.py:31 (in main)``, with a hint."""
-        text = f"rank {self.rank} waits in {self.what}"
+        text = f"{name_rank(self.rank)} waits in {self.what}"
         if self.site:
             text += f", called at {self.site}"
         if self.collective:
@@ -142,16 +162,47 @@ def signature(ranks: Sequence[int], calls: Mapping[int, Call]) -> tuple:
     return tuple((r, calls[r].ident, calls[r].since) for r in ranks)
 
 
-def report(ranks: Sequence[int], calls: Mapping[int, Call]) -> list[str]:
-    """The lines that describe a deadlock, a rank each."""
-    return [calls[r].describe() + _needs_text(calls[r], calls) for r in ranks]
+def report(ranks: Sequence[int], calls: Mapping[int, Call], name_rank: NameRank = rank_name) -> list[str]:
+    """The lines that describe a deadlock, a rank each (``name_rank`` names a job rank)."""
+    return [calls[r].describe(name_rank) + _needs_text(calls[r], calls, name_rank) for r in ranks]
 
 
-def _needs_text(call: Call, calls: Mapping[int, Call]) -> str:
+def _needs_text(call: Call, calls: Mapping[int, Call], name_rank: NameRank) -> str:
     stuck = sorted(q for q in needed(call, calls) or () if q in calls)
     if not stuck:
         return ""
-    return f"; it needs rank{'s' if len(stuck) > 1 else ''} {rank_ranges(stuck)}, blocked elsewhere"
+    blocked = f"{_names(stuck, name_rank)}, blocked elsewhere"
+    if call.ident[0] == HELD:
+        holders = sorted(set(call.ident[1::2]))
+        one = len(holders) == 1
+        return f"; it waits on {_names(holders, name_rank)}, which hold{'s' if one else ''} it for {blocked}"
+    return f"; it needs {blocked}"
+
+
+def _names(ranks: Sequence[int], name_rank: NameRank) -> str:
+    """``rank 1 (worker 1)``, ``rank 0 (worker 0) and rank 2 (worker 2)``; ``ranks 0-5`` for
+    more than three."""
+    if len(ranks) > 3:
+        return f"ranks {rank_ranges(ranks)}"
+    named = [name_rank(r) for r in ranks]
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+
+
+def resolve_held(calls: Mapping[int, Call], heard: Mapping[int, Mapping]) -> dict[int, Call]:
+    """``calls`` with each held call's needs as its holders' answers (``heard``) tell them:
+    every rank any of its requests waits for.  A holder that did not answer, or could not say
+    (its table is None), adds nobody: a deadlock is only ever found from what is known."""
+    resolved = dict(calls)
+    for rank, call in calls.items():
+        if call.ident[0] != HELD:
+            continue
+        needs: set[int] = set()
+        for holder, request in zip(call.ident[1::2], call.ident[2::2]):
+            table = (heard.get(holder) or {}).get("holds") or ()
+            needs.update(q for who, number, waits_for in table if (who, number) == (rank, request)
+                         for q in waits_for)
+        resolved[rank] = replace(call, needs=tuple(sorted(needs)))
+    return resolved
 
 
 #: A call blocked this long is probed for a deadlock; probes repeat every PERIOD_S at
@@ -201,11 +252,14 @@ class Detector:
                 theirs = answer[1].get("call")
                 if theirs is not None:
                     self._ask(probe, _candidates(Call.from_status(rank, theirs)), now, prober)
+                for _, _, waits_for in answer[1].get("holds") or ():  # a holder: whom its requests need
+                    self._ask(probe, waits_for, now, prober)
         if not all(r in probe.heard or now - at >= self._answer_within_s for r, at in probe.asked.items()):
             return None
         probe.settled = True
         calls = {r: Call.from_status(r, status["call"]) for r, status in probe.heard.items() if status.get("call")}
         calls[self.rank] = call
+        calls = resolve_held(calls, probe.heard)
         ranks = find(self.rank, calls)
         mark = None if ranks is None else signature(ranks, calls)
         self._found_in_a_row = self._found_in_a_row + 1 if mark is not None and mark == self._last_found else 1
@@ -224,7 +278,8 @@ class Detector:
 
 
 def _candidates(call: Call) -> tuple[int, ...]:
-    """The ranks a call may need: those it names, else every member."""
+    """The ranks a call may need: those it names, else every member (a held call's members
+    are its holders, which say whom its requests need)."""
     if not call.known:
         return ()
     return call.needs if call.needs is not None else call.peers

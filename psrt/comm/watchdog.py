@@ -26,10 +26,11 @@ fatal: past the shutdown time a busy rank cannot be told from a stuck one (a nod
 in I/O answers probes), but a join's imbalance is the user's data, not a fault.
 
 A deadlock needs no waiting to be sure of: the main thread's blocked *call* (a wait with an
-identity) is compared with the other ranks' calls a second after it began, and a deadlock
-ends the job at once (:mod:`psrt.comm.deadlock`), unless it is a mismatch of a direct
-group's calls agreed on once, which :mod:`psrt.comm.breaker` ends with the same error on
-every member instead.
+identity) is compared with the other ranks' calls a second after it began (a parameter
+server says, of each worker's request it holds, which workers it waits for:
+:meth:`Watchdog.hold`), and a deadlock ends the job at once (:mod:`psrt.comm.deadlock`),
+unless it is a mismatch of a direct group's calls agreed on once, which
+:mod:`psrt.comm.breaker` ends with the same error on every member instead.
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ class Watchdog:
         self._stacks: dict[int, WaitStack] = {}  # thread id -> its waits, innermost last
         self._local = threading.local()
         self._published: dict[str, tuple[Wait, ...]] = {}
+        self._holds: Callable[[], list | None] | None = None  # see hold()
         self._probes: dict[object, _StallProbe] = {}
         self._asked_at: dict[int, float] = {}  # when each rank was last pinged
         self._reported: set[object] = set()
@@ -153,6 +155,13 @@ class Watchdog:
         wait.stalls = stalls
         return wait
 
+    def hold(self, holds: Callable[[], list | None] | None) -> None:
+        """This rank holds other ranks' requests (a parameter server): ``holds`` says what each
+        one waits for, as ``[rank, request, [ranks it waits for]]`` entries, or None when it
+        cannot tell now; probe answers carry it for deadlock detection (see
+        :func:`psrt.comm.deadlock.resolve_held`).  It is called on the watching thread."""
+        self._holds = holds
+
     def publish(self, source: str, waits: Sequence[Wait]) -> None:
         """Replace what ``source`` (a loop on this rank) holds; each wait's ``key`` must stay
         the same while it lasts.  Peers of published waits are job ranks."""
@@ -184,7 +193,7 @@ class Watchdog:
     def status(self) -> dict:
         """What this rank tells a rank that probes it: how long its oldest wait has lasted,
         its first waits, the call its main thread is blocked in (or else where that thread
-        is), and the last call it left."""
+        is), the last call it left, and what it holds for other ranks (see :meth:`hold`)."""
         now = time.monotonic()
         lasting = min(_LASTING_S, self._check_s / 2)
         waits = sorted((w for w in self._current() if now - w.since >= lasting), key=lambda w: w.since)
@@ -193,6 +202,8 @@ class Watchdog:
                   "waits": [[w.kind, w.describe()[:_MAX_TEXT], list(w.peer_ranks()[:_MAX_REPORTED_PEERS])]
                             for w in waits[:_MAX_REPORTED_WAITS]],
                   "call": None if call is None else call.to_status()}
+        if self._holds is not None:
+            status["holds"] = self._holds()
         breaking = self.breaker.status()
         if breaking is not None:
             status["breaking"] = breaking
@@ -214,7 +225,7 @@ class Watchdog:
         site, api = callsite.locate(_MAIN_THREAD)
         return deadlock.Call(self.rank, wait.ident, wait.since, now - wait.since, wait.peer_ranks(), needs,
                              wait.needs is None or needs is not None, wait.describe()[:_MAX_TEXT], site, api,
-                             wait.ident[0] != deadlock.RECEIVE)
+                             deadlock.collective(wait.ident))
 
     def _watch(self) -> None:
         while not self._stopping.wait(LOOK_EVERY_S):
@@ -249,13 +260,13 @@ class Watchdog:
         if found is None or self._deadlock_reported:
             return
         ranks, calls = found
-        for line in deadlock.report(ranks, calls):
+        for line in deadlock.report(ranks, calls, self._name_rank):
             print(f"psrt: deadlock: {line}", file=sys.__stderr__, flush=True)
         if self._shutdown_s <= 0:  # PSRT_STALL_SHUTDOWN_TIME=0: report, never end (a debugger may attach)
             self._deadlock_reported = True
             return
         self._ended = True
-        shown = "; ".join(f"rank {r} in {calls[r].what}" for r in ranks[:3]) + (
+        shown = "; ".join(f"{self._name_rank(r)} in {calls[r].what}" for r in ranks[:3]) + (
             f"; and {len(ranks) - 3} more" if len(ranks) > 3 else "")
         self._end_job(f"deadlock: ranks {rank_ranges(ranks)} each wait in a psrt call that cannot complete "
                       f"({shown}); each rank's call site is named above")

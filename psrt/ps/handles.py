@@ -6,9 +6,11 @@ error text; a handle waits for every message of its request and re-raises, on ev
 ``wait()``, what any server reported.  Handles may be waited for from several threads.
 Waiting is marked on the worker's direct group, naming the servers waited on, so a
 server that freezes or drops off the network ends the job with a report instead of
-hanging its workers.  A wait spins briefly, then naps, leaving the CPU to a server that
-shares the host (a longer spin measured worse with 2 workers and a server on 2 cores: a
-1 MiB pull at 0.17 of mpi4py's speed against 0.35).
+hanging its workers.  A wait for replies is a *held* call (:data:`psrt.comm.deadlock.HELD`)
+naming each request by its server and tag, so that deadlock detection can ask the servers
+which workers they hold it for.  A wait spins briefly, then naps, leaving the CPU to a
+server that shares the host (a longer spin measured worse with 2 workers and a server on
+2 cores: a 1 MiB pull at 0.17 of mpi4py's speed against 0.35).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Callable
 import torch
 
 from psrt.comm.base import Request
+from psrt.comm.deadlock import HELD
 from psrt.comm.header import HEADER_WORDS, Header
 from psrt.comm.poll import wait_politely
 from psrt.errors import ParameterServerError, PsrtError
@@ -31,8 +34,8 @@ class Reply:
     its receives (of the header, and of a pull's data into ``receive_into``) at once."""
 
     def __init__(self, link: WorkerLink, server: int, tag: int, receive_into: torch.Tensor | None = None) -> None:
-        self._link, self._server, self._tag = link, server, tag
-        rank = link.server_rank(server)
+        self._link, self.tag = link, tag  # the tag names the request to its server
+        rank = self.server_rank = link.server_rank(server)
         self._status = torch.empty(HEADER_WORDS, dtype=torch.int64)
         self._status_request = link.comm.irecv(self._status, rank, tag)
         self._data_request = None if receive_into is None else link.comm.irecv(receive_into, rank, tag + 1)
@@ -56,8 +59,8 @@ class Reply:
         if code == Status.OK and (self._data_request is not None or length == 0):
             return None, None
         body = torch.empty(length, dtype=torch.uint8)
-        text_tag = self._tag + (2 if self._data_request is not None else 1)
-        wait_politely(self._link.comm.irecv(body, self._link.server_rank(self._server), text_tag))
+        text_tag = self.tag + (2 if self._data_request is not None else 1)
+        wait_politely(self._link.comm.irecv(body, self.server_rank, text_tag))
         if code != Status.OK:
             return protocol.decode_text(body), None
         return None, protocol.decode(body)
@@ -92,7 +95,7 @@ class Handle:
                         self._settle()
                     else:
                         with self._link.group.waiting("a parameter-server request", self._describe,
-                                                      self.servers):
+                                                      self.servers, ident=self._held()):
                             self._settle()
                 except PsrtError as e:
                     self._error = e
@@ -103,6 +106,13 @@ class Handle:
             if self._error is not None:
                 raise self._error
             return self._result
+
+    def _held(self) -> tuple | None:
+        """The identity of a wait for replies: (HELD, server rank, tag, ...), by which the
+        servers know the requests (None for sends alone, which need no other worker)."""
+        if not self._replies:
+            return None
+        return (HELD, *(number for reply in self._replies for number in (reply.server_rank, reply.tag)))
 
     def _describe(self) -> str:
         assert self._link is not None

@@ -10,7 +10,9 @@ the same store, or printed here if the worker has left), never swallowed.  What 
 holds back (requests waiting for other workers, data still arriving) is published to the
 watchdog once a second, which reports it, naming the workers waited for, after
 ``PSRT_STALL_CHECK_TIME`` and ends the job after ``PSRT_STALL_SHUTDOWN_TIME`` (see
-:mod:`psrt.ps.stalls`).
+:mod:`psrt.ps.stalls`).  The watchdog's probe answers also say, for each request held, which
+workers it waits for (:meth:`Server.holds`), so that a worker blocked in a request that the
+others never serve is found in a deadlock within seconds (:mod:`psrt.comm.deadlock`).
 
 The loop decides when to look; what each request does to the stores is
 :mod:`psrt.ps.handler`'s, and how a message to or from a worker travels is
@@ -18,6 +20,7 @@ The loop decides when to look; what each request does to the stores is
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -38,6 +41,9 @@ from psrt.ps.replies import Replies
 from psrt.ps.roles import Roles
 
 _STALL_SCAN_S = 1.0
+# How long a probe answer waits for the loop to finish its turn before saying it cannot tell
+# what it holds (a turn may save a checkpoint or run a large update).
+_HOLDS_WITHIN_S = 0.05
 
 
 class Server:
@@ -58,6 +64,7 @@ class Server:
                                        num_servers=len(roles.servers), num_workers=self.num_workers,
                                        max_tag=comm.max_tag, abort=abort)
         self._next_stall_scan = time.monotonic() + _STALL_SCAN_S
+        self._turning = threading.Lock()  # held during a turn: holds() reads the state between turns
 
     @property
     def name(self) -> str:
@@ -65,16 +72,31 @@ class Server:
 
     def serve(self) -> None:
         self._listen()
+        self._watchdog.hold(self.holds)
         backoff = Backoff()
         while not self._finished():
-            if self._turn():
+            with self._turning:
+                progressed = self._turn()
+            if progressed:
                 backoff.busy()
             else:
                 backoff.idle()
             if time.monotonic() >= self._next_stall_scan:
                 self._scan_for_stalls()
+        self._watchdog.hold(None)
         self._watchdog.publish("parameter server", ())
         self._handler.report_unfinished_steps()
+
+    def holds(self) -> list | None:
+        """What each request held waits for (:func:`psrt.ps.stalls.holds`), read between two
+        turns of the loop; None if a turn does not end soon.  Called on the watchdog's thread."""
+        if not self._turning.acquire(timeout=_HOLDS_WITHIN_S):
+            return None
+        try:
+            handler = self._handler
+            return stalls.holds(handler.stores, handler.gathering, handler.active, self.roles.workers)
+        finally:
+            self._turning.release()
 
     def _listen(self) -> None:
         """Post the receive of every worker's first header."""

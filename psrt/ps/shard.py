@@ -270,15 +270,16 @@ class Shard:
         return ready
 
     def missing_for(self, pull: WaitingPull, active: Sequence[int]) -> list[int]:
-        """The workers whose pushes the waiting ``pull`` needs before it can be answered."""
+        """The workers that have yet to push what the waiting ``pull`` needs before it can be
+        answered.  A push counts once announced: its data is then on its way, and the worker
+        has done its part (deadlock detection relies on that, :func:`psrt.ps.stalls.holds`)."""
         if self.consistency.mode == Mode.SYNC:
-            return [w for w in range(self.num_workers)
-                    if self._arrived_total(w) < pull.target]
+            return [w for w in range(self.num_workers) if self.received[w] < pull.target]
         if self.consistency.mode == Mode.BOUNDED:
             mine = self.applied[pull.worker]
-            if mine < pull.target:  # its own next push waits for the slowest to arrive
-                return [w for w in active if self._arrived_total(w) < mine + 1 - self.consistency.max_staleness]
-            return [w for w in active if self.applied[w] < mine - self.consistency.max_staleness]
+            if mine < pull.target:  # its own next push waits for the slowest to push
+                return [w for w in active if self.received[w] < mine + 1 - self.consistency.max_staleness]
+            return [w for w in active if self.received[w] < mine - self.consistency.max_staleness]
         return []
 
     # -- checkpoints ---------------------------------------------------------------------

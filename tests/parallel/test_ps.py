@@ -5,10 +5,12 @@ end with a named cause, and a checkpoint resumed by a new job.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
-from conftest import launch
+from conftest import SCRIPTS, launch
+from faults import run_until_it_ends
 
 from psrt.checkpoint import files as checkpoint_files
 from psrt.errors import ParameterServerError
@@ -78,11 +80,31 @@ def test_a_clean_shutdown_loses_no_pushed_update():
     assert line["value"] == pytest.approx([-0.3] * 3), "three steps of SGD(lr=0.1) on a mean gradient of 1"
 
 
-def test_a_save_called_by_one_worker_only_is_reported_as_a_stall_naming_the_other():
-    report = launch("ps_failures.py", 3, FAILURE_ENV, args=("save_alone",), timeout_s=90)
-    assert report.returncode not in (0, None), report.diagnosis()
-    assert report.seconds < 60, f"the stalled job took {report.seconds:.0f} s to end"
-    assert "stall" in report.stderr and "missing ranks [1]" in report.stderr, report.diagnosis()
+def test_a_save_or_load_by_one_worker_while_another_trains_on_is_a_deadlock_naming_each_worker_and_line():
+    """With the default stall times (a stall ends a job only after 600 s), so that only
+    deadlock detection can end it before the hang guard."""
+    job = run_until_it_ends("ps_failures.py", 4, ("one_sided",), {"PSRT_NUM_SERVERS": "1"}, timeout_s=120)
+    assert job.returncode not in (0, None), job.diagnosis()
+    lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"psrt: deadlock: rank (\d+) .*", job.stderr)}
+    assert sorted(lines) == [0, 1, 2], job.diagnosis()
+    site = _marked_lines(SCRIPTS / "ps_failures.py")
+    assert lines[0].startswith("psrt: deadlock: rank 0 (worker 0) waits in broadcast_object of tensor 'psrt.ps.save")
+    assert f"ps_failures.py:{site['save']} (in one_sided)" in lines[0] and ".save() is collective" in lines[0]
+    assert lines[0].endswith("it needs rank 1 (worker 1) and rank 2 (worker 2), blocked elsewhere"), lines[0]
+    assert lines[1].startswith("psrt: deadlock: rank 1 (worker 1) waits in worker 1's push and pull of key "), lines[1]
+    assert f"ps_failures.py:{site['step']} (in one_sided.<locals>.step)" in lines[1], lines[1]
+    assert lines[1].endswith("it waits on rank 3 (parameter server 0), which holds it for rank 0 (worker 0) and "
+                             "rank 2 (worker 2), blocked elsewhere"), lines[1]
+    assert "broadcast_object of tensor 'psrt.ps.load" in lines[2], lines[2]
+    assert f"ps_failures.py:{site['load']} (in one_sided)" in lines[2] and ".load() is collective" in lines[2]
+    assert re.search(r"psrun: rank \d failed first: deadlock: ranks 0-2 each wait", job.stderr), job.diagnosis()
+    assert not job.left_behind, job.diagnosis()
+
+
+def _marked_lines(script) -> dict[str, int]:
+    """The line of each call marked ``# one-sided: <call>`` in ``script``."""
+    return {line.split("# one-sided: ")[1].strip(): number
+            for number, line in enumerate(script.read_text().splitlines(), start=1) if "# one-sided: " in line}
 
 
 def test_a_worker_that_dies_ends_the_job_naming_its_rank():

@@ -6,13 +6,13 @@ import threading
 import time
 
 from psrt.comm import callsite
-from psrt.comm.deadlock import AFTER_S, Call, Detector, find, report
+from psrt.comm.deadlock import AFTER_S, HELD, Call, Detector, find, report, resolve_held
 
 
 def call(rank: int, ident: tuple, peers: tuple[int, ...], needs: tuple[int, ...] | None = None, *,
          known: bool = True, since: float = 100.0, what: str = "", site: str = "", api: str = "") -> Call:
     return Call(rank, ident, since, 1.2, peers, needs, known, what or f"call {ident}", site, api,
-                ident[0] != "recv")
+                ident[0] not in ("recv", HELD))
 
 
 def engine(rank: int, name: str, missing: tuple[int, ...], peers=(0, 1)) -> Call:
@@ -182,3 +182,65 @@ def test_ranks_in_the_same_call_are_never_stuck_on_each_other_whatever_stale_lis
     assert find(0, at_exit) is None
     announced = {r: engine(r, "x", (1, 2, 3), (0, 1, 2, 3)) for r in range(3)}
     assert find(1, announced) is None
+
+
+# -- requests held by a parameter server (rank 2) for workers 0 and 1 -----------------------------
+def pull(rank: int, tag: int, server: int = 2) -> Call:
+    """A worker blocked in a request that ``server`` knows by ``tag``."""
+    return call(rank, (HELD, server, tag), (server,), what=f"worker {rank}'s pull of key 'w'")
+
+
+def server(*holds: list) -> dict:
+    return {"oldest": 0.0, "waits": [], "call": None, "holds": list(holds)}
+
+
+def test_a_pull_held_for_a_worker_blocked_in_a_save_it_never_joins_is_a_deadlock():
+    calls = resolve_held({0: engine(0, "psrt.ps.save.0", (1,)), 1: pull(1, 13)}, {2: server([1, 13, [0]])})
+    assert calls[1].needs == (0,)
+    assert find(0, calls) == [0, 1] and find(1, calls) == [0, 1]
+
+
+def test_a_pull_its_server_is_still_answering_or_holds_for_nobody_is_no_deadlock():
+    """A big pull being sent (not held), an async pull waiting for its own pushes, a server
+    too busy to say, or silent: the worker may still get its answer."""
+    blocked_save = engine(0, "psrt.ps.save.0", (1,))
+    for heard in ({2: server()}, {2: server([1, 13, []])}, {2: server([1, 12, [0]])},
+                  {2: {**server(), "holds": None}}, {}):
+        calls = resolve_held({0: blocked_save, 1: pull(1, 13)}, heard)
+        assert calls[1].needs == () and find(0, calls) is None, heard
+
+
+def test_workers_at_different_steps_of_a_bounded_store_are_no_deadlock():
+    """The fast worker waits for the slow one, which waits only for its own pushes."""
+    calls = resolve_held({0: pull(0, 20), 1: pull(1, 31)}, {2: server([0, 20, [1]], [1, 31, []])})
+    assert find(0, calls) is None and find(1, calls) is None
+
+
+def test_a_request_split_over_two_servers_needs_what_either_holds_it_for():
+    split = call(1, (HELD, 2, 13, 3, 40), (2, 3))
+    calls = resolve_held({0: engine(0, "barrier", (1,)), 1: split}, {2: server([1, 13, []]), 3: server([1, 40, [0]])})
+    assert find(0, calls) == [0, 1]
+
+
+def test_the_report_names_the_workers_the_server_holds_a_request_for():
+    def name(rank: int) -> str:
+        return f"rank {rank} (parameter server 0)" if rank == 2 else f"rank {rank} (worker {rank})"
+    calls = resolve_held({0: call(0, ("engine", 0, "s"), (0, 1), (1,), what="broadcast_object", api="KVStore.save",
+                                  site="train.py:9 (in main)"),
+                          1: call(1, (HELD, 2, 13), (2,), what="worker 1's pull of key 'w'", site="train.py:7 (in step)",
+                                  api="KVStore.pull")},
+                         {2: server([1, 13, [0]])})
+    first, second = report([0, 1], calls, name)
+    assert first.startswith("rank 0 (worker 0) waits in broadcast_object, called at train.py:9 (in main) "
+                            "(KVStore.save() is collective"), first
+    assert first.endswith("; it needs rank 1 (worker 1), blocked elsewhere"), first
+    assert second == ("rank 1 (worker 1) waits in worker 1's pull of key 'w', called at train.py:7 (in step); it waits "
+                      "on rank 2 (parameter server 0), which holds it for rank 0 (worker 0), blocked elsewhere")
+
+
+def test_a_detector_asks_the_server_then_the_workers_it_holds_the_request_for(monkeypatch):
+    monkeypatch.setattr("psrt.comm.deadlock.PERIOD_S", 0.05)
+    prober = AnsweringProber({0: blocked(engine(0, "psrt.ps.save.0", (1,))), 2: server([1, 13, [0]])})
+    ranks, calls = run(Detector(1, answer_within_s=0.2), pull(1, 13), prober, 2.0)
+    assert ranks == [0, 1] and calls[1].needs == (0,)
+    assert prober.asked[:2] == [(2,), (0,)], "the server first, then the worker it holds the pull for"

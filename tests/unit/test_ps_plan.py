@@ -17,7 +17,7 @@ from psrt.ps.protocol import Mode, RequestKind
 from psrt.ps.roles import assign_roles
 from psrt.ps.store import Store
 from psrt.ps.shard import ChunkMeta, Consistency, OptimizerSpec, Shard, optimizer_spec
-from psrt.ps.stalls import waits
+from psrt.ps.stalls import holds, waits
 
 MiB = 1 << 20
 
@@ -328,6 +328,66 @@ def test_stall_descriptions_name_the_missing_workers():
     assert "needs pushes from worker 1" in held[0].describe() and held[0].peer_ranks() == (2,)
     assert held[1].describe().startswith("save asked for by workers 0")
     assert "worker 1 did not ask" in held[1].describe() and held[1].peer_ranks() == (2,)
+
+
+def held_store(mode: Mode, staleness: int = 0) -> Store:
+    store = Store.create((int(mode), staleness, 0), num_workers=3)
+    store.register(0, 0, 10, meta_of((4,)), torch.zeros(4), 3, worker_0_gone=False)
+    return store
+
+
+NO_GATHERING = {RequestKind.SAVE: {}, RequestKind.LOAD: {}}
+JOB_RANK = [0, 1, 2]  # workers 0-2 are job ranks 0-2 (the server is rank 3)
+
+
+def test_a_held_sync_pull_waits_for_the_workers_yet_to_push_its_step():
+    store = held_store(Mode.SYNC)
+    shard = store.shards[0]
+    push(shard, 0, 1.0)
+    shard.add_pull(0, tag=13)
+    shard.expect_push(2)  # announced, data still arriving: worker 2 has done its part
+    assert holds({0: store}, NO_GATHERING, [0, 1, 2], JOB_RANK) == [[0, 13, [1]]]
+
+
+def test_an_async_pull_waits_for_no_other_worker():
+    store = held_store(Mode.ASYNC)
+    shard = store.shards[0]
+    shard.expect_push(0)  # its own push, still arriving
+    shard.add_pull(0, tag=13)
+    assert shard.pulls and holds({0: store}, NO_GATHERING, [0, 1, 2], JOB_RANK) == []
+
+
+def test_a_server_lists_its_oldest_held_requests_only(monkeypatch):
+    monkeypatch.setattr("psrt.ps.stalls.MAX_HOLDS", 2)
+    store = held_store(Mode.SYNC)
+    shard = store.shards[0]
+    push(shard, 0, 1.0)
+    for tag in (13, 16, 19):
+        shard.add_pull(0, tag=tag)
+    shard.pulls[0].since += 10.0  # the first pull made is the youngest wait here
+    assert holds({0: store}, NO_GATHERING, [0, 1, 2], JOB_RANK) == [[0, 16, [1, 2]], [0, 19, [1, 2]]]
+
+
+def test_a_bounded_pull_ahead_of_the_slowest_waits_for_the_slowest_only():
+    store = held_store(Mode.BOUNDED, staleness=1)
+    shard = store.shards[0]
+    for worker, steps in ((0, 3), (1, 2), (2, 1)):
+        for _ in range(steps):
+            push(shard, worker, 1.0)
+    shard.apply_ready([0, 1, 2])
+    shard.add_pull(0, tag=13)  # worker 0 is 2 steps ahead of worker 2, 1 of worker 1
+    assert shard.ready_pulls([0, 1, 2]) == []
+    assert holds({0: store}, NO_GATHERING, [0, 1, 2], JOB_RANK) == [[0, 13, [2]]]
+
+
+def test_held_inits_wait_for_worker_0_and_saves_for_the_workers_that_did_not_ask():
+    store = Store.create((int(Mode.SYNC), 0, 0), num_workers=3)
+    store.register(1, 0, 21, meta_of((4,)), None, 3, worker_0_gone=False)
+    gathering = {RequestKind.SAVE: {0: (16, {"path": "x"}, 50.0)}, RequestKind.LOAD: {}}
+    store.init_waiting[0][0] = (*store.init_waiting[0][0][:3], 60.0)
+    assert holds({0: store}, gathering, [0, 1, 2], [0, 2, 3]) == [[0, 16, [2, 3]], [2, 21, [0]]]
+    gathering[RequestKind.SAVE][2] = (30, {"path": "x"}, 51.0)
+    assert holds({}, gathering, [0, 2], [0, 2, 3]) == [], "worker 1 left: the save waits for no worker"
 
 
 # -- posted push receives ----------------------------------------------------------------------------

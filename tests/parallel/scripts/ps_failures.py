@@ -9,14 +9,20 @@
 * ``worker_dies``: worker 1's process exits in the middle of training.
 * ``flush``: worker 1 starts three sync pushes and shuts down without waiting
   for them; worker 0's pull must still see all three steps applied.
-* ``save_alone``: only worker 0 calls ``save`` (a collective of the workers); the
-  stall is reported naming worker 1, then the job ends.
+
+``python ps_failures.py one_sided`` with 1 server and 3 workers, each of which prints
+``BLOCKED <rank> <time>`` just before the call it blocks in: worker 0 alone calls
+``opt.save`` (a collective of the workers), worker 2 alone ``opt.load``, and worker 1 goes on
+training, so its sync step waits for pushes the others never send.  A deadlock, found
+within seconds whatever the stall times, naming each worker, its call and its line (each
+marked ``# one-sided: <call>`` for the test to find).
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -25,15 +31,32 @@ import psrt.ps as ps
 import psrt.torch as hvd
 
 
+def one_sided() -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = ps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.ones(3, 4)).pow(2).mean().backward()
+        opt.step()  # one-sided: step
+
+    step()
+    directory = tempfile.mkdtemp()
+    print(f"BLOCKED {hvd.rank()} {time.time():.3f}", flush=True)
+    if hvd.rank() == 0:
+        opt.save(directory)  # one-sided: save
+    elif hvd.rank() == 2:
+        opt.load(directory)  # one-sided: load
+    step()
+
+
 def main(mode: str) -> None:
     hvd.init()
+    if mode == "one_sided":
+        return one_sided()
     kv = ps.KVStore("sync")
     kv.init("weights", torch.zeros(1000))
     kv.set_optimizer("SGD", lr=0.1)
-    if mode == "save_alone":
-        if hvd.rank() == 0:
-            kv.save("/tmp/psrt-never-saved")
-        time.sleep(600)
     if mode == "flush":
         for _ in range(3):
             kv.push_async("weights", torch.ones(1000))
