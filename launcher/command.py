@@ -99,7 +99,8 @@ class LaunchPlan:
 
     ``hosts`` is empty when the MPI's own default (this machine) is wanted.
     ``rank_stderr``: each rank's stderr goes to psrun on a pipe of its own
-    (``command`` is wrapped for it when written out). ``rank_env`` holds the
+    (through the wrapper ``command`` is written out in on every host, which also sets
+    torchrun's variables). ``rank_env`` holds the
     variables psrun's own flags set on every rank; they win over the same names
     in psrun's environment. ``launch_agent`` is the
     command that starts the MPI's daemon on a remote host (``AGENT host
@@ -315,5 +316,4 @@ def build_command(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
         options = _openmpi_options(plan, env)
     else:
         options = _mpich_options(plan, env)
-    command = wrap_command(plan.command) if plan.rank_stderr else list(plan.command)
-    return [plan.mpirun, *options, *plan.mpi_args, *command]
+    return [plan.mpirun, *options, *plan.mpi_args, *wrap_command(plan.command)]

@@ -27,6 +27,24 @@ ENV_NUM_SERVERS = "PSRT_NUM_SERVERS"
 ENV_TIMELINE = "PSRT_TIMELINE"
 ENV_TIMELINE_MARK_CYCLES = "PSRT_TIMELINE_MARK_CYCLES"
 
+#: torchrun's names for a rank's place in the job, which torch's tools read (accelerate, the
+#: Hugging Face Trainer, scripts that pick their device with ``LOCAL_RANK``), each with the
+#: variables an MPI launcher holds it in: Open MPI's mpirun first, then Hydra's mpiexec (MPICH,
+#: Intel MPI). psrun's rank wrapper (:mod:`launcher.rank_stderr`) and ``import psrt.torch``
+#: (:mod:`psrt.rank_env`) set each name a rank lacks from the first of its variables present.
+TORCH_RANK_VARIABLES = (
+    ("RANK", ("OMPI_COMM_WORLD_RANK", "PMI_RANK")),
+    ("LOCAL_RANK", ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")),
+    ("WORLD_SIZE", ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")),
+    ("LOCAL_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")),
+)
+#: torchrun's names for the node: its index among the job's hosts and their number. No MPI
+#: launcher says them; ``init()`` sets them from the hosts the ranks found.
+TORCH_NODE_VARIABLES = ("GROUP_RANK", "GROUP_WORLD_SIZE")
+#: Every torchrun variable psrt sets (none of its others: ``MASTER_ADDR``, ``MASTER_PORT`` and
+#: ``TORCHELASTIC_*`` would change how torch and Lightning start up).
+TORCH_VARIABLE_NAMES = (*(name for name, _ in TORCH_RANK_VARIABLES), *TORCH_NODE_VARIABLES)
+
 #: Elastic mode: the directory where the job's commits live (and the files below), the
 #: version of the host list this launch runs on, and which launch of the job it is (1, 2, ...).
 ENV_ELASTIC_DIR = "PSRT_ELASTIC_DIR"

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, TextIO
 
+from launcher.contract import TORCH_VARIABLE_NAMES
 from launcher.failures import Failure, FailureScanner
 from launcher.lifeline import Lifeline
 from launcher.processes import leftover_processes
@@ -255,6 +256,9 @@ def _start(command: JobCommand, env: Mapping[str, str], ranks: RankStderr | None
     """Start mpirun in a session of its own, watched by ``lifeline``; on failure, undo the rest."""
     job_env = dict(env)
     job_env.pop(DIRECTORY_VARIABLE, None)  # a psrun inside a rank of another must not use its pipes
+    # nor give its ranks that rank's place (the wrapper and init() keep a value a rank has)
+    for name in TORCH_VARIABLE_NAMES:
+        job_env.pop(name, None)
     if ranks is not None:
         job_env[DIRECTORY_VARIABLE] = ranks.directory
     try:

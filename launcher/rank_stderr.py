@@ -1,4 +1,14 @@
-"""Each local rank's stderr on a pipe of its own, read by psrun, instead of mpirun's merged one.
+"""The one-line shell script psrun starts every rank through: it gives the rank torchrun's
+variables, and on this machine its stderr on a pipe of its own, read by psrun, instead of
+mpirun's merged one.
+
+torch's tools find a rank's place in torchrun's variables (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), which no MPI launcher sets: the script exports each
+one the rank lacks from Open MPI's or Hydra's own (:data:`launcher.contract.TORCH_RANK_VARIABLES`),
+on every host, before the program starts, so that even code that runs before ``import
+psrt.torch`` finds them. A value the rank already has (given with mpirun's ``-x`` or Hydra's
+``-genv``) stays. In parameter-server mode (``PSRT_NUM_SERVERS``) the script sets none: there
+they describe the workers alone, which only ``init()`` knows (:mod:`psrt.rank_env`).
 
 Through mpirun, the stderr of every rank arrives merged, line by line as the ranks wrote
 them: when two ranks raise at once (a collective called with different shapes raises on
@@ -21,17 +31,36 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 
+from launcher.contract import ENV_NUM_SERVERS, TORCH_RANK_VARIABLES
+
 __all__ = ["DIRECTORY_VARIABLE", "RankStderr", "wrap_command"]
 
 DIRECTORY_VARIABLE = "PSRUN_RANK_STDERR"
 # Beside its pipe each rank leaves its process id (``RANK.pid``): MPICH names a failed rank
 # by process id only.
-_SCRIPT = (f'f="${DIRECTORY_VARIABLE}/${{OMPI_COMM_WORLD_RANK:-$PMI_RANK}}"; '
-           'if [ -p "$f" ]; then echo $$ > "$f.pid"; exec 2>"$f"; fi; exec "$@"')
+_STDERR = (f'f="${DIRECTORY_VARIABLE}/${{OMPI_COMM_WORLD_RANK:-$PMI_RANK}}"; '
+           'if [ -p "$f" ]; then echo $$ > "$f.pid"; exec 2>"$f"; fi; ')
+
+
+def _first_set(names: Sequence[str]) -> str:
+    """The shell expansion of the first of ``names`` that is set and not empty."""
+    return f"${{{names[0]}:-{_first_set(names[1:])}}}" if len(names) > 1 else f"${names[0]}"
+
+
+def _torch_variables() -> str:
+    """Shell commands that export each of torchrun's variables the rank lacks, where its
+    launcher's variable holds it (never an empty value: tools read them as numbers)."""
+    exports = "".join(f'v={_first_set(sources)}; [ -z "${name}" ] && [ -n "$v" ] && export {name}=$v; '
+                      for name, sources in TORCH_RANK_VARIABLES)
+    return f'if [ "${{{ENV_NUM_SERVERS}:-0}}" = 0 ]; then {exports}fi; '
+
+
+_SCRIPT = _torch_variables() + _STDERR + 'exec "$@"'
 
 
 def wrap_command(command: Sequence[str]) -> list[str]:
-    """``command`` started so that its stderr goes to psrun's pipe for its rank, if there is one."""
+    """``command`` started with torchrun's variables, and its stderr going to psrun's pipe for its
+    rank if there is one."""
     return ["/bin/sh", "-c", _SCRIPT, "psrun-rank", *command]
 
 

@@ -31,7 +31,7 @@ from psrt.engine import Channel, Engine
 from psrt.engine.handles import HandleTable
 from psrt.engine.names import Names
 from psrt.errors import ArgumentTypeError, CheckpointError, NotInitializedError, ProcessSetError
-from psrt.horovod_env import export_horovod_variables
+from psrt.rank_env import export_rank_variables
 from psrt.topology import ProcessSet, Topology
 
 #: The set of all ranks; usable once ``init()`` has run.
@@ -166,7 +166,7 @@ def init(process_sets: Iterable[ProcessSet | Sequence[int]] | None = None) -> No
         if serve is None:
             _runtime = runtime  # from here on, shutdown() can stop what runs
             _install_exit_hook()
-            export_horovod_variables(runtime.topology)
+            export_rank_variables(runtime.topology)
             for process_set in process_sets or ():
                 runtime.topology.add_process_set(process_set)
     except Exception as exc:

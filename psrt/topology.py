@@ -202,6 +202,20 @@ class Topology:
             places = self._registry.allgather_object((host, self.local.rank))
         return sorted(range(self.world.size), key=lambda rank: places[rank])
 
+    def host_place(self) -> tuple[int, int]:
+        """This rank's host's index among the hosts of the world, in the order of their lowest
+        ranks, and the number of hosts (torchrun's node rank and node count); collective over
+        the world.
+
+        A host's lowest rank is its local rank 0, whose cross group holds one rank per host in
+        world order: what it sees there holds for the whole host.
+        """
+        with self._watchdog.waiting("start-up", f"rank {self.world.rank}'s exchange of its host's place among the "
+                                    "hosts (every rank sets torchrun's variables in psrt.init())",
+                                    range(self.world.size)):
+            host, hosts = self.local.allgather_object((self.cross.rank, self.cross.size))[0]
+        return host, hosts
+
     def communicator_or_none(self, process_set: ProcessSet) -> Communicator | None:
         return self._registered(process_set)
 

@@ -37,7 +37,7 @@ _LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZ
 _SINGLETON_MCA_DEFAULTS = {"OMPI_MCA_btl": "self", "OMPI_MCA_mtl": "^ofi"}
 
 
-def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
+def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     return any(name in env for name in _LAUNCHER_VARIABLES)
 

@@ -8,6 +8,10 @@ Collectives take CPU tensors (the MPI backend); every one has an ``_async``
 form returning a handle for :func:`poll` and :func:`synchronize`, and a
 ``process_set=`` argument (default: all ranks).  The out-of-place collectives are
 differentiable, as in Horovod (:mod:`psrt.torch.collectives`, one module per family).
+
+Importing it registers the ``"psrt"`` backend of ``torch.distributed`` and, in a process an MPI
+launcher started, sets torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
+``LOCAL_WORLD_SIZE`` where they are missing (:mod:`psrt.rank_env`).
 """
 import importlib
 
@@ -35,9 +39,11 @@ from psrt.torch.handles import poll, synchronize
 from psrt.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from psrt.torch.optimizer import Bucketing, DistributedOptimizer
 from psrt.torch.sync_batch_norm import SyncBatchNorm
+from psrt.rank_env import fill_from_launcher as _fill_from_launcher
 from psrt.torch.c10d import process_group, register as _register_torch_backend
 
 _register_torch_backend()  # dist.init_process_group("psrt") from here on
+_fill_from_launcher()  # torchrun's RANK, LOCAL_RANK... under any MPI launcher, for torch's tools
 
 __all__ = [
     "Adasum", "Average", "Bucketing", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",

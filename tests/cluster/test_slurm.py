@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multihost"))
 from jobs import REPO  # noqa: E402
 from netns import SUBNET  # noqa: E402
-from training_records import assert_same_training, one_host, records  # noqa: E402
+from training_records import assert_same_training, assert_torchrun_places, one_host, records  # noqa: E402
 
 pytestmark = pytest.mark.parallel
 
@@ -94,6 +94,7 @@ def test_sbatch_script_trains_across_both_nodes_like_one_host(cluster, reference
     job_id, output = submit(cluster, JOB, "dp,gpt")
     found = records(finished_output(cluster, job_id, output))
     assert [found["dp", rank]["host"] for rank in range(4)] == [cluster.nodes[0]] * 2 + [cluster.nodes[1]] * 2
+    assert_torchrun_places(found, "dp", 4, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))  # psrun's
     assert_same_training(found, reference, "dp", 4)
     assert_same_training(found, reference, "gpt", 4)
 
@@ -105,6 +106,7 @@ def test_salloc_runs_psrun_with_the_allocations_hosts_for_parameter_servers(clus
     assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     found = records(done.stdout)
     assert {record["host"] for record in found.values()} == set(cluster.nodes), found.keys()
+    assert_torchrun_places(found, "ps", 3, ())  # the workers', set by init()
     assert_same_training(found, one_host(("-np", "4", "--num-servers", "1"), ("ps",)), "ps", 3)
 
 
@@ -126,6 +128,8 @@ def test_srun_starts_the_ranks_itself_and_they_train_like_one_host(cluster, refe
     assert done.returncode == 0, f"{text[-2000:]}\n{done.stderr[-3000:]}"
     found = records(text)
     assert [found["dp", rank]["host"] for rank in range(4)] == [cluster.nodes[0]] * 2 + [cluster.nodes[1]] * 2
+    # import psrt.torch took srun's (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS); init() the rest
+    assert_torchrun_places(found, "dp", 4, ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     assert_same_training(found, reference, "dp", 4)
 
 

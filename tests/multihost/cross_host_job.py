@@ -4,8 +4,9 @@ Run on every rank (``psrun -np 4 python cross_host_job.py dp,gpt``). Every rank
 prints one JSON line per part, ``{"part": "dp", "rank": 0, "losses": [...],
 "params": [...]}``, holding its losses and its own parameters after training;
 the test compares them, rank by rank, with the same job on a single host
-(each line also names the rank's host, to show where it ran, and the values of the
-environment variables psrun must forward to other hosts).
+(each line also names the rank's host, to show where it ran, the values of the
+environment variables psrun must forward to other hosts, and torchrun's variables as
+``import psrt.torch`` left them and after ``init()``).
 Parts:
 
 - ``dp``: an MLP trained data-parallel with ``hvd.DistributedOptimizer``;
@@ -34,6 +35,7 @@ from torch.nn import functional as F
 
 import psrt.ps
 import psrt.torch as hvd
+from launcher.contract import TORCH_VARIABLE_NAMES
 from psrt.grid import ProcessGrid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
@@ -45,12 +47,15 @@ SEED, ROWS = 5, 32
 # What a rank on another host only has if psrun forwarded it (the launch agent starts from
 # a bare environment there).
 FORWARDED = ("PATH", "PYTHONPATH", "PSRT_STALL_CHECK_TIME")
+# torchrun's variables before init(): what psrun's rank wrapper or ``import psrt.torch`` set
+AT_IMPORT = {name: os.environ.get(name) for name in TORCH_VARIABLE_NAMES}
 
 
 def report(part: str, losses: list[float], params: list[torch.Tensor]) -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
     line = {"part": part, "rank": hvd.rank(), "size": hvd.size(), "host": socket.gethostname(),
             "env": {name: os.environ.get(name) for name in FORWARDED},
+            "torch_at_import": AT_IMPORT, "torch": {name: os.environ.get(name) for name in TORCH_VARIABLE_NAMES},
             "losses": losses, "params": [float(v) for v in flat]}
     print(json.dumps(line), flush=True)
 

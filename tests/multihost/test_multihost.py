@@ -5,9 +5,10 @@ Training across the hosts must give what the same job gives on one host: data-pa
 TP 2 x PP 2 and parameter-server jobs, with 2 ranks per host, compared rank by rank
 (losses and each rank's parameters). A remote rank that dies must end the job with psrun
 naming it; a partitioned host must end the job with a stall report naming its ranks.
-Nothing of a job listens beyond loopback and the hosts' interface but the MPI launcher, whose
-sockets psrun's note names; on one host no rank opens a TCP listener at all. Launches are few,
-since every rank imports torch.
+Every rank's torchrun variables (``RANK``, ``LOCAL_RANK``, ...) say where it ran. Nothing of a job
+listens beyond loopback and the hosts' interface but the MPI launcher, whose sockets psrun's note
+names; on one host no rank opens a TCP listener at all. Launches are few, since every rank imports
+torch.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from listener_checks import assert_only_the_noted_launcher_listens
-from training_records import assert_same_training, one_host, results
+from training_records import assert_same_training, assert_torchrun_places, one_host, results
 
 pytestmark = pytest.mark.parallel
 
@@ -29,6 +30,8 @@ JOB_TIMEOUT_S = 180.0
 # Open MPI ends a job within about a second of a rank's death; allow for a busy machine.
 PROMPT_END_S = 15.0
 STALL_CHECK_S, STALL_SHUTDOWN_S = 3, 8
+# torchrun's variables psrun's rank wrapper sets on every host, from the launcher's (init() sets the node's)
+FROM_THE_WRAPPER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 class Jobs:
@@ -66,6 +69,7 @@ def test_data_parallel_training_across_two_hosts_matches_one_host(jobs, testbed)
     here = two["dp", 0]["env"]
     assert here["PSRT_STALL_CHECK_TIME"] == "60" and here["PYTHONPATH"] and here["PATH"]
     assert [two["dp", rank]["env"] for rank in (2, 3)] == [here, here]
+    assert_torchrun_places(two, "dp", 4, FROM_THE_WRAPPER)
     assert_same_training(two, jobs.get("one host", "dp,gpt", 4), "dp", 4)
 
 
@@ -87,6 +91,9 @@ def test_parameter_server_across_two_hosts_matches_one_host(jobs, testbed) -> No
     # 3 ranks, 2 on the first host: the server is its rank 1, worker 2 is on the second host.
     two = jobs.get("two hosts", "ps", 3, "--num-servers", "1")
     assert two["ps", 1]["host"] == testbed.hosts[1].namespace
+    # torchrun's variables count the workers alone (worker 1 is rank 1 of 2, alone on its host),
+    # so only init(), which picks the servers, sets them
+    assert_torchrun_places(two, "ps", 2, ())
     assert_same_training(two, jobs.get("one host", "ps", 3, "--num-servers", "1"), "ps", 2)
 
 

@@ -43,6 +43,26 @@ def assert_same_training(two_hosts: dict, one_host: dict, part: str, ranks: int)
             f"{part}: parameters of rank {rank} differ between two hosts and one host"
 
 
+def torchrun_places(hosts: list[str]) -> list[dict[str, str]]:
+    """torchrun's variables of ranks 0, 1, ... that ran on ``hosts`` (in rank order): the node is
+    the host, numbered in the order of their lowest ranks."""
+    nodes = list(dict.fromkeys(hosts))
+    return [{"RANK": str(rank), "WORLD_SIZE": str(len(hosts)), "LOCAL_RANK": str(hosts[:rank].count(host)),
+             "LOCAL_WORLD_SIZE": str(hosts.count(host)), "GROUP_RANK": str(nodes.index(host)),
+             "GROUP_WORLD_SIZE": str(len(nodes))} for rank, host in enumerate(hosts)]
+
+
+def assert_torchrun_places(found: dict, part: str, ranks: int, at_import: tuple[str, ...]) -> None:
+    """Each rank's torchrun variables after init() say where it ran; before it (as psrun's wrapper
+    or ``import psrt.torch`` set them), the ``at_import`` ones had the same values, the rest none."""
+    hosts = [found[part, rank]["host"] for rank in range(ranks)]
+    for rank, place in enumerate(torchrun_places(hosts)):
+        record = found[part, rank]
+        assert record["torch"] == place, f"{part}: rank {rank} on {hosts}: {record['torch']} != {place}"
+        before = {name: place[name] if name in at_import else None for name in place}
+        assert record["torch_at_import"] == before, f"{part}: rank {rank}: {record['torch_at_import']} before init()"
+
+
 def one_host(psrun_args: tuple[str, ...], parts: tuple[str, ...]) -> dict:
     """What ``psrun PSRUN_ARGS python cross_host_job.py PARTS`` printed on this machine
     alone, run once per session."""

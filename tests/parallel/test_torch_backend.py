@@ -1,7 +1,8 @@
 """psrt as a torch.distributed backend: every collective against gloo, and DDP, FSDP2,
 DTensor, torch's pipelining, distributed checkpoints (with psrt's checksums too) and Lightning against one process, at 2
-and 4 ranks (the checks are in ``scripts/torch_backend_check.py``); a rank that dies or
-freezes inside a DDP step ends the job with a named error."""
+and 4 ranks (the checks are in ``scripts/torch_backend_check.py``), and transformers' Trainer against gloo at 2;
+torchrun's variables that psrun sets name each rank's place; a rank that dies or freezes inside a DDP step ends the
+job with a named error."""
 from __future__ import annotations
 
 import re
@@ -31,7 +32,10 @@ CHECKS = [f"collectives/{name}" for name in COLLECTIVES] + [
     "dcp/checksums_round_trip_and_refuse_a_flipped_byte",
     "dcp/fsdp2_checkpoint_continues_under_zero3_on_half_the_ranks",
     "dcp/zero3_checkpoint_continues_under_fsdp2_on_half_the_ranks",
-    "lightning/ddp_strategy_matches_single_process", "listeners/only_the_launcher_listens_beyond_loopback"]
+    "launcher/torchrun_variables_name_each_ranks_place", "lightning/ddp_strategy_matches_single_process",
+    "listeners/only_the_launcher_listens_beyond_loopback"]
+# transformers' Trainer over psrt and over gloo, with accelerate's state checked: on 2 ranks only
+TWO_RANKS_ONLY = ["hf_trainer/over_psrt_equals_gloo_and_accelerate_finds_the_ranks"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -40,9 +44,13 @@ def test_torch_distributed_on_psrt_matches_gloo_and_one_process(parallel_jobs, n
     parallel_jobs.get("torch_backend_check.py", np).assert_ok(check)
 
 
+def test_hf_trainer_over_psrt_equals_gloo_and_accelerate_finds_the_ranks(parallel_jobs):
+    parallel_jobs.get("torch_backend_check.py", 2).assert_ok(TWO_RANKS_ONLY[0])
+
+
 @pytest.mark.parametrize("np", [2, 4])
 def test_torch_backend_job_reports_every_check_and_ends_cleanly(parallel_jobs, np):
-    parallel_jobs.get("torch_backend_check.py", np).assert_complete(CHECKS)
+    parallel_jobs.get("torch_backend_check.py", np).assert_complete(CHECKS + (TWO_RANKS_ONLY if np == 2 else []))
 
 
 CHECK_S, SHUTDOWN_S = 3, 8

@@ -230,3 +230,13 @@ def test_readme_and_cluster_guide_show_the_sbatch_script_the_slurm_tests_submit(
     script = (ROOT / "examples" / "slurm" / "psrun.sbatch").read_text()
     for page in (ROOT / "README.md", ROOT / "docs" / "guides" / "cluster.md"):
         assert f"```bash\n{script}```" in page.read_text(), f"{page.name} does not show {script!r} as it is"
+
+
+def test_torch_guide_says_every_torchrun_variable_psrt_sets_and_where_it_comes_from():
+    from launcher.contract import TORCH_RANK_VARIABLES, TORCH_VARIABLE_NAMES
+    from psrt.rank_env import _SLURM
+
+    guide = (DOCS / "guides" / "torch-distributed.md").read_text()
+    sources = [source for _, names in TORCH_RANK_VARIABLES for source in names] + list(_SLURM.values())
+    missing = [name for name in (*TORCH_VARIABLE_NAMES, *sources) if f"`{name}`" not in guide]
+    assert not missing, f"the torch.distributed guide does not name {missing}"

@@ -117,7 +117,7 @@ def test_mpi_ops_holds_the_objects_horovod_code_imports_from_it(world_of_one):
 
 def test_horovod_variables_say_each_ranks_place_as_horovodrun_does():
     """Rank 3 of 2 hosts x 2 slots: local rank 1 of 2, cross rank 1 of 2 (its host's index)."""
-    from psrt.horovod_env import horovod_variables
+    from psrt.rank_env import horovod_variables
 
     def group(rank: int, size: int) -> SimpleNamespace:
         return SimpleNamespace(rank=rank, size=size)

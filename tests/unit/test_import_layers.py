@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the runtime object that holds configuration, topology and engine (and what it exports), and
     # the background checkpoint writers it holds until shutdown (each agrees over a direct group
     # of its own)
-    ("psrt.runtime", "psrt.horovod_env", "psrt.background_save"),
+    ("psrt.runtime", "psrt.rank_env", "psrt.background_save"),
     # the DP x CP x TP x PP grid, built from a runtime's topology
     ("psrt.grid",),
     # how gradients travel: the bucket planner and the gradient reducer under every data-parallel

@@ -336,7 +336,7 @@ def test_plan_keeps_remote_settings_and_build_command_spells_them() -> None:
     assert build_command(built, {}) == [
         "mpirun", "-np", "2", "-H", "a:1,b:1", "--bind-to", "none", "--mca", "mpi_abort_delay", "1",
         "--mca", "plm_rsh_agent", "agent.sh map", "--mca", "btl_tcp_if_include", "eth1,127.200.0.0/24",
-        "--mca", "oob_tcp_if_include", "eth1,127.200.0.0/24", "python", "t.py"]
+        "--mca", "oob_tcp_if_include", "eth1,127.200.0.0/24", *wrap_command(["python", "t.py"])]
 
 
 def test_local_job_ignores_remote_flags_with_a_warning(capsys, openmpi) -> None:

@@ -1,7 +1,7 @@
 """torch.distributed's consumers on psrt's backend against one process and against gloo
 (``psrun -np 2|4 python torch_backend_check.py``).
 
-The default group is started by ``dist.init_process_group("psrt")`` with no variables set
+The default group is started by ``dist.init_process_group("psrt")`` with no ``MASTER_ADDR``
 (psrt's ``env://`` start-up from MPI); a gloo group over the same ranks, made from its store,
 runs the same collectives for comparison.  Every collective, in float32, float64, bfloat16,
 float16 and int32 where torch allows, must give gloo's result (an average: gloo's sum over
@@ -12,15 +12,19 @@ mesh of FSDP × TP, whose sub-groups psrt makes for their members only),
 this size, loaded here and in one process; with psrt's checksums, a flipped byte refused on
 every rank) and a Lightning ``Trainer`` with
 ``DDPStrategy(process_group_backend="psrt")`` each train a few steps and must match the same
-computation in one process.
+computation in one process.  On 2 ranks, transformers' ``Trainer`` (examples/trainer_hf.py)
+must end with gloo's parameters.  torchrun's ``RANK``, ``LOCAL_RANK`` and the rest, which psrun
+sets, must say each rank's place.
 """
 from __future__ import annotations
 
 import copy
 import os
 import shutil
+import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,7 @@ from _training_common import expect_raises
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed *_into_tensor calls
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32)
 STEPS, LR = 3, 0.05
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def values(shape: tuple[int, ...], dtype: torch.dtype, salt: int) -> torch.Tensor:
@@ -739,8 +744,66 @@ def check_only_the_launcher_listens_beyond_loopback(name: str) -> None:
         assert mine and all(where.startswith("127.0.0.1:") for where in mine), f"rank 0 listens on {mine}"
 
 
+def check_torchrun_variables(name: str) -> None:
+    """torchrun's variables equal this rank's place as torch and psrt say it, on one host, and
+    psrun's rank wrapper set the first four before Python started (the process's environment as
+    it was exec'd), and none of those that would change how torch and Lightning start up."""
+    place = {"RANK": dist.get_rank(), "WORLD_SIZE": dist.get_world_size(), "LOCAL_RANK": hvd.local_rank(),
+             "LOCAL_WORLD_SIZE": hvd.local_size(), "GROUP_RANK": 0, "GROUP_WORLD_SIZE": 1}
+    got = {variable: os.environ.get(variable) for variable in place}
+    assert got == {variable: str(value) for variable, value in place.items()}, f"{got} != {place}"
+    with open("/proc/self/environ", "rb") as f:
+        started = dict(item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    wrapper = {variable: started.get(variable) for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    assert wrapper == {variable: got[variable] for variable in wrapper}, f"psrun's wrapper set {wrapper}"
+    unwanted = sorted(v for v in started if v in ("MASTER_ADDR", "MASTER_PORT") or v.startswith("TORCHELASTIC_"))
+    assert not unwanted, f"the rank started with {unwanted}"
+    places = hvd.allgather_object((got["RANK"], got["LOCAL_RANK"]), name=name)
+    assert len(set(places)) == hvd.size(), f"ranks share a place: {places}"
+
+
+def check_hf_trainer(name: str) -> None:
+    """transformers' Trainer over psrt (the default group started on it before TrainingArguments)
+    ends with gloo's parameters, bit for bit, and accelerate's state, which the Trainer runs on,
+    has each rank's place (psrun's LOCAL_RANK) and the group's size."""
+    import accelerate
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    sys.path.insert(0, str(EXAMPLES))
+    import trainer_hf
+
+    environ, threads = dict(os.environ), torch.get_num_threads()  # accelerate sets MASTER_PORT and threads
+    dist.destroy_process_group()  # the Trainer runs on the default group: each backend's in turn
+    trained = {}
+    try:
+        for backend in ("psrt", "gloo"):
+            dist.init_process_group(backend)
+            with tempfile.TemporaryDirectory() as output_dir:
+                trainer = trainer_hf.train(4, output_dir)
+            state = accelerate.PartialState()
+            assert isinstance(trainer.model_wrapped, nn.parallel.DistributedDataParallel), type(trainer.model_wrapped)
+            where = (state.distributed_type, state.process_index, state.local_process_index, state.num_processes)
+            assert where == (DistributedType.MULTI_CPU, hvd.rank(), hvd.local_rank(), hvd.size()), \
+                f"{backend}: accelerate's state says {where}"
+            assert dist.get_backend() == backend, dist.get_backend()
+            trained[backend] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+            dist.destroy_process_group()
+            AcceleratorState._reset_state(reset_partial_state=True)
+            os.environ.clear()
+            os.environ.update(environ)
+    finally:
+        torch.set_num_threads(threads)
+        if not dist.is_initialized():
+            dist.init_process_group("psrt")
+    untrained = trainer_hf.model().state_dict()
+    assert not all(torch.equal(untrained[k], v) for k, v in trained["psrt"].items()), "the Trainer trained nothing"
+    differ = [k for k, v in trained["psrt"].items() if not torch.equal(v, trained["gloo"][k])]
+    assert not differ, f"psrt's parameters differ from gloo's in {differ}"
+
+
 def main() -> None:
-    dist.init_process_group("psrt")  # no RANK/MASTER_ADDR: psrt's env:// start-up from MPI
+    dist.init_process_group("psrt")  # no MASTER_ADDR: psrt's env:// start-up from MPI
     assert hvd.is_initialized() and dist.get_rank() == hvd.rank() and dist.get_world_size() == hvd.size()
     gloo = dist.new_group(backend="gloo")
     checks = _harness.Checks()
@@ -770,6 +833,9 @@ def main() -> None:
     # before Lightning's, whose default group is torch's own env:// start-up (all four variables
     # set), which listens on every address
     checks.add("listeners/only_the_launcher_listens_beyond_loopback", check_only_the_launcher_listens_beyond_loopback)
+    checks.add("launcher/torchrun_variables_name_each_ranks_place", check_torchrun_variables)
+    if dist.get_world_size() == 2:
+        checks.add("hf_trainer/over_psrt_equals_gloo_and_accelerate_finds_the_ranks", check_hf_trainer)
     checks.add("lightning/ddp_strategy_matches_single_process", check_lightning)
     _harness.run(checks, check_timeout_s=90.0)
     hvd.shutdown()
