@@ -100,11 +100,10 @@ class Config:
     # Training steps per autotuning sample; a step ends where a tensor name of the
     # current step is allreduced again.
     autotune_steps_per_sample: int = 10
-    # How a rank waits on others.  "auto": psrt's waits spin briefly and then nap, and
-    # nap at once while Linux's CPU pressure says tasks wait for cores; MPI's waits give
-    # the core away on a host whose ranks leave no core to spare.  "spin": never the
-    # crowded ways (the fastest where every rank has a core to itself whatever else
-    # runs).  "nap": always them (a host always shared with other work).
+    # How a rank waits on others.  "auto": waits spin briefly and then nap, and nap at
+    # once (large allreduces by MPI's non-blocking call, agreed by the ranks) while
+    # Linux's CPU pressure says tasks wait for cores.  "spin": never the crowded ways
+    # (every rank has cores to itself whatever else runs).  "nap": always them.
     waits: str = "auto"
 
 

@@ -12,12 +12,11 @@ number psrun and mpirun print, also in parameter-server mode.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -46,47 +45,33 @@ def start_mpi_at_import() -> None:
     """Start MPI now (importing mpi4py does), before any module of psrt imports it.
 
     In a process a launcher started, MPI's start-up waits for every rank of the job: it
-    runs watched (:class:`psrt.comm.startup.StartupWatch`), with MPI's waits set to give
-    the core away where this host's ranks have none to spare
-    (:func:`psrt.comm.crowding.set_mpi_yield`).  In one no launcher started, MPI starts
-    with the singleton's transports (unless the user chose them).  Either way the settings
-    are taken out of the environment again at once, so that programs this process starts
-    (a psrun launching a real job) never inherit them.
+    runs watched (:class:`psrt.comm.startup.StartupWatch`).  In one no launcher started,
+    MPI starts with the singleton's transports (unless the user chose them), taken out of
+    the environment again at once, so that programs this process starts (a psrun
+    launching a real job) never inherit them.
     """
     if "mpi4py.MPI" in sys.modules:  # the program started MPI itself
         return
     if launched_by_mpi():
-        from psrt.comm.crowding import set_mpi_yield
         from psrt.comm.startup import StartupWatch
 
-        config = _config()
-        watch = StartupWatch(config.stall_check_time_s, config.stall_shutdown_time_s)
+        watch = StartupWatch(*_stall_times())
         try:
-            with _set_for_mpi_start(lambda env: set_mpi_yield(env, config.waits)):
-                from mpi4py import MPI  # noqa: F401  (initialises MPI, thread level MULTIPLE)
+            from mpi4py import MPI  # noqa: F401  (initialises MPI, thread level MULTIPLE)
         finally:
             watch.stop()
         return
-
-    def singleton(env: dict[str, str]) -> list[str]:
-        unset = [name for name in _SINGLETON_MCA_DEFAULTS if name not in env]
-        env.update({name: _SINGLETON_MCA_DEFAULTS[name] for name in unset})
-        return unset
-
-    with _set_for_mpi_start(singleton):
-        from mpi4py import MPI  # noqa: F401  (initialises MPI, thread level MULTIPLE)
-
-
-@contextlib.contextmanager
-def _set_for_mpi_start(setter: Callable[[MutableMapping[str, str]], list[str]]) -> Iterator[None]:
-    """Variables ``setter`` puts in the environment (returning their names), there for the
-    block only."""
-    added = setter(os.environ)
+    saved = {name: os.environ.get(name) for name in _SINGLETON_MCA_DEFAULTS}
+    for name, value in _SINGLETON_MCA_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     try:
-        yield
+        from mpi4py import MPI  # noqa: F401  (initialises MPI, thread level MULTIPLE)
     finally:
-        for name in added:
-            os.environ.pop(name, None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def watch_finalization() -> None:
@@ -96,19 +81,20 @@ def watch_finalization() -> None:
     if launched_by_mpi() and "mpi4py.MPI" in sys.modules and _job_size() > 1:
         from psrt.comm.startup import watch_exit
 
-        config = _config()
-        watch_exit(config.stall_check_time_s, config.stall_shutdown_time_s)
+        watch_exit(*_stall_times())
 
 
-def _config() -> Config:
-    """The settings, or the defaults if they are wrong (``init()`` names what is wrong in them)."""
+def _stall_times() -> tuple[float, float]:
+    """The stall check and shutdown times, or their defaults if the settings are wrong
+    (``init()`` names what is wrong in them)."""
     from psrt.config import config_from_env
     from psrt.errors import PsrtError
 
     try:
-        return config_from_env()
+        config = config_from_env()
     except PsrtError:
-        return Config()
+        config = Config()
+    return config.stall_check_time_s, config.stall_shutdown_time_s
 
 
 def _import_mpi():

@@ -1,36 +1,9 @@
-"""When MPI's waits are told to give the core away, and when the host counts as crowded."""
+"""When the host counts as crowded, so that psrt's waits nap instead of spinning."""
 from __future__ import annotations
 
 import pytest
 
 from psrt.comm import crowding
-
-
-@pytest.mark.parametrize("ranks, cores, yields", [(2, 2, True), (4, 2, True), (2, 8, False), (7, 8, False),
-                                                  (8, 8, True), (None, 64, True)])
-def test_mpi_yields_where_the_ranks_leave_no_core_to_spare(ranks, cores, yields):
-    assert crowding.mpi_should_yield(ranks, cores) is yields
-
-
-def test_every_mpi_is_told_to_yield_on_a_full_host(monkeypatch):
-    monkeypatch.setattr(crowding, "usable_cores", lambda: 2)
-    env = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
-    assert sorted(crowding.set_mpi_yield(env)) == sorted(crowding.YIELD_SETTINGS)
-    assert {name: env[name] for name in crowding.YIELD_SETTINGS} == crowding.YIELD_SETTINGS
-
-
-@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"])
-def test_a_host_with_cores_to_spare_keeps_mpi_polling(monkeypatch, variable):
-    monkeypatch.setattr(crowding, "usable_cores", lambda: 16)
-    env = {variable: "4"}
-    assert crowding.set_mpi_yield(env) == [] and env == {variable: "4"}
-
-
-def test_a_user_who_chose_any_of_the_settings_keeps_all_of_them(monkeypatch):
-    monkeypatch.setattr(crowding, "usable_cores", lambda: 1)
-    env = {"OMPI_MCA_mpi_yield_when_idle": "0", "MPI_LOCALNRANKS": "4"}
-    assert crowding.set_mpi_yield(env) == []
-    assert env == {"OMPI_MCA_mpi_yield_when_idle": "0", "MPI_LOCALNRANKS": "4"}
 
 
 def _verdicts(monkeypatch, pressure: str | None, loadavg: str, cores: int = 2) -> bool:
@@ -68,13 +41,6 @@ def test_the_verdict_is_kept_for_a_while(monkeypatch):
     check = crowding._Crowding()
     assert [check.crowded() for _ in range(4)] == [True] * 4
     assert len(reads) == 2
-
-
-@pytest.mark.parametrize("waits, cores, expected", [("spin", 1, []), ("nap", 64, sorted(crowding.YIELD_SETTINGS)),
-                                                    ("auto", 64, []), ("auto", 2, sorted(crowding.YIELD_SETTINGS))])
-def test_psrt_waits_overrides_the_host_rule_for_mpi(monkeypatch, waits, cores, expected):
-    monkeypatch.setattr(crowding, "usable_cores", lambda: cores)
-    assert sorted(crowding.set_mpi_yield({"MPI_LOCALNRANKS": "2"}, waits)) == expected
 
 
 @pytest.mark.parametrize("waits, verdict", [("spin", False), ("nap", True)])

@@ -3,11 +3,13 @@ from rank 0.
 
 ``init_process_group`` meets the other ranks through a store before it makes any backend,
 and by default through ``env://``, which needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
-``MASTER_PORT``.  ``mpirun`` sets none of them.  psrt wraps torch's ``env://`` handler: where
-a variable is missing in a process an MPI launcher started (or where psrt is running),
-psrt starts, the rank and size are MPI's, and rank 0 opens the store on a port the system
-picks and tells the others over MPI.  Where every variable is set (torchrun, Lightning,
-a user's own), torch's handler runs unchanged.  Any backend benefits: gloo too.
+``MASTER_PORT``.  ``mpirun`` sets none of them (psrun's ranks and ``import psrt.torch`` set
+the first two, :mod:`psrt.rank_env`).  psrt wraps torch's ``env://`` handler: in a process an
+MPI launcher started (or where psrt is running), psrt starts, the rank and size are MPI's
+(a rank or size given otherwise is refused), and rank 0 opens the store, on
+``MASTER_ADDR``/``MASTER_PORT`` where set (Lightning sets them), else on a port the system
+picks, and tells the others over MPI.  Elsewhere (torchrun, a user's own start-up), torch's
+handler runs unchanged.  Any backend benefits: gloo too.
 
 torch's own store listens on every address of the host, so anything that reaches the node
 could read and write the job's keys.  psrt's listens only where the ranks connect: loopback
@@ -48,9 +50,7 @@ def install() -> None:
 def _from_mpi(torch_env: _Handler) -> _Handler:
     def env(url: str, timeout: timedelta = dist.default_pg_timeout, **kwargs: object):
         query = parse_qs(urlparse(url).query)
-        wanted = {"RANK": "rank", "WORLD_SIZE": "world_size", "MASTER_ADDR": None, "MASTER_PORT": None}
-        missing = [name for name, key in wanted.items() if not os.environ.get(name) and key not in query]
-        if not missing or not (bootstrap.launched_by_mpi() or psrt.runtime.is_initialized()):
+        if not (bootstrap.launched_by_mpi() or psrt.runtime.is_initialized()):
             yield from torch_env(url, timeout=timeout, **kwargs)
             return
         psrt.runtime.init()

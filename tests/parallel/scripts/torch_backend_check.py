@@ -701,7 +701,8 @@ def finish_move(path: str, half, group) -> None:
 
 def check_lightning(name: str) -> None:
     """A Trainer with DDPStrategy(process_group_backend="psrt"), found through Lightning's
-    MPIEnvironment; Lightning starts its own default group (env:// with its address)."""
+    MPIEnvironment; Lightning starts its own default group (env:// with its address, which
+    psrt's start-up serves: rank 0's store listens on MASTER_ADDR alone, under a secret prefix)."""
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -830,8 +831,7 @@ def main() -> None:
                check_fsdp2_checkpoint_continues_under_zero3)
     checks.add("dcp/zero3_checkpoint_continues_under_fsdp2_on_half_the_ranks",
                check_zero3_checkpoint_continues_under_fsdp2)
-    # before Lightning's, whose default group is torch's own env:// start-up (all four variables
-    # set), which listens on every address
+    # before Lightning's own default group (its MASTER_ADDR may be the host's name)
     checks.add("listeners/only_the_launcher_listens_beyond_loopback", check_only_the_launcher_listens_beyond_loopback)
     checks.add("launcher/torchrun_variables_name_each_ranks_place", check_torchrun_variables)
     if dist.get_world_size() == 2:
