@@ -16,6 +16,9 @@ busy processes again as ranks), and compares, in the same job:
   ddp/gloo  the same over a gloo group of the same ranks;
   hvd       ``hvd.DistributedOptimizer`` on the same model and data (psrt's own API).
 
+At the end of each phase every rank says whether psrt found the host crowded
+(``psrt.comm.crowding``), the verdict that decides how its waits go.
+
 One step is forward, backward and ``optimizer.step()`` (SGD), one torch thread per rank.
 The three take turns for ``--rounds`` rounds (the first rotating), each a few untimed
 steps, a barrier and a window whose time is the slowest rank's
@@ -42,6 +45,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import psrt.torch as hvd
+from psrt.comm import crowding
 
 # isort: off
 from _timing import timed_window
@@ -108,7 +112,7 @@ def phase(name: str, steps: dict[str, Step], args: argparse.Namespace) -> dict:
     per_window = max(2, round(args.window_s / probe))
     order = list(steps)
     windows: dict[str, list[float]] = {impl: [] for impl in order}
-    cpu_start = time.process_time()
+    cpu_start, stalled_start, wall_start = time.process_time(), crowding._stalled_us(), time.monotonic()
     for round_ in range(args.rounds):
         shift = round_ % len(order)
         for impl in order[shift:] + order[:shift]:
@@ -116,7 +120,10 @@ def phase(name: str, steps: dict[str, Step], args: argparse.Namespace) -> dict:
     ms = {impl: statistics.median(times) * 1e3 for impl, times in windows.items()}
     paired = {impl: sorted(g / p for p, g in zip(windows[impl], windows["ddp/gloo"]))
               for impl in ("ddp/psrt", "hvd")}
-    return {"phase": name, "step_ms": ms, "steps_per_window": per_window,
+    verdicts = comm.allgather(crowding.crowded())
+    stalled = crowding._stalled_us()
+    stall_share = None if stalled is None else (stalled - stalled_start) / 1e6 / (time.monotonic() - wall_start)
+    return {"phase": name, "step_ms": ms, "steps_per_window": per_window, "crowded_verdicts": verdicts, "stall_share": stall_share,
             "gloo_over_psrt": ms["ddp/gloo"] / ms["ddp/psrt"], "gloo_over_hvd": ms["ddp/gloo"] / ms["hvd"],
             "per_round": {impl: [r[0], statistics.median(r), r[-1]] for impl, r in paired.items()},
             "cpu_s": time.process_time() - cpu_start}
@@ -125,13 +132,14 @@ def phase(name: str, steps: dict[str, Step], args: argparse.Namespace) -> dict:
 def table(rows: list[dict], args: argparse.Namespace) -> None:
     say(f"\n## {comm.size} ranks, median of {args.rounds} windows; gloo/x above 1: x is faster than DDP over gloo")
     say("| phase | ddp/psrt ms | ddp/gloo ms | hvd ms | gloo/psrt (per round min / median / max) | "
-        "gloo/hvd (per round) |")
-    say("| --- | ---: | ---: | ---: | --- | --- |")
+        "gloo/hvd (per round) | ranks that found the host crowded |")
+    say("| --- | ---: | ---: | ---: | --- | --- | ---: |")
     for r in rows:
         ms, pr = r["step_ms"], r["per_round"]
         say(f"| {r['phase']} | {ms['ddp/psrt']:.1f} | {ms['ddp/gloo']:.1f} | {ms['hvd']:.1f} | "
             f"{r['gloo_over_psrt']:.2f} ({' / '.join(f'{v:.2f}' for v in pr['ddp/psrt'])}) | "
-            f"{r['gloo_over_hvd']:.2f} ({' / '.join(f'{v:.2f}' for v in pr['hvd'])}) |")
+            f"{r['gloo_over_hvd']:.2f} ({' / '.join(f'{v:.2f}' for v in pr['hvd'])}) | "
+            f"{sum(r['crowded_verdicts'])} of {comm.size} |")
 
 
 def parse_args() -> argparse.Namespace:

@@ -7,8 +7,8 @@ work, needs, and a step slows to the scheduler's time slices.  gloo waits in the
 and loses nothing there.  So psrt's waits (:mod:`psrt.comm.poll`, MPI requests and large
 allreduces in :mod:`psrt.comm.mpi`, the ring's exchanges) nap without spinning while the
 host is crowded (:func:`crowded`): Linux's CPU pressure (the share of time some runnable
-task waited for a core, over the last 10 s) above :data:`CROWDED_PRESSURE`, read at most
-every :data:`RECHECK_S`.  Where the kernel keeps no pressure figures, runnable tasks are
+task waited for a core) above :data:`CROWDED_PRESSURE` between two checks at least
+:data:`RECHECK_S` apart.  Where the kernel keeps no pressure figures, runnable tasks are
 counted against the cores instead.  ``PSRT_WAITS`` (``Config.waits``) overrides the
 verdict: ``spin`` never takes the crowded ways, ``nap`` always does.
 
@@ -26,9 +26,11 @@ import time
 
 __all__ = ["CROWDED_PRESSURE", "RECHECK_S", "configure", "crowded", "usable_cores"]
 
-#: Percent of the last 10 s in which some runnable task waited for a core, above which
-#: the host counts as crowded.
-CROWDED_PRESSURE = 10.0
+#: Percent of the time in which some runnable task waited for a core, above which the host
+#: counts as crowded: a rank's own threads (its engine's, gloo's) keep about 16 % of the
+#: time stalled on a 2-core host with 2 ranks and nothing else; a busy process beside each
+#: rank, about 90 % (benchmarks/crowded.py).
+CROWDED_PRESSURE = 50.0
 RECHECK_S = 0.5
 _PRESSURE = "/proc/pressure/cpu"
 _LOADAVG = "/proc/loadavg"
@@ -42,14 +44,15 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _pressure() -> float | None:
-    """``some avg10`` of Linux's CPU pressure, or None where the kernel keeps none."""
+def _stalled_us() -> int | None:
+    """Microseconds in which some runnable task waited for a core since boot (``some``
+    ``total`` of Linux's CPU pressure), or None where the kernel keeps none."""
     try:
         with open(_PRESSURE) as f:
             first = f.readline().split()
     except OSError:
         return None
-    return float(first[1].partition("=")[2]) if len(first) > 1 and first[0] == "some" else None
+    return int(first[-1].partition("=")[2]) if first and first[0] == "some" else None
 
 
 def _runnable_beyond_cores() -> bool:
@@ -64,13 +67,18 @@ def _runnable_beyond_cores() -> bool:
 
 
 class _Crowding:
-    """The last verdict and when it was reached; one per process, read by every thread (a
-    stale verdict only makes a wait spin or nap a little longer than it should)."""
+    """The last verdict, until when it holds, and the pressure counter when it was reached;
+    one per process, read by every thread (a stale verdict only makes a wait spin or nap a
+    little longer than it should).  The share of time stalled is taken between two checks,
+    not from the kernel's 10-second average, so that a verdict follows the host within a
+    second both ways."""
 
-    __slots__ = ("verdict", "until")
+    __slots__ = ("verdict", "until", "_stalled", "_at")
 
     def __init__(self) -> None:
         self.verdict, self.until = False, 0.0
+        self._stalled: int | None = None
+        self._at = 0.0
 
     def configure(self, waits: str) -> None:
         """``Config.waits``: "spin" and "nap" fix the verdict, "auto" measures it."""
@@ -79,9 +87,13 @@ class _Crowding:
     def crowded(self) -> bool:
         now = time.monotonic()
         if now >= self.until:
-            pressure = _pressure()
-            self.verdict = _runnable_beyond_cores() if pressure is None else pressure > CROWDED_PRESSURE
-            self.until = now + RECHECK_S
+            stalled = _stalled_us()
+            if stalled is None:
+                self.verdict = _runnable_beyond_cores()
+            elif self._stalled is not None:
+                share = (stalled - self._stalled) / 1e6 / (now - self._at) * 100
+                self.verdict = share > CROWDED_PRESSURE
+            self._stalled, self._at, self.until = stalled, now, now + RECHECK_S
         return self.verdict
 
 
