@@ -17,7 +17,8 @@ busy processes again as ranks), and compares, in the same job:
   hvd       ``hvd.DistributedOptimizer`` on the same model and data (psrt's own API).
 
 At the end of each phase every rank says whether psrt found the host crowded
-(``psrt.comm.crowding``), the verdict that decides how its waits go.
+(``psrt.comm.crowding``), the verdict that decides how its waits go, and the JSON line has
+the share of the phase that rank 0's training thread spent waiting for a core.
 
 One step is forward, backward and ``optimizer.step()`` (SGD), one torch thread per rank.
 The three take turns for ``--rounds`` rounds (the first rotating), each a few untimed
@@ -112,7 +113,8 @@ def phase(name: str, steps: dict[str, Step], args: argparse.Namespace) -> dict:
     per_window = max(2, round(args.window_s / probe))
     order = list(steps)
     windows: dict[str, list[float]] = {impl: [] for impl in order}
-    cpu_start, stalled_start, wall_start = time.process_time(), crowding._stalled_us(), time.monotonic()
+    cpu_start, wall_start = time.process_time(), time.monotonic()
+    waited_start = crowding._main_thread_times()
     for round_ in range(args.rounds):
         shift = round_ % len(order)
         for impl in order[shift:] + order[:shift]:
@@ -121,9 +123,10 @@ def phase(name: str, steps: dict[str, Step], args: argparse.Namespace) -> dict:
     paired = {impl: sorted(g / p for p, g in zip(windows[impl], windows["ddp/gloo"]))
               for impl in ("ddp/psrt", "hvd")}
     verdicts = comm.allgather(crowding.crowded())
-    stalled = crowding._stalled_us()
-    stall_share = None if stalled is None else (stalled - stalled_start) / 1e6 / (time.monotonic() - wall_start)
-    return {"phase": name, "step_ms": ms, "steps_per_window": per_window, "crowded_verdicts": verdicts, "stall_share": stall_share,
+    waited = crowding._main_thread_times()
+    waiting = None if waited is None else (waited[1] - waited_start[1]) / 1e9 / (time.monotonic() - wall_start)
+    return {"phase": name, "step_ms": ms, "steps_per_window": per_window, "crowded_verdicts": verdicts,
+            "main_thread_waiting_share": waiting,
             "gloo_over_psrt": ms["ddp/gloo"] / ms["ddp/psrt"], "gloo_over_hvd": ms["ddp/gloo"] / ms["hvd"],
             "per_round": {impl: [r[0], statistics.median(r), r[-1]] for impl, r in paired.items()},
             "cpu_s": time.process_time() - cpu_start}

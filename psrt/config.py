@@ -102,7 +102,7 @@ class Config:
     autotune_steps_per_sample: int = 10
     # How a rank waits on others.  "auto": waits spin briefly and then nap, and nap at
     # once (large allreduces by MPI's non-blocking call, agreed by the ranks) while
-    # Linux's CPU pressure says tasks wait for cores.  "spin": never the crowded ways
+    # the training thread waits for cores a quarter of its time.  "spin": never the crowded ways
     # (every rank has cores to itself whatever else runs).  "nap": always them.
     waits: str = "auto"
 

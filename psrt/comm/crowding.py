@@ -6,10 +6,18 @@ more ranks than cores) the spin takes the core that the rank it waits for, or th
 work, needs, and a step slows to the scheduler's time slices.  gloo waits in the kernel
 and loses nothing there.  So psrt's waits (:mod:`psrt.comm.poll`, MPI requests and large
 allreduces in :mod:`psrt.comm.mpi`, the ring's exchanges) nap without spinning while the
-host is crowded (:func:`crowded`): Linux's CPU pressure (the share of time some runnable
-task waited for a core) above :data:`CROWDED_PRESSURE` between two checks at least
-:data:`RECHECK_S` apart.  Where the kernel keeps no pressure figures, runnable tasks are
-counted against the cores instead.  ``PSRT_WAITS`` (``Config.waits``) overrides the
+host is crowded (:func:`crowded`).
+
+Crowded means: this process's main thread, the one that trains, spent more than
+:data:`CROWDED_SHARE` of the time between two checks at least :data:`RECHECK_S` apart
+runnable but waiting for a core (Linux's ``run_delay`` in ``/proc/self/schedstat``).  On a
+2-core host with two ranks that share was 0.01-0.02 while they trained alone, about 0.1
+while they waited in gloo's collectives (each wake-up waits a little), and 0.4-0.5 with
+a busy process beside each rank or with 4 ranks, napping or spinning alike.  Host-wide
+figures do not tell: the job's own engine, watchdog and gloo threads waking beside two
+spinning ranks kept half the time stalled in Linux's CPU pressure on the idle host.  Where
+the kernel keeps no scheduler statistics, runnable tasks are counted against the cores
+instead.  ``PSRT_WAITS`` (``Config.waits``) overrides the
 verdict: ``spin`` never takes the crowded ways, ``nap`` always does.
 
 MPI's own setting for this, Open MPI's ``mpi_yield_when_idle`` (``sched_yield`` in its
@@ -24,15 +32,13 @@ import math
 import os
 import time
 
-__all__ = ["CROWDED_PRESSURE", "RECHECK_S", "configure", "crowded", "usable_cores"]
+__all__ = ["CROWDED_SHARE", "RECHECK_S", "configure", "crowded", "usable_cores"]
 
-#: Percent of the time in which some runnable task waited for a core, above which the host
-#: counts as crowded: a rank's own threads (its engine's, gloo's) keep about 16 % of the
-#: time stalled on a 2-core host with 2 ranks and nothing else; a busy process beside each
-#: rank, about 90 % (benchmarks/crowded.py).
-CROWDED_PRESSURE = 50.0
+#: Share of the time the main thread spent waiting for a core, above which the host counts
+#: as crowded.
+CROWDED_SHARE = 0.25
 RECHECK_S = 0.5
-_PRESSURE = "/proc/pressure/cpu"
+_SCHEDSTAT = "/proc/self/schedstat"  # the process's main thread's, whichever thread reads it
 _LOADAVG = "/proc/loadavg"
 
 
@@ -44,19 +50,19 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _stalled_us() -> int | None:
-    """Microseconds in which some runnable task waited for a core since boot (``some``
-    ``total`` of Linux's CPU pressure), or None where the kernel keeps none."""
+def _main_thread_times() -> tuple[int, int] | None:
+    """(ns on a core, ns waiting for one) of this process's main thread since it started, or
+    None where the kernel keeps no scheduler statistics."""
     try:
-        with open(_PRESSURE) as f:
-            first = f.readline().split()
-    except OSError:
+        with open(_SCHEDSTAT) as f:
+            on_core, waiting = f.read().split()[:2]
+    except (OSError, ValueError):
         return None
-    return int(first[-1].partition("=")[2]) if first and first[0] == "some" else None
+    return int(on_core), int(waiting)
 
 
 def _runnable_beyond_cores() -> bool:
-    """Without pressure figures: whether more tasks are runnable now than there are cores
+    """Without scheduler statistics: whether more tasks are runnable now than there are cores
     (the count includes the reader itself)."""
     try:
         with open(_LOADAVG) as f:
@@ -67,18 +73,15 @@ def _runnable_beyond_cores() -> bool:
 
 
 class _Crowding:
-    """The last verdict, until when it holds, and the pressure counter when it was reached;
-    one per process, read by every thread (a stale verdict only makes a wait spin or nap a
-    little longer than it should).  The share of time stalled is taken between two checks,
-    not from the kernel's 10-second average, so that a verdict follows the host within a
-    second both ways."""
+    """The last verdict, until when it holds, and when it was reached with the main thread's
+    time spent waiting for a core then; one per process, read by every thread (a stale
+    verdict only makes a wait spin or nap a little longer than it should)."""
 
-    __slots__ = ("verdict", "until", "_stalled", "_at")
+    __slots__ = ("verdict", "until", "_at", "_waited")
 
     def __init__(self) -> None:
         self.verdict, self.until = False, 0.0
-        self._stalled: int | None = None
-        self._at = 0.0
+        self._at, self._waited = 0.0, None
 
     def configure(self, waits: str) -> None:
         """``Config.waits``: "spin" and "nap" fix the verdict, "auto" measures it."""
@@ -86,14 +89,16 @@ class _Crowding:
 
     def crowded(self) -> bool:
         now = time.monotonic()
-        if now >= self.until:
-            stalled = _stalled_us()
-            if stalled is None:
-                self.verdict = _runnable_beyond_cores()
-            elif self._stalled is not None:
-                share = (stalled - self._stalled) / 1e6 / (now - self._at) * 100
-                self.verdict = share > CROWDED_PRESSURE
-            self._stalled, self._at, self.until = stalled, now, now + RECHECK_S
+        if now < self.until:
+            return self.verdict
+        self.until = now + RECHECK_S
+        times = _main_thread_times()
+        if times is None:
+            self.verdict = _runnable_beyond_cores()
+            return self.verdict
+        if self._waited is not None:
+            self.verdict = (times[1] - self._waited) / 1e9 > CROWDED_SHARE * (now - self._at)
+        self._at, self._waited = now, times[1]
         return self.verdict
 
 
