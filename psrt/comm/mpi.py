@@ -24,6 +24,7 @@ from psrt.comm.tuning.table import Choice, fixed_table
 from psrt.comm.base import (ANY_SOURCE, Communicator, CompletedRequest, Persistent, ElementwiseOp, Request,
                              then)
 from psrt.comm.crowding import crowded
+from psrt.comm.paced import PACED_BYTES, Pace
 from psrt.comm.poll import wait_politely
 from psrt.comm.buffers import (WIDENED_FOR_REDUCTION, as_numpy, mpi_buffer, mpi_buffer_v,
                                mpi_op, numpy_reducer)
@@ -37,8 +38,6 @@ from psrt.errors import CommunicationError
 # first persistent allreduce tries (collectively: every rank runs the same library) and the
 # answer is kept; None until then.
 PERSISTENT_COLLECTIVES: bool | None = None
-# Allreduces from this size wait as the ranks agree (see _Pace); smaller ones always block.
-_PACED_BYTES = 64 << 10
 
 
 def _persistent_allreduce(comm: MPI.Comm, spec: list, op: MPI.Op) -> MPI.Prequest | None:
@@ -119,42 +118,6 @@ class MpiRequest(Request):
             self._request.Wait()
 
 
-class _Pace:
-    """How a communicator's large allreduces wait, agreed by its ranks: one blocking MPI call,
-    the fastest on a host with cores to spare, or MPI's non-blocking call waited for by
-    napping (:func:`psrt.comm.poll.wait_politely`) while any rank's host is crowded
-    (:mod:`psrt.comm.crowding`), where a blocking call's spin holds the core the other ranks
-    need and the call slows to the scheduler's time slices.
-
-    A blocking collective and a non-blocking one do not match in MPI, so every rank must
-    choose the same for each call.  Collectives reach a communicator in the same order on
-    every rank, so the ranks count their large allreduces, and at every
-    :data:`AGREE_EVERY`-th they agree on the choice for the next ones (the largest of their
-    verdicts, in one allreduce of an integer on ``agree_on``).  Allreduces below
-    :data:`_PACED_BYTES` always block: one exchange, where a nap would cost more than it
-    saves."""
-
-    AGREE_EVERY = 16
-    __slots__ = ("_comm", "_calls", "_crowded", "_verdict")
-
-    def __init__(self, agree_on: MPI.Comm) -> None:
-        self._comm, self._calls, self._crowded = agree_on, 0, False
-        self._verdict = np.zeros(1, np.int32)
-
-    def allreduce(self, comm: MPI.Comm, spec: list, op: MPI.Op, what: str) -> None:
-        """One in-place allreduce of ``spec`` on ``comm`` (the paced communicator), blocking
-        or napping as agreed; MPI's failures are left to the caller."""
-        self._calls += 1
-        if self._calls % self.AGREE_EVERY == 0:
-            self._verdict[0] = crowded()
-            self._comm.Allreduce(MPI.IN_PLACE, self._verdict, MPI.MAX)
-            self._crowded = bool(self._verdict[0])
-        if self._crowded:
-            wait_politely(MpiRequest(comm.Iallreduce(MPI.IN_PLACE, spec, op), what))
-        else:
-            comm.Allreduce(MPI.IN_PLACE, spec, op)
-
-
 class _MpiPersistent(Persistent):
     """An MPI persistent request: each start costs about a microsecond, against several
     for a fresh non-blocking call."""
@@ -181,9 +144,9 @@ class _MpiRepeatedAllreduce(Persistent):
     waits: 1.1 µs for a few words on 2 ranks, against 1.35 for a persistent start and wait
     and several for a fresh non-blocking call."""
 
-    def __init__(self, comm: MPI.Comm, tensor: torch.Tensor, op: ElementwiseOp, pace: _Pace) -> None:
+    def __init__(self, comm: MPI.Comm, tensor: torch.Tensor, op: ElementwiseOp, pace: Pace) -> None:
         self._comm, self._tensor = comm, tensor  # the tensor stays alive with the operation
-        self._pace = pace if tensor.nbytes >= _PACED_BYTES else None
+        self._pace = pace if tensor.nbytes >= PACED_BYTES else None
         self._spec, self._op = mpi_buffer(tensor), mpi_op(op, tensor.dtype)
         self._what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
         with _Translated(self._what):
@@ -201,7 +164,7 @@ class _MpiRepeatedAllreduce(Persistent):
             if self._pace is None:
                 self._comm.Allreduce(MPI.IN_PLACE, self._spec, self._op)
             else:
-                self._pace.allreduce(self._comm, self._spec, self._op, self._what)
+                self._pace.allreduce(self._comm, self._spec, self._op)
         except MPI.Exception as exc:
             raise _failure(exc, self._what) from exc
 
@@ -218,7 +181,7 @@ class MpiCommunicator(Communicator):
         ranks (default: a fixed one of ``config.ring_threshold``)."""
         self._comm = comm
         self._ring_comm = comm.Dup()
-        self._pace = _Pace(self._ring_comm)  # the ring's messages never match its collective
+        self._pace = Pace(self._ring_comm)  # the ring's messages never match its collective
         self._config = config
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -253,11 +216,10 @@ class MpiCommunicator(Communicator):
                 ring.ring_allreduce(self._ring_comm, as_numpy(tensor), segment, numpy_reducer(op, tensor.dtype),
                                     scale)
                 return
-            if tensor.nbytes < _PACED_BYTES:
+            if tensor.nbytes < PACED_BYTES:
                 self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(tensor), mpi_op(op, tensor.dtype))
             else:
-                self._pace.allreduce(self._comm, mpi_buffer(tensor), mpi_op(op, tensor.dtype),
-                                     f"allreduce of {tensor.numel()} {tensor.dtype} elements")
+                self._pace.allreduce(self._comm, mpi_buffer(tensor), mpi_op(op, tensor.dtype))
         except MPI.Exception as exc:
             raise _failure(exc, f"allreduce of {tensor.numel()} {tensor.dtype} elements") from exc
         if scale != 1.0:
@@ -274,14 +236,14 @@ class MpiCommunicator(Communicator):
             return None
         comm, spec, reduction = self._comm, mpi_buffer(tensor), mpi_op(op, tensor.dtype)
         what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
-        pace = self._pace if nbytes >= _PACED_BYTES else None
+        pace = self._pace if nbytes >= PACED_BYTES else None
 
         def run(buffer: torch.Tensor, scale: float) -> None:
             try:
                 if pace is None:
                     comm.Allreduce(MPI.IN_PLACE, spec, reduction)
                 else:
-                    pace.allreduce(comm, spec, reduction, what)
+                    pace.allreduce(comm, spec, reduction)
             except MPI.Exception as exc:
                 raise _failure(exc, what) from exc
             if scale != 1.0:

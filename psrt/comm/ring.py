@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from psrt.comm.crowding import crowded
+from psrt.comm.paced import Requests
 from psrt.comm.poll import wait_politely
 
 Reducer = Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # (a, b, out)
@@ -48,19 +49,7 @@ def _sendrecv(comm: MPI.Comm, send: np.ndarray, dest: int, recv: np.ndarray, sou
         return
     receiving = comm.Irecv(recv, source, tag)
     sending = comm.Isend(send, dest, tag)
-    wait_politely(_Both(receiving, sending))
-
-
-class _Both:
-    """Two MPI requests as one to test."""
-
-    __slots__ = ("_requests",)
-
-    def __init__(self, *requests: MPI.Request) -> None:
-        self._requests = list(requests)
-
-    def test(self) -> bool:
-        return MPI.Request.Testall(self._requests)
+    wait_politely(Requests(receiving, sending))
 
 
 def _reduce_into(comm: MPI.Comm, mine: np.ndarray, outgoing: np.ndarray, dest: np.ndarray,

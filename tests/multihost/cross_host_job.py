@@ -101,7 +101,7 @@ def dp(args: argparse.Namespace) -> None:
         return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         named_parameters=model.named_parameters())
     train_mlp("dp", wrap, args)
-    if hvd.rank() == 0:  # every rank is still up: they train the next part together
+    if hvd.rank() == 0 and _listeners.psrun_pid() is not None:  # every rank is still up: the next part needs them
         print(_listeners.snapshot_line(), flush=True)
 
 

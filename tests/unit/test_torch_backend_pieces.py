@@ -48,9 +48,10 @@ def test_an_integer_average_and_bitwise_reductions_are_refused_by_name():
         reduction(dist.ReduceOp(dist.ReduceOp.BXOR), 2, torch.int32)
 
 
-def test_the_env_handler_leaves_a_complete_environment_to_torch(monkeypatch):
-    """With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun, Lightning), torch's
-    own handler runs, even under an MPI launcher."""
+def test_the_env_handler_leaves_a_process_no_mpi_launcher_started_to_torch(monkeypatch):
+    """torchrun's processes (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, no MPI
+    launcher's variables, psrt not running): torch's own handler runs.  Under an MPI launcher
+    psrt's runs whatever is set (Lightning's check in tests/parallel/scripts/torch_backend_check.py)."""
     seen = []
 
     def torch_env(url, **kwargs):
@@ -59,7 +60,8 @@ def test_the_env_handler_leaves_a_complete_environment_to_torch(monkeypatch):
 
     for name, value in {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD"):
+        monkeypatch.delenv(name, raising=False)
     assert next(rendezvous._from_mpi(torch_env)("env://")) == ("store", 3, 4)
     assert seen == ["env://"]
 

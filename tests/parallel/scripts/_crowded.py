@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import psrt.comm.mpi
+import psrt.comm.paced
 import psrt.comm.ring
 import psrt.torch as hvd
 from _harness import Checks
@@ -14,12 +14,12 @@ from _reference import DTYPES, check_reduced, samples
 from psrt.comm import crowding
 
 # Enough large calls of one communicator to pass an agreement and run napping after it.
-CALLS = 2 * psrt.comm.mpi._Pace.AGREE_EVERY + 1
+CALLS = 2 * psrt.comm.paced.Pace.AGREE_EVERY + 1
 
 
 def crowded_allreduces_nap_and_agree(key: str) -> None:
     rank, size = hvd.rank(), hvd.size()
-    naps = {"mpi": 0, "ring": 0}
+    naps = {"paced": 0, "ring": 0}
 
     def counted(module, where):
         plain = module.wait_politely
@@ -29,7 +29,7 @@ def crowded_allreduces_nap_and_agree(key: str) -> None:
             plain(request)
         return plain, wait
 
-    plain_mpi, psrt.comm.mpi.wait_politely = counted(psrt.comm.mpi, "mpi")
+    plain_paced, psrt.comm.paced.wait_politely = counted(psrt.comm.paced, "paced")
     plain_ring, psrt.comm.ring.wait_politely = counted(psrt.comm.ring, "ring")
     crowding.configure("nap")
     try:
@@ -43,8 +43,8 @@ def crowded_allreduces_nap_and_agree(key: str) -> None:
             assert torch.equal(tensor, torch.full((70_000,), float(size * (size + 1) // 2))), key
     finally:
         crowding.configure("auto")
-        psrt.comm.mpi.wait_politely, psrt.comm.ring.wait_politely = plain_mpi, plain_ring
-    assert naps["mpi"] + naps["ring"] > 0, f"{key}: no wait napped ({naps})"
+        psrt.comm.paced.wait_politely, psrt.comm.ring.wait_politely = plain_paced, plain_ring
+    assert naps["paced"] + naps["ring"] > 0, f"{key}: no large allreduce napped ({naps})"
 
 
 def add_checks(checks: Checks) -> None:

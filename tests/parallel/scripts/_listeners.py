@@ -27,12 +27,20 @@ def _cmdline(pid: int) -> str:
 
 def _psrun() -> int:
     """The psrun this process runs under (its nearest ancestor running launcher.cli)."""
+    pid = psrun_pid()
+    if pid is None:
+        raise AssertionError(f"rank {os.getpid()} runs under no psrun")
+    return pid
+
+
+def psrun_pid() -> int | None:
+    """The psrun this process runs under, or None (srun or mpirun started it)."""
     pid = os.getppid()
     while pid > 1:
         if "launcher.cli" in _cmdline(pid) or "/psrun" in _cmdline(pid):
             return pid
         pid = _parent(pid)
-    raise AssertionError(f"rank {os.getpid()} runs under no psrun")
+    return None
 
 
 def _role(pid: int, psrun: int) -> str:

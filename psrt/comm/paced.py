@@ -1,0 +1,64 @@
+"""How a communicator's large allreduces wait, agreed by its ranks, and MPI requests waited
+for as one.
+
+A blocking MPI allreduce is the fastest on a host with cores to spare.  On a crowded one
+(:mod:`psrt.comm.crowding`) its spin holds the core the other ranks need and the call slows
+to the scheduler's time slices; MPI's non-blocking call waited for by napping
+(:func:`psrt.comm.poll.wait_politely`) does not.  A blocking collective and a non-blocking
+one do not match in MPI, so every rank must choose the same for each call: :class:`Pace`
+agrees on it.  Allreduces below :data:`PACED_BYTES` always block: one exchange, where a nap
+would cost more than it saves.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from psrt.comm.crowding import crowded
+from psrt.comm.poll import wait_politely
+
+__all__ = ["PACED_BYTES", "Pace", "Requests"]
+
+#: Allreduces from this size wait as the ranks agree; smaller ones always block.
+PACED_BYTES = 64 << 10
+
+
+class Requests:
+    """MPI requests to wait for as one (:func:`psrt.comm.poll.wait_politely` tests them);
+    MPI's failures reach the caller as ``MPI.Exception``."""
+
+    __slots__ = ("_requests",)
+
+    def __init__(self, *requests: MPI.Request) -> None:
+        self._requests = list(requests)
+
+    def test(self) -> bool:
+        return MPI.Request.Testall(self._requests)
+
+
+class Pace:
+    """A communicator's large allreduces: blocking, or napping while any rank's host is
+    crowded.  Collectives reach a communicator in the same order on every rank, so the ranks
+    count their large allreduces, and at every :data:`AGREE_EVERY`-th they agree on the choice
+    for the next ones (the largest of their verdicts, in one allreduce of an integer on
+    ``agree_on``, a communicator of the same ranks that carries no other collective)."""
+
+    AGREE_EVERY = 16
+    __slots__ = ("_comm", "_calls", "_crowded", "_verdict")
+
+    def __init__(self, agree_on: MPI.Comm) -> None:
+        self._comm, self._calls, self._crowded = agree_on, 0, False
+        self._verdict = np.zeros(1, np.int32)
+
+    def allreduce(self, comm: MPI.Comm, spec: list, op: MPI.Op) -> None:
+        """One in-place allreduce of ``spec`` on ``comm`` (the paced communicator), blocking or
+        napping as agreed; MPI's failures are left to the caller."""
+        self._calls += 1
+        if self._calls % self.AGREE_EVERY == 0:
+            self._verdict[0] = crowded()
+            self._comm.Allreduce(MPI.IN_PLACE, self._verdict, MPI.MAX)
+            self._crowded = bool(self._verdict[0])
+        if self._crowded:
+            wait_politely(Requests(comm.Iallreduce(MPI.IN_PLACE, spec, op)))
+        else:
+            comm.Allreduce(MPI.IN_PLACE, spec, op)
