@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
-from launcher.processes import is_rank
+from launcher.processes import is_rank, parent_of
 
 __all__ = ["Listener", "exposed", "launcher_listeners", "listening", "note", "process_tree", "watch_launcher"]
 
@@ -53,12 +53,9 @@ def process_tree(root: int, proc_root: str = "/proc") -> list[int]:
     except OSError:
         return []
     for pid in entries:
-        try:
-            with open(os.path.join(proc_root, str(pid), "stat"), "rb") as f:
-                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(pid)
+        parent = parent_of(pid, proc_root)
+        if parent is not None:
+            children.setdefault(parent, []).append(pid)
     if root not in entries:
         return []
     tree, index = [root], 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["is_rank", "leftover_processes", "process_start_time"]
+__all__ = ["is_rank", "leftover_processes", "parent_of", "process_start_time"]
 
 # Variables every MPI launcher psrun drives sets in its ranks (and in nothing else).
 _RANK_VARIABLES = (b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=", b"PMI_RANK=")
@@ -32,6 +32,15 @@ def process_start_time(pid: int, proc_root: str = "/proc") -> int | None:
     if fields is None or len(fields) < 20 or fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])
+
+
+def parent_of(pid: int | str, proc_root: str = "/proc") -> int | None:
+    """The process id of ``pid``'s parent, or None if it is gone."""
+    fields = _stat_fields(pid, proc_root)
+    try:
+        return None if fields is None else int(fields[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def is_rank(pid: int, proc_root: str = "/proc") -> bool:

@@ -43,7 +43,7 @@ _LOADAVG = "/proc/loadavg"
 
 
 def usable_cores() -> int:
-    """The cores this process may run on."""
+    """The CPU cores this process may run on (its affinity; all of them under ``--bind-to none``)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -23,13 +23,11 @@ from psrt.comm import ring
 from psrt.comm.tuning.table import Choice, fixed_table
 from psrt.comm.base import (ANY_SOURCE, Communicator, CompletedRequest, Persistent, ElementwiseOp, Request,
                              then)
-from psrt.comm.crowding import crowded
+from psrt.comm.mpi_requests import MpiRequest, Translated, failure
 from psrt.comm.paced import PACED_BYTES, Pace
-from psrt.comm.poll import wait_politely
 from psrt.comm.buffers import (WIDENED_FOR_REDUCTION, as_numpy, mpi_buffer, mpi_buffer_v,
                                mpi_op, numpy_reducer)
 from psrt.config import Config
-from psrt.errors import CommunicationError
 
 
 # MPI 4.0 brought persistent collectives (MPI_Allreduce_init); an MPI 3.x library (Open MPI
@@ -59,63 +57,9 @@ def library_version() -> str:
     return MPI.Get_library_version().replace("\0", "").strip().splitlines()[0].strip()
 
 
-def _failure(exc: MPI.Exception, what: str) -> CommunicationError:
-    return CommunicationError(f"MPI failed during {what}: {exc.Get_error_string()}")
-
-
-class _Translated:
-    """Context that turns an MPI failure into a :class:`CommunicationError`.
-
-    The description is formatted only when something failed.  Entering a context costs
-    about a microsecond, as much as a small message: the per-message paths (a request's
-    test and wait, a persistent start, a blocking allreduce) catch with ``try`` instead.
-    """
-
-    __slots__ = ("what", "args")
-
-    def __init__(self, what: str, *args: object) -> None:
-        self.what, self.args = what, args
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> None:
-        if isinstance(exc, MPI.Exception):
-            raise _failure(exc, self.what.format(*self.args)) from exc
-
-
 def _scale(tensor: torch.Tensor, scale: float) -> None:
     if scale != 1.0:
         tensor.mul_(scale)
-
-
-class MpiRequest(Request):
-    """A non-blocking MPI operation, holding its tensors alive until it completes."""
-
-    __slots__ = ("_request", "_what", "_keep")
-
-    def __init__(self, request: MPI.Request, what: str, *keep: torch.Tensor) -> None:
-        self._request, self._what, self._keep = request, what, keep
-
-    def test(self) -> bool:
-        try:
-            return self._request.Test()
-        except MPI.Exception as exc:
-            raise _failure(exc, self._what) from exc
-
-    def wait(self) -> None:
-        if crowded():  # MPI's wait spins on the core the ranks awaited need: nap between tests
-            wait_politely(self)
-            return
-        try:
-            self._request.Wait()
-        except MPI.Exception as exc:
-            raise _failure(exc, self._what) from exc
-
-    def cancel(self) -> None:
-        with _Translated(self._what):
-            self._request.Cancel()
-            self._request.Wait()
 
 
 class _MpiPersistent(Persistent):
@@ -130,7 +74,7 @@ class _MpiPersistent(Persistent):
         try:
             self._request.Start()
         except MPI.Exception as exc:
-            raise _failure(exc, self._started._what) from exc
+            raise failure(exc, self._started._what) from exc
         return self._started
 
     def free(self) -> None:
@@ -149,14 +93,14 @@ class _MpiRepeatedAllreduce(Persistent):
         self._pace = pace if tensor.nbytes >= PACED_BYTES else None
         self._spec, self._op = mpi_buffer(tensor), mpi_op(op, tensor.dtype)
         self._what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
-        with _Translated(self._what):
+        with Translated(self._what):
             request = _persistent_allreduce(comm, self._spec, self._op)
         self._persistent = None if request is None else _MpiPersistent(request, self._what, tensor)
 
     def start(self) -> Request:
         if self._persistent is not None:
             return self._persistent.start()
-        with _Translated(self._what):
+        with Translated(self._what):
             return MpiRequest(self._comm.Iallreduce(MPI.IN_PLACE, self._spec, self._op), self._what, self._tensor)
 
     def run(self) -> None:
@@ -164,9 +108,9 @@ class _MpiRepeatedAllreduce(Persistent):
             if self._pace is None:
                 self._comm.Allreduce(MPI.IN_PLACE, self._spec, self._op)
             else:
-                self._pace.allreduce(self._comm, self._spec, self._op)
+                self._pace.allreduce(self._comm, self._spec, self._op, self._what)
         except MPI.Exception as exc:
-            raise _failure(exc, self._what) from exc
+            raise failure(exc, self._what) from exc
 
     def free(self) -> None:
         if self._persistent is not None:
@@ -219,9 +163,10 @@ class MpiCommunicator(Communicator):
             if tensor.nbytes < PACED_BYTES:
                 self._comm.Allreduce(MPI.IN_PLACE, mpi_buffer(tensor), mpi_op(op, tensor.dtype))
             else:
-                self._pace.allreduce(self._comm, mpi_buffer(tensor), mpi_op(op, tensor.dtype))
+                self._pace.allreduce(self._comm, mpi_buffer(tensor), mpi_op(op, tensor.dtype),
+                                     f"allreduce of {tensor.numel()} {tensor.dtype} elements")
         except MPI.Exception as exc:
-            raise _failure(exc, f"allreduce of {tensor.numel()} {tensor.dtype} elements") from exc
+            raise failure(exc, f"allreduce of {tensor.numel()} {tensor.dtype} elements") from exc
         if scale != 1.0:
             tensor.mul_(scale)
 
@@ -243,9 +188,9 @@ class MpiCommunicator(Communicator):
                 if pace is None:
                     comm.Allreduce(MPI.IN_PLACE, spec, reduction)
                 else:
-                    pace.allreduce(comm, spec, reduction)
+                    pace.allreduce(comm, spec, reduction, what)
             except MPI.Exception as exc:
-                raise _failure(exc, what) from exc
+                raise failure(exc, what) from exc
             if scale != 1.0:
                 buffer.mul_(scale)
 
@@ -259,7 +204,7 @@ class MpiCommunicator(Communicator):
             wide = tensor.float()
             return then(self.iallreduce(wide, op, scale), lambda: tensor.copy_(wide))
         what = f"allreduce of {tensor.numel()} {tensor.dtype} elements"
-        with _Translated(what):
+        with Translated(what):
             request = self._comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(tensor),
                                             mpi_op(op, tensor.dtype))
         request = MpiRequest(request, what, tensor)
@@ -274,20 +219,20 @@ class MpiCommunicator(Communicator):
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor,
                    counts: Sequence[int]) -> Request:
         what = f"allgather of {send.dtype} tensors"
-        with _Translated(what):
+        with Translated(what):
             request = self._comm.Iallgatherv(mpi_buffer(send), mpi_buffer_v(recv, list(counts)))
         return MpiRequest(request, what, send, recv)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> Request:
         what = f"broadcast from rank {root}"
-        with _Translated(what):
+        with Translated(what):
             request = self._comm.Ibcast(mpi_buffer(tensor), root=root)
         return MpiRequest(request, what, tensor)
 
     def alltoallv(self, send: torch.Tensor, send_counts: Sequence[int],
                   recv: torch.Tensor, recv_counts: Sequence[int]) -> Request:
         what = f"alltoall of {send.dtype} tensors"
-        with _Translated(what):
+        with Translated(what):
             request = self._comm.Ialltoallv(mpi_buffer_v(send, list(send_counts)),
                                             mpi_buffer_v(recv, list(recv_counts)))
         return MpiRequest(request, what, send, recv)
@@ -307,10 +252,10 @@ class MpiCommunicator(Communicator):
         ``"ring"``), as the tuner measures them; every rank names the same one."""
         what = f"reducescatter of {send.dtype} tensors"
         if algorithm == "ring":
-            with _Translated(what):
+            with Translated(what):
                 self._ring_reduce_scatter(send, recv, counts, op)
             return CompletedRequest()
-        with _Translated(what):
+        with Translated(what):
             request = self._comm.Ireduce_scatter(mpi_buffer(send), mpi_buffer(recv),
                                                  list(counts), mpi_op(op, send.dtype))
         return MpiRequest(request, what, send, recv)
@@ -327,13 +272,13 @@ class MpiCommunicator(Communicator):
                                  numpy_reducer(op, send.dtype), out=as_numpy(recv))
 
     def barrier(self) -> Request:
-        with _Translated("barrier"):
+        with Translated("barrier"):
             return MpiRequest(self._comm.Ibarrier(), "barrier")
 
     # -- point to point ----------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Request:
         what = f"send to rank {dest} (tag {tag})"
-        with _Translated(what):
+        with Translated(what):
             request = self._comm.Isend(mpi_buffer(tensor), dest=dest, tag=tag)
         return MpiRequest(request, what, tensor)
 
@@ -349,23 +294,23 @@ class MpiCommunicator(Communicator):
     def _receive(post, tensor: torch.Tensor, source: int, tag: int) -> tuple[str, MPI.Request]:
         """``post`` (``Irecv`` or ``Recv_init``) a receive into ``tensor``, and its description."""
         what = f"receive from rank {source} (tag {tag})"
-        with _Translated(what):
+        with Translated(what):
             return what, post(mpi_buffer(tensor), tag=tag, source=MPI.ANY_SOURCE if source == ANY_SOURCE else source)
 
     # -- metadata and groups -----------------------------------------------------
     def exchange_counts(self, counts: Sequence[int]) -> list[int]:
         send = np.array(counts, dtype=np.int64)
         recv = np.empty(self.size, dtype=np.int64)
-        with _Translated("exchange of sizes"):
+        with Translated("exchange of sizes"):
             self._comm.Alltoall([send, MPI.INT64_T], [recv, MPI.INT64_T])
         return recv.tolist()
 
     def allgather_object(self, obj: object) -> list:
-        with _Translated("allgather of metadata"):
+        with Translated("allgather of metadata"):
             return self._comm.allgather(obj)
 
     def split(self, color: int | None, key: int = 0) -> MpiCommunicator | None:
-        with _Translated("communicator split"):
+        with Translated("communicator split"):
             sub = self._comm.Split(MPI.UNDEFINED if color is None else color, key)
         return None if sub == MPI.COMM_NULL else self._child(sub)
 
@@ -375,7 +320,7 @@ class MpiCommunicator(Communicator):
         for groups whose other ranks never take part in making them."""
         members = list(ranks)
         tag = zlib.crc32(np.array(members, dtype=np.int64).tobytes()) % (self.max_tag + 1)
-        with _Translated("creation of a communicator of ranks {}", members):
+        with Translated("creation of a communicator of ranks {}", members):
             group = self._comm.Get_group()
             included = group.Incl(members)
             sub = self._comm.Create_group(included, tag)
@@ -386,7 +331,7 @@ class MpiCommunicator(Communicator):
     def split_by_host(self) -> MpiCommunicator:
         """Sub-communicator of the ranks sharing this host's memory (``MPI_COMM_TYPE_SHARED``,
         not launcher variables, which Open MPI numbers differently under ``--map-by``)."""
-        with _Translated("communicator split by host"):
+        with Translated("communicator split by host"):
             return self._child(self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
 
     def abort(self, code: int) -> None:

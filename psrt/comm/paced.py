@@ -1,5 +1,4 @@
-"""How a communicator's large allreduces wait, agreed by its ranks, and MPI requests waited
-for as one.
+"""How a communicator's large allreduces wait, agreed by its ranks.
 
 A blocking MPI allreduce is the fastest on a host with cores to spare.  On a crowded one
 (:mod:`psrt.comm.crowding`) its spin holds the core the other ranks need and the call slows
@@ -15,25 +14,13 @@ import numpy as np
 from mpi4py import MPI
 
 from psrt.comm.crowding import crowded
+from psrt.comm.mpi_requests import MpiRequest
 from psrt.comm.poll import wait_politely
 
-__all__ = ["PACED_BYTES", "Pace", "Requests"]
+__all__ = ["PACED_BYTES", "Pace"]
 
 #: Allreduces from this size wait as the ranks agree; smaller ones always block.
 PACED_BYTES = 64 << 10
-
-
-class Requests:
-    """MPI requests to wait for as one (:func:`psrt.comm.poll.wait_politely` tests them);
-    MPI's failures reach the caller as ``MPI.Exception``."""
-
-    __slots__ = ("_requests",)
-
-    def __init__(self, *requests: MPI.Request) -> None:
-        self._requests = list(requests)
-
-    def test(self) -> bool:
-        return MPI.Request.Testall(self._requests)
 
 
 class Pace:
@@ -50,15 +37,16 @@ class Pace:
         self._comm, self._calls, self._crowded = agree_on, 0, False
         self._verdict = np.zeros(1, np.int32)
 
-    def allreduce(self, comm: MPI.Comm, spec: list, op: MPI.Op) -> None:
-        """One in-place allreduce of ``spec`` on ``comm`` (the paced communicator), blocking or
-        napping as agreed; MPI's failures are left to the caller."""
+    def allreduce(self, comm: MPI.Comm, spec: list, op: MPI.Op, what: str) -> None:
+        """One in-place allreduce of ``spec`` on ``comm`` (the paced communicator, ``what`` its
+        description), blocking or napping as agreed; a blocking call's MPI failures are left
+        to the caller."""
         self._calls += 1
         if self._calls % self.AGREE_EVERY == 0:
             self._verdict[0] = crowded()
             self._comm.Allreduce(MPI.IN_PLACE, self._verdict, MPI.MAX)
             self._crowded = bool(self._verdict[0])
         if self._crowded:
-            wait_politely(Requests(comm.Iallreduce(MPI.IN_PLACE, spec, op)))
+            wait_politely(MpiRequest(comm.Iallreduce(MPI.IN_PLACE, spec, op), what))
         else:
             comm.Allreduce(MPI.IN_PLACE, spec, op)

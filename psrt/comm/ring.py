@@ -18,8 +18,9 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
+from psrt.comm.base import all_of
 from psrt.comm.crowding import crowded
-from psrt.comm.paced import Requests
+from psrt.comm.mpi_requests import MpiRequest
 from psrt.comm.poll import wait_politely
 
 Reducer = Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # (a, b, out)
@@ -47,9 +48,9 @@ def _sendrecv(comm: MPI.Comm, send: np.ndarray, dest: int, recv: np.ndarray, sou
     if not crowded():
         comm.Sendrecv(send, dest, tag, recv, source, tag)
         return
-    receiving = comm.Irecv(recv, source, tag)
-    sending = comm.Isend(send, dest, tag)
-    wait_politely(Requests(receiving, sending))
+    what = f"ring exchange with ranks {source} and {dest}"
+    wait_politely(all_of([MpiRequest(comm.Irecv(recv, source, tag), what),
+                          MpiRequest(comm.Isend(send, dest, tag), what)]))
 
 
 def _reduce_into(comm: MPI.Comm, mine: np.ndarray, outgoing: np.ndarray, dest: np.ndarray,

@@ -26,13 +26,13 @@ the same backward passes and ``synchronize()`` calls, in the same order.
 from __future__ import annotations
 
 import abc
-import os
 import weakref
 from collections import Counter
 from typing import Iterable, Sequence
 
 import torch
 
+from psrt.comm.crowding import usable_cores
 from psrt.dp.buckets import overlap_pays
 
 #: Horovod's message for one backward pass too many (DistributedOptimizer keeps its wording).
@@ -260,12 +260,7 @@ def overlap_pays_here(params: Iterable[torch.Tensor], ranks_on_host: int) -> boo
     """:func:`overlap_pays` for this process's cores and torch threads, with ``ranks_on_host``
     ranks on this host: the default of every optimizer that can overlap communication with
     backward."""
-    return overlap_pays({p.device for p in params}, ranks_on_host, _usable_cores(), torch.get_num_threads())
-
-
-def _usable_cores() -> int:
-    """CPU cores this process may run on (its affinity; all of them under ``--bind-to none``)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return overlap_pays({p.device for p in params}, ranks_on_host, usable_cores(), torch.get_num_threads())
 
 
 def check_names(named: list, params: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

@@ -12,12 +12,7 @@ import json
 import os
 
 from launcher.listeners import exposed, listening, process_tree
-from launcher.processes import is_rank
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return int(f.read().rsplit(b")", 1)[1].split()[1])
+from launcher.processes import is_rank, parent_of
 
 
 def _cmdline(pid: int) -> str:
@@ -39,7 +34,7 @@ def psrun_pid() -> int | None:
     while pid > 1:
         if "launcher.cli" in _cmdline(pid) or "/psrun" in _cmdline(pid):
             return pid
-        pid = _parent(pid)
+        pid = parent_of(pid) or 0
     return None
 
 
